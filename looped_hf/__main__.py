@@ -1,0 +1,5 @@
+import sys
+
+from looped_hf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,354 @@
+"""Recipes: the dataclasses a training run is made of, and YAML loading with validation.
+
+A recipe is one flat YAML mapping whose keys are the fields of three dataclasses, parsed with
+`transformers.HfArgumentParser` (the same convention as TRL / alignment-handbook recipes):
+
+- `ModelArguments` (below): the `LoopedConfig` fields a recipe chooses; vocabulary size and
+  special tokens come from the tokenizer, `max_position_embeddings` from `seq_len`.
+- `looped_hf.data.DataArguments`: corpus, tokenizer, `seq_len`, held-out split.
+- `LoopedTrainingArguments` (below): `transformers.TrainingArguments` plus the study's optimizer,
+  schedule and a training length in tokens or FLOPs.
+
+Command-line flags (`--num_recurrences 8`) override the file. An unknown key, a value of the
+wrong kind, or a budget that cannot buy one optimizer step fails before any training, with an
+error that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+from looped_hf.configuration_looped import LoopedConfig
+
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("study", "trainer")
+# The keys that set a run's length; a command-line flag for one of them replaces the others
+# given in the file ("flags override the file" would otherwise produce a conflict error).
+LENGTH_FIELDS = ("max_steps", "train_tokens", "train_flops_budget")
+
+
+class RecipeError(ValueError):
+    """A recipe (YAML file or flags) that cannot be trained; the message names the field."""
+
+
+@dataclass
+class ModelArguments:
+    """The model half of a recipe: `LoopedConfig` fields (see that class for their meaning).
+
+    `vocab_size`, `bos/eos/pad_token_id` come from the tokenizer and `max_position_embeddings`
+    defaults to the data's `seq_len`, so a recipe cannot contradict its own data.
+    """
+
+    hidden_size: int = field(default=64, metadata={"help": "Width d (residual stream)."})
+    num_attention_heads: int | None = field(
+        default=None, metadata={"help": "Query heads; None = hidden_size // head_dim."}
+    )
+    head_dim: int | None = field(default=None, metadata={"help": "Per-head width; None = hidden_size // heads."})
+    num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads (GQA); None = heads."})
+    intermediate_size: int | None = field(default=None, metadata={"help": "MLP width; None = 4d (relu2)."})
+    hidden_act: str = field(default="relu2", metadata={"help": "relu2 (study), silu, gelu, gelu_pytorch_tanh."})
+    num_prelude_layers: int = field(default=2, metadata={"help": "P: unique layers before the loop."})
+    num_recurrent_layers: int = field(default=4, metadata={"help": "K: layers of the shared block."})
+    num_coda_layers: int = field(default=2, metadata={"help": "C: unique layers after the loop."})
+    num_recurrences: int = field(default=4, metadata={"help": "r: passes through the block."})
+    input_injection: str = field(default="linear", metadata={"help": "linear, add, none, hyperconnection."})
+    num_hyperconnection_lanes: int = field(default=2, metadata={"help": "Lanes for hyperconnection."})
+    state_init: str = field(default="prelude", metadata={"help": "h_0: prelude (study), zeros, noise."})
+    backprop_recurrences: int | None = field(
+        default=None, metadata={"help": "k: backprop through the last k recurrences only; None = all."}
+    )
+    recurrence_norm: bool = field(default=True, metadata={"help": "RMSNorm after every recurrence."})
+    qk_norm: bool = field(default=True, metadata={"help": "RMSNorm on queries and keys."})
+    logit_softcap: float | None = field(default=15.0, metadata={"help": "tanh soft-cap of the logits."})
+    embedding_norm: bool = field(default=True, metadata={"help": "RMSNorm after the embedding."})
+    tie_word_embeddings: bool = field(default=False, metadata={"help": "Share embedding and lm_head."})
+    initializer_range: float = field(default=0.02, metadata={"help": "Std of the normal weight init."})
+    max_position_embeddings: int | None = field(default=None, metadata={"help": "None = the data's seq_len."})
+
+    def to_config(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+    ) -> LoopedConfig:
+        """Build the `LoopedConfig`; its own validation errors name the offending field."""
+        heads, head_dim = self.num_attention_heads, self.head_dim
+        if heads is None:
+            if head_dim is None:
+                raise RecipeError("ModelArguments.num_attention_heads=None: give num_attention_heads or head_dim")
+            if self.hidden_size % head_dim:
+                raise RecipeError(
+                    f"ModelArguments.head_dim={head_dim}: does not divide hidden_size={self.hidden_size}"
+                )
+            heads = self.hidden_size // head_dim
+        max_pos = self.max_position_embeddings or seq_len
+        if max_pos < seq_len:
+            raise RecipeError(f"ModelArguments.max_position_embeddings={max_pos}: smaller than seq_len={seq_len}")
+        try:
+            return LoopedConfig(
+                vocab_size=vocab_size,
+                hidden_size=self.hidden_size,
+                num_attention_heads=heads,
+                head_dim=head_dim,
+                num_key_value_heads=self.num_key_value_heads,
+                intermediate_size=self.intermediate_size,
+                hidden_act=self.hidden_act,
+                max_position_embeddings=max_pos,
+                num_prelude_layers=self.num_prelude_layers,
+                num_recurrent_layers=self.num_recurrent_layers,
+                num_coda_layers=self.num_coda_layers,
+                num_recurrences=self.num_recurrences,
+                input_injection=self.input_injection,
+                num_hyperconnection_lanes=self.num_hyperconnection_lanes,
+                state_init=self.state_init,
+                backprop_recurrences=self.backprop_recurrences,
+                recurrence_norm=self.recurrence_norm,
+                qk_norm=self.qk_norm,
+                logit_softcap=self.logit_softcap,
+                embedding_norm=self.embedding_norm,
+                tie_word_embeddings=self.tie_word_embeddings,
+                initializer_range=self.initializer_range,
+                bos_token_id=bos_token_id,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+            )
+        except ValueError as err:
+            if isinstance(err, RecipeError):
+                raise
+            raise RecipeError(str(err)) from err
+
+
+@dataclass
+class LoopedTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the study's optimizer and schedule, and a run length in tokens/FLOPs.
+
+    `output_dir` is the RUN directory: the final model, tokenizer, `run_record.json` and
+    `recipe.yaml` go there; Trainer checkpoints go to `<output_dir>/checkpoints/`.
+    Give at most one of `max_steps`, `train_tokens`, `train_flops_budget`.
+    """
+
+    output_dir: str | None = field(default="runs/looped", metadata={"help": "The run directory."})
+    include_num_input_tokens_seen: str | bool = field(
+        default="all",
+        metadata={"help": "Trainer's exact, cross-process token count; the compute callback relies on it."},
+    )
+    optimizer: str = field(
+        default="adamw",
+        metadata={"help": "adamw (default) or muon: Muon for 2-D weights inside layers, AdamW for the rest."},
+    )
+    muon_learning_rate: float = field(
+        default=0.014, metadata={"help": "Muon's lr (the study's value); `learning_rate` drives AdamW."}
+    )
+    hyperconnection_learning_rate: float = field(
+        default=0.01, metadata={"help": "AdamW lr of the hyperconnection mixing parameters (study: 0.01)."}
+    )
+    lr_schedule: str = field(
+        default="study",
+        metadata={
+            "help": "study: `warmup_steps` (default 0) then linear decay to final_lr_ratio; "
+            "trainer: Trainer's own lr_scheduler_type."
+        },
+    )
+    final_lr_ratio: float = field(default=0.1, metadata={"help": "Last lr / peak lr for the study schedule."})
+    train_tokens: int | None = field(
+        default=None, metadata={"help": "Train for ceil(train_tokens / tokens_per_step) optimizer steps."}
+    )
+    train_flops_budget: float | None = field(
+        default=None,
+        metadata={"help": "Train for budget / training_flops_per_token tokens (rounded up to whole steps)."},
+    )
+    run_id: str | None = field(default=None, metadata={"help": "Name of the run (default: output_dir's name)."})
+    arch: str | None = field(default=None, metadata={"help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."})
+    variant: str = field(default="base", metadata={"help": "Sweep variant: base, truncated, hyperconnection."})
+    results_file: str | None = field(
+        default=None, metadata={"help": "Also append the run record to this JSONL file (atomic, locked)."}
+    )
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise RecipeError(f"LoopedTrainingArguments.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise RecipeError(
+                f"LoopedTrainingArguments.lr_schedule={self.lr_schedule!r}: must be one of {LR_SCHEDULES}"
+            )
+        if not 0.0 <= self.final_lr_ratio <= 1.0:
+            raise RecipeError(f"LoopedTrainingArguments.final_lr_ratio={self.final_lr_ratio}: must be in [0, 1]")
+        if self.train_tokens is not None and self.train_tokens < 1:
+            raise RecipeError(f"LoopedTrainingArguments.train_tokens={self.train_tokens}: must be >= 1")
+        if self.train_flops_budget is not None and not self.train_flops_budget > 0:
+            raise RecipeError(f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0")
+        given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
+        if len(given) > 1:
+            raise RecipeError(
+                f"LoopedTrainingArguments: {' and '.join(given)} are all set; a run length takes exactly one"
+            )
+        super().__post_init__()
+
+
+def _data_arguments_class() -> type:
+    # Imported here so that `looped_hf.arguments` can be read (and its errors tested) on its own.
+    from looped_hf.data import DataArguments
+
+    return DataArguments
+
+
+def recipe_parser() -> HfArgumentParser:
+    """The parser of a flat recipe: model, data and training fields (names must not collide)."""
+    return HfArgumentParser((ModelArguments, _data_arguments_class(), LoopedTrainingArguments))
+
+
+def _known_fields(parser: HfArgumentParser) -> set[str]:
+    return {f.name for dtype in parser.dataclass_types for f in dataclasses.fields(dtype) if f.init}
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML mapping; anything else is an error naming the file."""
+    text = Path(path).read_text(encoding="utf-8")
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}")
+    return data
+
+
+def check_fields(data: dict[str, Any], known: set[str], where: str) -> None:
+    """Reject unknown keys with an error naming them (and the closest known names)."""
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise RecipeError(f"{where}: unknown field {key!r} (not a model, data or training argument){hint}")
+
+
+def _flag_names(argv: list[str]) -> set[str]:
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            names.add(arg[2:].split("=", 1)[0].replace("-", "_"))
+    return names
+
+
+def parse_recipe(
+    recipe: str | os.PathLike | dict[str, Any] | None = None,
+    argv: list[str] | None = None,
+) -> tuple[ModelArguments, Any, LoopedTrainingArguments]:
+    """Parse a recipe (YAML path or mapping) with command-line overrides into the three dataclasses.
+
+    Values from the file become the parser's defaults, so flags given in `argv` win. Raises
+    `RecipeError` naming the field for an unknown key or an invalid value.
+    """
+    argv = list(argv or [])
+    parser = recipe_parser()
+    known = _known_fields(parser)
+    if recipe is None:
+        data, where = {}, "recipe"
+    elif isinstance(recipe, dict):
+        data, where = dict(recipe), "recipe"
+    else:
+        data, where = load_yaml(recipe), f"recipe {str(recipe)!r}"
+    if "sweep" in data:
+        raise RecipeError(f"{where}: has a 'sweep' section; run it with `looped-hf sweep`, not `train`")
+    check_fields(data, known, where)
+    overridden = _flag_names(argv)
+    if overridden & set(LENGTH_FIELDS):
+        for name in LENGTH_FIELDS:
+            if name not in overridden:
+                data.pop(name, None)
+    for action in parser._actions:
+        if action.dest in data:
+            action.required = False
+    parser.set_defaults(**data)
+    try:
+        model_args, data_args, training_args, rest = parser.parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True
+        )
+    except RecipeError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"{where}: {err}") from err
+    if rest:
+        raise RecipeError(f"{where}: unknown command-line arguments {rest}")
+    return model_args, data_args, training_args
+
+
+def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArguments) -> dict[str, Any]:
+    """A flat mapping that `parse_recipe` turns back into the same run: every model and data field,
+    and the training fields that differ from their defaults (TrainingArguments has ~150)."""
+    out: dict[str, Any] = {}
+    for obj in (model_args, data_args):
+        for f in dataclasses.fields(obj):
+            if f.init:
+                out[f.name] = _plain(getattr(obj, f.name))
+    for f in dataclasses.fields(training_args):
+        if not f.init:
+            continue
+        value = _plain(getattr(training_args, f.name))
+        if f.default is not dataclasses.MISSING:
+            default = _plain(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = _plain(f.default_factory())
+        else:
+            default = object()
+        if value != default and not f.name.endswith("_token") and f.name != "hub_token":
+            out[f.name] = value
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """YAML/JSON-safe form of a dataclass value (enums to their value, tuples to lists)."""
+    if hasattr(value, "value") and type(value).__module__ != "builtins" and not isinstance(value, (int, float)):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def tokens_per_step(training_args: TrainingArguments, seq_len: int, world_size: int | None = None) -> int:
+    """Tokens in one optimizer step: batch x accumulation x processes x sequence length."""
+    world = training_args.world_size if world_size is None else world_size
+    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * world * seq_len
+
+
+def steps_for_tokens(tokens: float, step_tokens: int, field_name: str, value: Any) -> int:
+    """Optimizer steps for a token target: ceil(tokens / step_tokens).
+
+    Rounding up means a run never trains on less than its target; it overshoots by less than one
+    step (recorded: `tokens` and `train_flops` in the run record are the actual counts). A target
+    below one full step is an error naming `field_name`.
+    """
+    if tokens < step_tokens:
+        raise RecipeError(
+            f"{field_name}={value}: buys {tokens:.4g} tokens, less than one optimizer step "
+            f"({step_tokens} tokens = batch x accumulation x processes x seq_len)"
+        )
+    return math.ceil(tokens / step_tokens - 1e-9)
+
+
+__all__ = [
+    "LENGTH_FIELDS",
+    "ModelArguments",
+    "LoopedTrainingArguments",
+    "RecipeError",
+    "check_fields",
+    "load_yaml",
+    "parse_recipe",
+    "recipe_parser",
+    "resolved_recipe",
+    "steps_for_tokens",
+    "tokens_per_step",
+]

@@ -1,0 +1,45 @@
+"""The ``looped-hf`` command line: a thin dispatcher.
+
+Each subcommand lives with the module that owns its work and exposes ``main(argv) -> int``;
+this file only routes, so ``looped-hf fit`` never imports torch and ``--help`` stays fast.
+New knobs belong in recipes (YAML), not in new flags here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("looped_hf.train", "train one model from a recipe (YAML); flags override the file"),
+    "sweep": ("looped_hf.sweep", "plan (--dry-run) or run a resumable iso-depth sweep"),
+    "fit": ("looped_hf.scaling.cli", "fit the looped scaling law (phi) to a sweep's results"),
+    "card": ("looped_hf.cards", "write a sweep's model card (phi, plots, runs)"),
+    "publish": ("looped_hf.publish", "write a Hub-ready folder for one run; --push uploads it"),
+    "demo": ("looped_hf.demo", "the main job: tiny iso-depth sweep -> fit -> cards"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: looped-hf <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`looped-hf <command> --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"looped-hf: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Configuration of a looped (depth-recurrent) decoder.
+
+    tokens -> embed [-> norm] -> prelude (P layers, once) = e
+           -> h_0 = init(e)
+           -> r times: h = block(inject(h, e)) [-> norm]      (block: K layers, shared)
+           -> coda (C layers, once) -> norm -> lm_head [-> soft-cap]
+
+Defaults follow the iso-depth study ("How Much Is One Recurrence Worth?", Schwethelm et al.
+2026, loop4 shape): squared-ReLU MLP, QK-norm, logit soft-cap 15, RMSNorm after the embedding and
+at the end of every recurrence, linear input injection. Setting prelude = coda = 0, r = 1,
+``input_injection="none"``, ``hidden_act="silu"`` and the extra norms off gives a plain Llama.
+
+This file is shipped with every checkpoint as remote code: it imports only transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers.configuration_utils import PreTrainedConfig
+
+INPUT_INJECTIONS = ("linear", "add", "none", "hyperconnection")
+STATE_INITS = ("prelude", "zeros", "noise")
+# "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
+HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
+
+
+class LoopedConfig(PreTrainedConfig):
+    r"""Configuration for [`LoopedForCausalLM`].
+
+    Standard decoder fields mean what they mean in `LlamaConfig`. Loop fields:
+
+    num_prelude_layers / num_recurrent_layers / num_coda_layers:
+        Unique layers before, inside and after the loop.
+    num_recurrences:
+        r, the default number of passes through the recurrent block; ``forward`` and
+        ``generate`` accept ``num_recurrences=`` to change it per call (test-time compute).
+    input_injection:
+        How the prelude output ``e`` re-enters each recurrence: ``"linear"`` (concat [h, e] then a
+        d x 2d map initialised to [I | 0], identity on h at start), ``"add"`` (h + e), ``"none"``
+        (passthrough: diverged in the study's ablation), or ``"hyperconnection"`` (``N`` lanes
+        mixed at loop boundaries with per-step parameters; such a model is locked to its r).
+    num_hyperconnection_lanes:
+        Lanes for ``"hyperconnection"`` (the study uses 2).
+    state_init:
+        h_0: ``"prelude"`` (h_0 = e, the study), ``"zeros"``, or ``"noise"`` (Huginn: Gaussian
+        with std ``state_init_std``).
+    backprop_recurrences:
+        ``None``: full backprop through the loop. ``k``: only the last k recurrences carry
+        gradient; the first r - k run under ``no_grad`` (truncated backprop).
+    recurrence_norm:
+        RMSNorm (one shared weight) at the end of every recurrence.
+    embedding_norm, qk_norm, logit_softcap:
+        The study's extra stabilisers; off / ``None`` for a plain Llama.
+
+    ``num_hidden_layers`` is derived: it equals the effective depth at the default r (layer
+    applications per token), so ``generate()``'s cache has one slot per application and
+    exporters see the flat stack a looped model unrolls into.
+    """
+
+    model_type = "looped"
+    keys_to_ignore_at_inference = ["cache"]
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int | None = None
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "relu2"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    logit_softcap: float | None = 15.0
+    embedding_norm: bool = True
+    num_prelude_layers: int = 2
+    num_recurrent_layers: int = 4
+    num_coda_layers: int = 2
+    num_recurrences: int = 4
+    input_injection: str = "linear"
+    num_hyperconnection_lanes: int = 2
+    state_init: str = "prelude"
+    state_init_std: float = 1.0
+    backprop_recurrences: int | None = None
+    recurrence_norm: bool = True
+    num_hidden_layers: int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None and self.num_attention_heads:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.intermediate_size is None:
+            # The study's block: 4d for the (non-gated) squared-ReLU MLP, so a layer has 12 d^2
+            # weights; SwiGLU gets ~8/3 d (rounded up to 64) to keep the same count.
+            d = self.hidden_size
+            self.intermediate_size = 4 * d if self.hidden_act == "relu2" else 64 * math.ceil(8 * d / 3 / 64)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        self.validate_loop()
+        self.num_hidden_layers = self.effective_num_layers
+        super().__post_init__(**kwargs)
+
+    # --- validation -------------------------------------------------------------------------
+    def validate_loop(self) -> None:
+        """Raise ``ValueError`` naming the field and the value for any inconsistent setting."""
+
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"LoopedConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for field in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(field, "must be a positive integer")
+        for field in ("num_prelude_layers", "num_recurrent_layers", "num_coda_layers"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(field, "must be an integer >= 0")
+        if self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers == 0:
+            raise bad("num_recurrent_layers", "the model has no layers at all")
+        if not isinstance(self.num_recurrences, int) or isinstance(self.num_recurrences, bool) or self.num_recurrences < 1:
+            raise bad("num_recurrences", "must be an integer >= 1")
+        if self.hidden_size % self.num_attention_heads != 0 and self.head_dim * self.num_attention_heads != self.hidden_size:
+            # An explicit head_dim may decouple the two (as in Llama), but then it must be given.
+            raise bad("num_attention_heads", f"does not divide hidden_size={self.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2 != 0:
+            raise bad("head_dim", "must be even for rotary embeddings")
+        if self.input_injection not in INPUT_INJECTIONS:
+            raise bad("input_injection", f"must be one of {INPUT_INJECTIONS}")
+        if self.state_init not in STATE_INITS:
+            raise bad("state_init", f"must be one of {STATE_INITS}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise bad("hidden_act", f"must be one of {HIDDEN_ACTS}")
+        if self.input_injection == "hyperconnection":
+            lanes = self.num_hyperconnection_lanes
+            if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+                raise bad("num_hyperconnection_lanes", "must be an integer >= 1")
+            if self.backprop_recurrences is not None:
+                raise bad("backprop_recurrences", "hyperconnections cannot be combined with truncated backprop")
+        k = self.backprop_recurrences
+        if k is not None:
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise bad("backprop_recurrences", "must be None (full backprop) or an integer >= 1")
+            if k > self.num_recurrences:
+                raise bad("backprop_recurrences", f"exceeds num_recurrences={self.num_recurrences}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise bad("logit_softcap", "must be None or > 0")
+        if self.state_init_std < 0:
+            raise bad("state_init_std", "must be >= 0")
+
+    # --- derived quantities -----------------------------------------------------------------
+    def num_layer_applications(self, num_recurrences: int | None = None) -> int:
+        """Layer applications per token, P + r*K + C, at ``num_recurrences`` (default: r)."""
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        return self.num_prelude_layers + r * self.num_recurrent_layers + self.num_coda_layers
+
+    @property
+    def effective_num_layers(self) -> int:
+        """Effective depth at the default r: the one number FLOPs, cards and fits all read."""
+        return self.num_layer_applications()
+
+    @property
+    def num_unique_layers(self) -> int:
+        return self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
+
+    @property
+    def is_recurrence_locked(self) -> bool:
+        """Hyperconnection parameters are indexed by recurrence step: no other r can run."""
+        return self.input_injection == "hyperconnection"
+
+
+__all__ = ["LoopedConfig"]

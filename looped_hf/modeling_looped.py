@@ -1,0 +1,671 @@
+"""A looped (depth-recurrent) decoder for transformers 5.x.
+
+    tokens -> embed [-> norm] -> prelude (P layers) = e -> h_0 = init(e)
+           -> r times: h = block(inject(h, e)) [-> norm]     block: K shared layers
+           -> coda (C layers) -> norm -> lm_head [-> soft-cap]
+
+The layer is Llama's (pre-norm, RoPE, GQA) with the study's switches: squared-ReLU MLP, QK-norm,
+logit soft-cap. Every *application* of a layer (P + r*K + C per token) owns one KV-cache slot, so
+the cache is the flat stack a looped model unrolls into; ``config.num_hidden_layers`` is that
+depth at the default r and the cache grows when a call asks for more recurrences.
+
+This module is the one owner of parameter and FLOP accounting (``num_scaling_params``,
+``training_flops_per_token``, ``inference_flops_per_token``); training, planning and model cards
+call it. It is shipped with checkpoints as remote code, so it imports only torch, transformers
+and ``.configuration_looped``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+from .configuration_looped import LoopedConfig
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks (Llama's, with the study's switches)
+# ---------------------------------------------------------------------------------------------
+
+
+class LoopedRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (bf16 variance underflows), then cast back: identical to Llama.
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class LoopedRotaryEmbedding(nn.Module):
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        rope_init_fn = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: LoopedConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+class LoopedMLP(nn.Module):
+    """Squared-ReLU (the study, non-gated: 2 matrices) or gated (SwiGLU/GeGLU: 3 matrices)."""
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gated = config.hidden_act != "relu2"
+        if self.gated:
+            self.gate_proj = nn.Linear(d, f, bias=bias)
+            self.act_fn = ACT2FN[config.hidden_act]
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class LoopedAttention(nn.Module):
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        d, h, kv, bias = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)
+        if config.qk_norm:
+            # Per-head RMSNorm on q and k before RoPE (OLMo-2/Qwen3 placement): bounds the logits,
+            # which matters more when the same weights are applied r times.
+            self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        cache_index: int,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            # A shared layer has one cache slot per application, not per module.
+            key_states, value_states = cache.update(key_states, value_states, cache_index)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return attn_output, attn_weights
+
+
+class LoopedDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm attention + MLP. Each call of a shared layer is checkpointed on its own."""
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        self.self_attn = LoopedAttention(config)
+        self.mlp = LoopedMLP(config)
+        self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        cache_index: int = 0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = hidden_states
+        attn, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = residual + attn
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states, attn_weights
+
+
+class LoopedInputInjection(nn.Module):
+    """Mixes the prelude output ``e`` into the state at the start of every recurrence.
+
+    ``linear``: W [h; e] with W (d x 2d) initialised to [I | 0], so training starts from a plain
+    loop and learns how much of ``e`` to re-read (Geiping et al. 2025; the study's default).
+    """
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        self.mode = config.input_injection
+        if self.mode == "linear":
+            self.weight = nn.Parameter(torch.empty(config.hidden_size, 2 * config.hidden_size))
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if self.mode == "linear":
+            return F.linear(torch.cat([h, e], dim=-1), self.weight)
+        if self.mode == "add":
+            return h + e
+        return h
+
+
+class LoopedHyperConnection(nn.Module):
+    """Hyperconnections at loop boundaries (the study's probe; Zhu et al. 2024 applied per layer).
+
+    ``N`` lanes H (all starting as h_0). At step i the block reads x = sum_j alpha[i, j] H_j and the
+    lanes update as H <- M[i] H + beta[i] (block(x) - x): the block's residual delta is written
+    into each lane with its own gain. Cyclic init (alpha_i = e_(i mod N), M = I, beta = 1) makes the
+    untrained model a plain loop. The lanes are summed before the coda. Parameters are per step,
+    so the model runs only at its trained r.
+    """
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        r, n = config.num_recurrences, config.num_hyperconnection_lanes
+        self.num_lanes = n
+        self.alpha = nn.Parameter(torch.empty(r, n))
+        self.mixing = nn.Parameter(torch.empty(r, n, n))
+        self.beta = nn.Parameter(torch.empty(r, n))
+
+    def reset_parameters(self) -> None:
+        r, n = self.alpha.shape
+        alpha = torch.zeros(r, n)
+        alpha[torch.arange(r), torch.arange(r) % n] = 1.0
+        init.copy_(self.alpha, alpha)
+        init.copy_(self.mixing, torch.eye(n).expand(r, n, n))
+        init.ones_(self.beta)
+
+    def read(self, lanes: torch.Tensor, step: int) -> torch.Tensor:
+        return torch.einsum("n,n...->...", self.alpha[step].to(lanes.dtype), lanes)
+
+    def write(self, lanes: torch.Tensor, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mixed = torch.einsum("mn,n...->m...", self.mixing[step].to(lanes.dtype), lanes)
+        gain = self.beta[step].to(lanes.dtype).view(-1, *([1] * x.dim()))
+        return mixed + gain * (y - x).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopedModelOutputWithPast(BaseModelOutputWithPast):
+    """``recurrent_states[i]``: the state after recurrence i+1 (before the coda), for logit lens."""
+
+    recurrent_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class LoopedCausalLMOutputWithPast(CausalLMOutputWithPast):
+    recurrent_states: tuple[torch.Tensor, ...] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+class LoopedPreTrainedModel(PreTrainedModel):
+    config: LoopedConfig
+    config_class = LoopedConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LoopedDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False  # r is a Python int: a new r is a new graph
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, LoopedInputInjection) and module.mode == "linear":
+            d = module.weight.shape[0]
+            init.copy_(module.weight, torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1))
+        elif isinstance(module, LoopedHyperConnection):
+            module.reset_parameters()
+
+
+def _grow_cache(cache: Cache, num_slots: int) -> None:
+    """``generate()`` sizes its cache from ``num_hidden_layers`` (the default r); more recurrences
+    per call need more slots. Dynamic caches grow; fixed-size ones must be built big enough."""
+    if len(cache.layers) >= num_slots:
+        return
+    if not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
+        raise ValueError(
+            f"the cache has {len(cache.layers)} slots but this call needs {num_slots} (one per layer "
+            "application); build the static cache from a config whose num_recurrences is the largest r you use"
+        )
+    while len(cache.layers) < num_slots:
+        cache.layers.append(DynamicLayer())
+
+
+class LoopedModel(LoopedPreTrainedModel):
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embedding_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.embedding_norm else None
+        self.prelude_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_prelude_layers))
+        self.recurrent_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_recurrent_layers))
+        self.coda_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_coda_layers))
+        if config.input_injection == "hyperconnection":
+            self.injection = None
+            self.hyperconnection = LoopedHyperConnection(config)
+        else:
+            self.injection = LoopedInputInjection(config) if config.input_injection != "none" else None
+            self.hyperconnection = None
+        self.recurrence_norm = (
+            LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.recurrence_norm else None
+        )
+        self.norm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LoopedRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    # The parameter groups of the study's accounting. Everything run once per token is "once";
+    # everything run r times (the block, its norm, the injection, hyperconnection gains) is
+    # "recurrent"; the token embedding is apart (a lookup: no FLOPs).
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        once = [*self.prelude_layers.parameters(), *self.coda_layers.parameters(), *self.norm.parameters()]
+        if self.embedding_norm is not None:
+            once += list(self.embedding_norm.parameters())
+        recurrent = list(self.recurrent_layers.parameters())
+        for module in (self.injection, self.hyperconnection, self.recurrence_norm):
+            if module is not None:
+                recurrent += list(module.parameters())
+        return {"once": once, "recurrent": recurrent, "embedding": list(self.embed_tokens.parameters())}
+
+    def _recurrence_has_grad(self, step: int, r: int) -> bool:
+        k = self.config.backprop_recurrences
+        return k is None or step >= r - k
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        num_recurrences: int | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        output_recurrent_states: bool = False,
+        **kwargs,
+    ) -> LoopedModelOutputWithPast:
+        config = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        r = config.num_recurrences if num_recurrences is None else int(num_recurrences)
+        if r < 1:
+            raise ValueError(f"num_recurrences={r}: must be >= 1")
+        if config.is_recurrence_locked and r != config.num_recurrences:
+            raise ValueError(
+                f"num_recurrences={r}: this model uses input_injection='hyperconnection', whose parameters are "
+                f"indexed by recurrence step, so it can only run at its trained num_recurrences={config.num_recurrences}"
+            )
+        use_cache = config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
+        num_slots = config.num_layer_applications(r)
+        if cache is not None:
+            filled_r = getattr(cache, "looped_num_recurrences", None)
+            if cache.get_seq_length() > 0 and filled_r is not None and filled_r != r:
+                raise ValueError(
+                    f"num_recurrences={r}, but this cache was filled at num_recurrences={filled_r}: every "
+                    "recurrence has its own cache slot, so r must stay fixed for the life of a cache"
+                )
+            _grow_cache(cache, num_slots)
+            cache.looped_num_recurrences = r
+
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        causal_mask = create_causal_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+
+        all_hidden_states: list[torch.Tensor] = []
+        all_attentions: list[torch.Tensor] = []
+        app = 0  # index of the current layer application == its cache slot
+
+        def apply(layer: LoopedDecoderLayer, h: torch.Tensor) -> torch.Tensor:
+            nonlocal app
+            if output_hidden_states:
+                all_hidden_states.append(h)
+            h, weights = layer(
+                h, attention_mask=causal_mask, position_embeddings=position_embeddings, cache=cache,
+                cache_index=app, output_attentions=output_attentions, **kwargs,
+            )
+            if output_attentions:
+                all_attentions.append(weights)
+            app += 1
+            return h
+
+        h = inputs_embeds
+        if self.embedding_norm is not None:
+            h = self.embedding_norm(h)
+        for layer in self.prelude_layers:
+            h = apply(layer, h)
+        e = h
+        if config.state_init == "zeros":
+            h = torch.zeros_like(e)
+        elif config.state_init == "noise":
+            # Huginn's random state: draws from the global RNG, which Trainer/set_seed seed.
+            h = torch.randn_like(e) * config.state_init_std
+
+        recurrent_states: list[torch.Tensor] = []
+        hc = self.hyperconnection
+        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
+        for step in range(r):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self._recurrence_has_grad(step, r)):
+                if hc is not None:
+                    x = hc.read(lanes, step)
+                    y = x
+                    for layer in self.recurrent_layers:
+                        y = apply(layer, y)
+                    lanes = hc.write(lanes, step, x, y)
+                    if self.recurrence_norm is not None:
+                        lanes = self.recurrence_norm(lanes)
+                    state = lanes.sum(0)
+                else:
+                    if self.injection is not None:
+                        h = self.injection(h, e)
+                    for layer in self.recurrent_layers:
+                        h = apply(layer, h)
+                    if self.recurrence_norm is not None:
+                        h = self.recurrence_norm(h)
+                    state = h
+            if output_recurrent_states:
+                recurrent_states.append(state)
+        if hc is not None:
+            h = lanes.sum(0)  # lanes are summed before the coda
+        for layer in self.coda_layers:
+            h = apply(layer, h)
+        if output_hidden_states:
+            all_hidden_states.append(h)
+        h = self.norm(h)
+
+        return LoopedModelOutputWithPast(
+            last_hidden_state=h,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            attentions=tuple(all_attentions) if output_attentions else None,
+            recurrent_states=tuple(recurrent_states) if output_recurrent_states else None,
+        )
+
+
+class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__(config)
+        self.model = LoopedModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def logits_from_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """lm_head then the study's soft-cap (tanh, in fp32), cap * tanh(logits / cap)."""
+        logits = self.lm_head(hidden_states)
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits
+
+    def logit_lens(self, recurrent_states: tuple[torch.Tensor, ...], through_coda: bool = True) -> list[torch.Tensor]:
+        """Decode each intermediate recurrence state to logits (for logit-lens analysis).
+
+        With ``through_coda`` (Huginn's convention) each state runs through the coda, the final
+        norm and the head, as if the loop had stopped there; otherwise only norm + head.
+        No cache is used; pass states from a call without one or of the whole sequence.
+        """
+        base = self.model
+        out = []
+        for state in recurrent_states:
+            h = state
+            if through_coda and len(base.coda_layers):
+                pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+                mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+                pe = base.rotary_emb(h, pos)
+                for layer in base.coda_layers:
+                    h, _ = layer(h, attention_mask=mask, position_embeddings=pe, cache=None)
+            out.append(self.logits_from_hidden(base.norm(h)))
+        return out
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_recurrences: int | None = None,
+        output_recurrent_states: bool = False,
+        **kwargs,
+    ) -> LoopedCausalLMOutputWithPast:
+        r"""Causal-LM forward. ``num_recurrences`` overrides r for this call (``generate`` passes it
+        through); ``output_recurrent_states`` returns the state after every recurrence; ``labels``
+        are NOT shifted by the caller (the loss shifts them; -100 is ignored)."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            num_recurrences=num_recurrences,
+            output_recurrent_states=output_recurrent_states,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.logits_from_hidden(hidden_states[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return LoopedCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            recurrent_states=outputs.recurrent_states,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Accounting: the one place that counts parameters and FLOPs.
+    # -----------------------------------------------------------------------------------------
+    def num_scaling_params(self) -> dict[str, int]:
+        """Parameters in the study's groups; the parts sum to the real parameter count.
+
+        ``once``: prelude + coda + the norms run once (after the embedding, before the head).
+        ``recurrent``: the block + what runs with it every recurrence (injection adapter,
+        recurrence norm, hyperconnection gains). ``embedding`` and ``lm_head`` apart (a tied head
+        counts 0 here: its weights are the embedding's). The scaling law's N_once and N_rec are
+        ``once`` and ``recurrent``.
+        """
+        groups = {name: sum(p.numel() for p in params) for name, params in self.model.parameter_groups().items()}
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        groups["lm_head"] = 0 if tied else self.lm_head.weight.numel()
+        groups["total"] = groups["once"] + groups["recurrent"] + groups["embedding"] + groups["lm_head"]
+        # Unique tensors only, so a shared or tied weight is never counted twice.
+        real = sum(p.numel() for p in self.parameters())
+        if groups["total"] != real:
+            raise RuntimeError(f"parameter groups sum to {groups['total']} but the model has {real}")
+        return groups
+
+    def _flops_terms(self, seq_len: int, num_recurrences: int | None) -> tuple[int, int, int, int, int]:
+        config = self.config
+        r = config.num_recurrences if num_recurrences is None else int(num_recurrences)
+        if r < 1 or seq_len < 1:
+            raise ValueError(f"num_recurrences={r}, seq_len={seq_len}: both must be >= 1")
+        k = config.backprop_recurrences
+        r_grad = r if k is None else min(k, r)
+        params = self.num_scaling_params()
+        # The head's matmul costs V*d per token whether or not its weights are tied.
+        n_head = config.vocab_size * config.hidden_size
+        return r, r_grad, params["once"] + n_head, params["recurrent"], config.num_attention_heads * config.head_dim
+
+    def training_flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
+        """Training FLOPs per token (the study's count; PaLM's MFU formula for a looped model).
+
+        A matmul with N weights costs 2N FLOPs per token forward and 4N backward (grads of the
+        input and of the weights): 6N per token for a parameter used once with gradient. So:
+
+            6 * (N_once + N_head)                          prelude, coda, norms, lm_head
+          + (6 * r_grad + 2 * r_nograd) * N_rec            the block: with truncated backprop only
+                                                           the last k = r_grad steps train; the
+                                                           first r - k run forward only (2x)
+          + 12 * h * q * T * (P + C + r_grad * K)          attention scores + weighted sum: 2*2*h*q*T
+          +  4 * h * q * T * (r_nograd * K)                forward per application, x3 with grad
+
+        with T the full sequence length (no causal halving, as in PaLM and the study), h heads of
+        size q. The embedding lookup is free. Norm and elementwise FLOPs are ignored (O(d)).
+        """
+        config = self.config
+        r, r_grad, n_once_head, n_rec, hq = self._flops_terms(seq_len, num_recurrences)
+        r_nograd = r - r_grad
+        K = config.num_recurrent_layers
+        apps_grad = config.num_prelude_layers + config.num_coda_layers + r_grad * K
+        apps_nograd = r_nograd * K
+        dense = 6 * n_once_head + (6 * r_grad + 2 * r_nograd) * n_rec
+        attention = 12 * hq * seq_len * apps_grad + 4 * hq * seq_len * apps_nograd
+        return float(dense + attention)
+
+    def inference_flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
+        """Forward-only FLOPs per token at context ``seq_len``: 2 * (N_once + N_head + r * N_rec)
+        + 4 * h * q * T per layer application (P + r*K + C applications)."""
+        config = self.config
+        r, _, n_once_head, n_rec, hq = self._flops_terms(seq_len, num_recurrences)
+        return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * config.num_layer_applications(r))
+
+
+__all__ = ["LoopedPreTrainedModel", "LoopedModel", "LoopedForCausalLM"]

@@ -1,0 +1,338 @@
+"""Loading and validating run records for the scaling-law fit.
+
+A run record is one JSON object per line of the training side's ``results.jsonl`` (or a CSV
+row, a DataFrame row, a dict). Columns used:
+
+- ``loss`` (final held-out eval loss, nats/token), ``tokens`` (D);
+- looped: ``n_once``, ``n_rec``, ``num_recurrences`` (r); plain: ``params`` (N, Chinchilla form);
+- optional: ``budget`` (planned FLOPs, for the cell bootstrap and leave-one-budget-out),
+  ``train_flops`` (for plots), ``arch``, ``seed``, ``status`` (rows not ``"ok"`` are dropped with
+  a note), ``variant`` (a file mixing variants must be split with ``variant=``).
+
+Every error is a ``ValueError`` that names the row (``line 7`` of a file, ``index 3`` of a
+DataFrame, ``row 3`` of a list) and the column, so a broken sweep can be fixed by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+LOOPED_COLUMNS = ("n_once", "n_rec", "num_recurrences")
+
+
+@dataclass
+class Runs:
+    """Validated runs as numpy arrays (plain runs have ``n_rec = 0``, ``num_recurrences = 1``)."""
+
+    loss: np.ndarray
+    tokens: np.ndarray
+    n_once: np.ndarray
+    n_rec: np.ndarray
+    num_recurrences: np.ndarray
+    kind: Literal["looped", "plain"]
+    labels: list[str]
+    budget: np.ndarray | None = None
+    train_flops: np.ndarray | None = None
+    arch: list[str] | None = None
+    seed: np.ndarray | None = None
+    notes: list[str] = field(default_factory=list)
+    source: str = "<memory>"
+
+    def __len__(self) -> int:
+        return int(self.loss.shape[0])
+
+    @property
+    def params(self) -> np.ndarray:
+        """Unique parameters ``N_once + N_rec``."""
+        return self.n_once + self.n_rec
+
+    @property
+    def flops(self) -> np.ndarray:
+        """Training FLOPs: ``train_flops`` where recorded, else ``6 * (N_once + r N_rec) * D``."""
+        fallback = 6.0 * (self.n_once + self.num_recurrences * self.n_rec) * self.tokens
+        if self.train_flops is None:
+            return fallback
+        return np.where(np.isfinite(self.train_flops), self.train_flops, fallback)
+
+    @property
+    def flops_is_fallback(self) -> bool:
+        return self.train_flops is None or not bool(np.all(np.isfinite(self.train_flops)))
+
+    def subset(self, mask: np.ndarray) -> Runs:
+        """The runs where ``mask`` is true (labels and notes kept)."""
+        idx = np.flatnonzero(mask)
+
+        def take(x: np.ndarray | None) -> np.ndarray | None:
+            return None if x is None else x[idx]
+
+        return Runs(
+            loss=self.loss[idx],
+            tokens=self.tokens[idx],
+            n_once=self.n_once[idx],
+            n_rec=self.n_rec[idx],
+            num_recurrences=self.num_recurrences[idx],
+            kind=self.kind,
+            labels=[self.labels[i] for i in idx],
+            budget=take(self.budget),
+            train_flops=take(self.train_flops),
+            arch=None if self.arch is None else [self.arch[i] for i in idx],
+            seed=take(self.seed),
+            notes=list(self.notes),
+            source=self.source,
+        )
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """Plain dicts (JSON-safe), the inverse of :func:`load_runs` on a list."""
+        out = []
+        for i in range(len(self)):
+            rec: dict[str, Any] = {"label": self.labels[i], "loss": float(self.loss[i]), "tokens": float(self.tokens[i])}
+            if self.kind == "looped":
+                rec.update(
+                    n_once=float(self.n_once[i]),
+                    n_rec=float(self.n_rec[i]),
+                    num_recurrences=float(self.num_recurrences[i]),
+                )
+            else:
+                rec["params"] = float(self.n_once[i])
+            for name in ("budget", "train_flops", "seed"):
+                arr = getattr(self, name)
+                if arr is not None and np.isfinite(arr[i]):
+                    rec[name] = float(arr[i])
+            if self.arch is not None:
+                rec["arch"] = self.arch[i]
+            out.append(rec)
+        return out
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    records, labels = [], []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(rec).__name__}")
+            records.append(rec)
+            labels.append(f"line {lineno}")
+    return records, labels
+
+
+def _read_csv(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    records, labels = [], []
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        for rec in reader:
+            # Empty cells are missing values; numbers are parsed later, column by column.
+            records.append({k: (None if v == "" else v) for k, v in rec.items() if k is not None})
+            labels.append(f"line {reader.line_num}")
+    return records, labels
+
+
+def _records_from(source: Any) -> tuple[list[dict[str, Any]], list[str], str]:
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".ndjson"):
+            recs, labels = _read_jsonl(path)
+        elif suffix == ".csv":
+            recs, labels = _read_csv(path)
+        elif suffix == ".json":
+            obj = json.loads(path.read_text())
+            if not isinstance(obj, list):
+                raise ValueError(f"{path}: expected a JSON list of run records")
+            recs, labels = obj, [f"item {i}" for i in range(len(obj))]
+        else:
+            raise ValueError(f"{path}: unsupported file type {suffix!r} (use .jsonl or .csv)")
+        return recs, labels, str(path)
+    if hasattr(source, "to_dict") and hasattr(source, "columns"):  # a pandas DataFrame, duck-typed
+        recs = source.to_dict("records")
+        return recs, [f"index {idx}" for idx in source.index], "<DataFrame>"
+    if isinstance(source, Iterable) and not isinstance(source, Mapping):
+        recs = list(source)
+        for i, rec in enumerate(recs):
+            if not isinstance(rec, Mapping):
+                raise ValueError(f"row {i}: expected a dict, got {type(rec).__name__}")
+        return [dict(r) for r in recs], [f"row {i}" for i in range(len(recs))], "<records>"
+    raise ValueError(f"cannot read runs from {type(source).__name__}: pass a path, DataFrame or list of dicts")
+
+
+def _number(rec: Mapping[str, Any], col: str, label: str, where: str) -> float:
+    """Parse ``rec[col]`` as a finite float or raise a ValueError naming row and column."""
+    if col not in rec or rec[col] is None:
+        raise ValueError(f"{where}{label}: column {col!r} is missing")
+    v = rec[col]
+    if isinstance(v, bool):
+        raise ValueError(f"{where}{label}: column {col!r} is a boolean ({v!r}), expected a number")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}{label}: column {col!r} is not a number ({v!r})") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{where}{label}: column {col!r} is {x!r}; losses, sizes and tokens must be finite")
+    return x
+
+
+def _optional_number(rec: Mapping[str, Any], col: str, label: str, where: str) -> float:
+    v = rec.get(col)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return math.nan
+    x = _number(rec, col, label, where)
+    if x <= 0 and col != "seed":
+        raise ValueError(f"{where}{label}: column {col!r} must be > 0, got {x!r}")
+    return x
+
+
+def load_runs(source: Any, *, variant: str | None = None) -> Runs:
+    """Read and validate run records.
+
+    Args:
+        source: a ``.jsonl`` / ``.csv`` path, a pandas DataFrame, a list of dicts, or a
+            :class:`Runs` (returned as is).
+        variant: keep only rows whose ``variant`` equals this (rows without the key count as
+            ``"base"``). Required when the records mix variants.
+
+    Returns:
+        :class:`Runs`; ``kind`` is ``"looped"`` when ``n_once``, ``n_rec`` and
+        ``num_recurrences`` are columns, ``"plain"`` when ``params`` is.
+
+    Raises:
+        ValueError: naming the row and the column for a missing column, a non-number, NaN or
+            inf, a zero or negative size/loss/token count, ``num_recurrences < 1``, or a
+            duplicate run (same model, tokens and seed); also for mixed variants.
+    """
+    if isinstance(source, Runs):
+        return source
+    records, labels, src = _records_from(source)
+    where = "" if src.startswith("<") else f"{src}: "
+    notes: list[str] = []
+
+    # 1. failed runs: dropped, with a note (they carry no usable loss).
+    keep = [i for i, r in enumerate(records) if str(r.get("status", "ok")).lower() == "ok"]
+    dropped = [labels[i] for i in range(len(records)) if i not in set(keep)]
+    if dropped:
+        shown = ", ".join(dropped[:8]) + (" ..." if len(dropped) > 8 else "")
+        notes.append(f"ignored {len(dropped)} run(s) whose status is not 'ok' ({shown})")
+    records = [records[i] for i in keep]
+    labels = [labels[i] for i in keep]
+
+    # 2. variants: a probe and its baseline must not be fitted as one sweep.
+    variants = {str(r.get("variant") or "base") for r in records}
+    if variant is not None:
+        sel = [i for i, r in enumerate(records) if str(r.get("variant") or "base") == variant]
+        if not sel:
+            raise ValueError(f"{where}no runs with variant {variant!r} (found: {sorted(variants)})")
+        records = [records[i] for i in sel]
+        labels = [labels[i] for i in sel]
+        notes.append(f"variant {variant!r}: {len(sel)} run(s)")
+    elif len(variants) > 1:
+        raise ValueError(
+            f"{where}the runs mix variants {sorted(variants)}; fit one at a time with "
+            "variant=... (CLI: --variant NAME) and compare them with compare_fits / --compare"
+        )
+    if not records:
+        raise ValueError(f"{where}no usable runs (all rows failed or the input is empty)")
+
+    # 3. the form: looped if any looped column is present, plain if 'params' is.
+    columns = set().union(*(r.keys() for r in records))
+    if any(c in columns for c in LOOPED_COLUMNS):
+        kind: Literal["looped", "plain"] = "looped"
+        model_cols: tuple[str, ...] = LOOPED_COLUMNS
+    elif "params" in columns:
+        kind = "plain"
+        model_cols = ("params",)
+    else:
+        raise ValueError(
+            f"{where}missing columns: need 'loss', 'tokens' and either 'n_once', 'n_rec', "
+            f"'num_recurrences' (looped) or 'params' (plain); found {sorted(columns)}"
+        )
+
+    n = len(records)
+    loss, tokens = np.empty(n), np.empty(n)
+    n_once, n_rec, reps = np.empty(n), np.zeros(n), np.ones(n)
+    budget, flops, seed = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    for i, (rec, label) in enumerate(zip(records, labels)):
+        for col in ("loss", "tokens"):
+            x = _number(rec, col, label, where)
+            if x <= 0:
+                raise ValueError(f"{where}{label}: column {col!r} must be > 0, got {x!r}")
+            (loss if col == "loss" else tokens)[i] = x
+        if kind == "plain":
+            n_once[i] = _number(rec, "params", label, where)
+            if n_once[i] <= 0:
+                raise ValueError(f"{where}{label}: column 'params' must be > 0, got {n_once[i]!r}")
+        else:
+            n_once[i] = _number(rec, "n_once", label, where)
+            n_rec[i] = _number(rec, "n_rec", label, where)
+            reps[i] = _number(rec, "num_recurrences", label, where)
+            for col, x in (("n_once", n_once[i]), ("n_rec", n_rec[i])):
+                if x < 0:
+                    raise ValueError(f"{where}{label}: column {col!r} must be >= 0, got {x!r}")
+            if n_once[i] + n_rec[i] <= 0:
+                raise ValueError(f"{where}{label}: columns 'n_once' + 'n_rec' must be > 0 (both are 0)")
+            if reps[i] < 1:
+                raise ValueError(f"{where}{label}: column 'num_recurrences' must be >= 1, got {reps[i]!r}")
+        budget[i] = _optional_number(rec, "budget", label, where)
+        flops[i] = _optional_number(rec, "train_flops", label, where)
+        seed[i] = _optional_number(rec, "seed", label, where)
+
+    # 4. duplicates: the same model trained on the same tokens with the same seed, twice.
+    key_cols = (*model_cols, "tokens", "seed")
+    seen: dict[tuple[float, ...], str] = {}
+    for i, label in enumerate(labels):
+        key = (n_once[i], n_rec[i], reps[i], tokens[i], seed[i])
+        key = tuple(-1.0 if math.isnan(k) else k for k in key)
+        if key in seen:
+            raise ValueError(
+                f"{where}{label}: duplicate run: same {', '.join(repr(c) for c in key_cols)} as {seen[key]}"
+            )
+        seen[key] = label
+
+    arch = [str(r["arch"]) for r in records] if all("arch" in r for r in records) else None
+    return Runs(
+        loss=loss,
+        tokens=tokens,
+        n_once=n_once,
+        n_rec=n_rec,
+        num_recurrences=reps,
+        kind=kind,
+        labels=list(labels),
+        budget=budget if np.all(np.isfinite(budget)) else None,
+        train_flops=flops if np.any(np.isfinite(flops)) else None,
+        arch=arch,
+        seed=seed if np.any(np.isfinite(seed)) else None,
+        notes=notes,
+        source=src,
+    )
+
+
+def load_chinchilla_svg(path: str | os.PathLike[str], drop_highest: int = 5) -> list[dict[str, float]]:
+    """Epoch AI's points extracted from Chinchilla's Figure 4 as plain run records.
+
+    Besiroglu et al. 2024 drop the ``drop_highest`` highest-loss points (5) and derive tokens as
+    ``D = C / (6 N)`` (``N = Model Size``, ``C = Training FLOP``).
+    """
+    recs, _ = _read_csv(Path(path))
+    rows = [
+        {"params": float(r["Model Size"]), "train_flops": float(r["Training FLOP"]), "loss": float(r["loss"])}
+        for r in recs
+    ]
+    rows.sort(key=lambda r: -r["loss"])
+    rows = rows[drop_highest:]
+    for r in rows:
+        r["tokens"] = r["train_flops"] / (6.0 * r["params"])
+    return rows

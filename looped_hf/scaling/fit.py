@@ -1,0 +1,561 @@
+"""Fitting the looped scaling law: point estimate, bootstrap, restricted fits, comparison.
+
+``fit_scaling_law`` returns a :class:`ScalingLawFit` in the style of lmfit's result objects
+(``.params``, ``.ci``, ``.report()``, ``.predict()``, ``.plot()``, JSON round trip).
+
+Uncertainty. Percentile intervals (95%) from a bootstrap:
+
+- ``bootstrap_method="cell"`` (the study's): resample (budget, r) cells with replacement; a
+  run's weight is the number of times its cell was drawn. Runs in one cell share the
+  width grid and the budget, so their errors are correlated; resampling whole cells keeps that.
+- ``bootstrap_method="run"``: resample runs with replacement (Besiroglu et al. 2024).
+
+A resample is a vector of integer weights on the summed objective (no data copied). Each
+resample is warm-started from the point estimate plus ``bootstrap_starts`` random starts
+(screened on the resample, then polished), so 200 resamples take seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from . import law
+from .data import Runs, load_runs
+from .law import LawData
+from .optimize import chinchilla_grid, multistart, polish, random_starts
+
+BootstrapMethod = Literal["cell", "run"]
+StartMethod = Literal["auto", "random", "grid"]
+
+NATURAL_NAMES: tuple[str, ...] = ("E", "A", "alpha", "B", "beta", "phi")
+_FORMAT = "looped_hf.scaling/1"
+
+
+def _law_data(runs: Runs, phi_identifiable: bool) -> LawData:
+    """Arrays for the objective. Without an identifiable phi the model is Chinchilla's on
+    ``N = N_once + N_rec`` (``n_rec = 0``, ``log r = 0`` make the phi term inert)."""
+    if runs.kind == "looped" and phi_identifiable:
+        n_once, n_rec, log_r = runs.n_once, runs.n_rec, np.log(runs.num_recurrences)
+    else:
+        n_once, n_rec, log_r = runs.params, np.zeros(len(runs)), np.zeros(len(runs))
+    return LawData(n_once, n_rec, log_r, np.log(runs.tokens), np.log(runs.loss))
+
+
+def phi_is_identifiable(runs: Runs) -> bool:
+    """phi enters only through runs with ``r > 1`` and ``N_rec > 0``."""
+    return runs.kind == "looped" and bool(np.any((runs.num_recurrences > 1) & (runs.n_rec > 0)))
+
+
+def _r2(y: np.ndarray, yhat: np.ndarray) -> float:
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - float(np.sum((y - yhat) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
+
+
+@dataclass
+class ScalingLawFit:
+    """The result of :func:`fit_scaling_law`.
+
+    Attributes:
+        params: ``E, A, alpha, B, beta, phi`` (``phi`` is ``None`` when the data cannot identify
+            it, and the fixed value under ``fix_phi``).
+        ci: name -> (low, high), 95% percentile bootstrap intervals (empty without bootstrap).
+        r2: coefficient of determination of the loss (linear space) over the fitted runs.
+        objective: summed Huber objective at the optimum.
+        residuals: ``log L - log L_hat`` per run, in the order of ``runs``.
+        kind: ``"looped"`` or ``"plain"`` (Chinchilla form).
+        phi_identifiable: whether the data identify phi.
+        fixed_phi: the value phi was held at, if any.
+        runs: the fitted runs (kept for reports, plots and the JSON round trip).
+        bootstrap_samples: ``(n_ok, 6)`` natural parameters of the bootstrap fits.
+        restricted: ``{"phi=0": {...}, "phi=1": {...}}`` with each restricted fit's ``r2``,
+            ``objective`` and ``params``.
+        holdout: leave-one-budget-out check (fit without the largest budget, error on it).
+        notes: what the fitter did that a reader should know (dropped rows, fallbacks).
+        settings: the options used (seed, starts, bootstrap method, ...).
+    """
+
+    params: dict[str, float | None]
+    ci: dict[str, tuple[float, float]]
+    r2: float
+    objective: float
+    residuals: np.ndarray
+    kind: Literal["looped", "plain"]
+    phi_identifiable: bool
+    fixed_phi: float | None = None
+    runs: Runs | None = None
+    bootstrap_samples: np.ndarray | None = None
+    restricted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    holdout: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------- law
+    @property
+    def theta(self) -> np.ndarray:
+        return law.from_natural(self.params)
+
+    def _phi(self) -> float:
+        if self.params["phi"] is None:
+            raise ValueError(
+                "phi is not identifiable from these runs (no run has r > 1 and n_rec > 0); "
+                "the fit is the Chinchilla form in N = n_once + n_rec"
+            )
+        return float(self.params["phi"])
+
+    def effective_params(
+        self, n_once: float | np.ndarray, n_rec: float | np.ndarray, num_recurrences: float | np.ndarray
+    ) -> np.ndarray | float:
+        """``N_eff = N_once + r^phi N_rec``: the size of the non-looped model that the law says
+        performs alike. Raises ``ValueError`` when phi is not identifiable."""
+        phi = self._phi() if self.kind == "looped" else 0.0
+        out = np.asarray(n_once, float) + np.asarray(num_recurrences, float) ** phi * np.asarray(n_rec, float)
+        return float(out) if out.ndim == 0 else out
+
+    def predict(
+        self,
+        *,
+        tokens: float | np.ndarray,
+        n_once: float | np.ndarray | None = None,
+        n_rec: float | np.ndarray = 0.0,
+        num_recurrences: float | np.ndarray = 1.0,
+        params: float | np.ndarray | None = None,
+    ) -> np.ndarray | float:
+        """Predicted loss ``E + A N_eff^-alpha + B D^-beta``.
+
+        Pass ``params=N`` for a plain model, or ``n_once``, ``n_rec``, ``num_recurrences`` for a
+        looped one (broadcast like numpy).
+        """
+        if params is not None:
+            n_eff = np.asarray(params, float)
+        elif n_once is None:
+            raise ValueError("predict needs params=N (plain) or n_once/n_rec/num_recurrences (looped)")
+        elif self.params["phi"] is None:
+            n_eff = np.asarray(n_once, float) + np.asarray(n_rec, float)
+        else:
+            n_eff = np.asarray(self.effective_params(n_once, n_rec, num_recurrences), float)
+        p = self.params
+        out = p["E"] + p["A"] * n_eff ** -p["alpha"] + p["B"] * np.asarray(tokens, float) ** -p["beta"]
+        return float(out) if np.ndim(out) == 0 else out
+
+    def equivalence(self, n_once: float, n_rec: float, num_recurrences: float) -> dict[str, float]:
+        """The study's sentence as numbers for one looped model.
+
+        - ``unique``: ``N_once + N_rec``, the parameters it stores;
+        - ``performs_like``: ``M = N_once + r^phi N_rec``, the non-looped size with the same loss
+          at equal tokens (the law's N_eff);
+        - ``costs_like``: ``K = N_once + r N_rec``, the non-looped size with the same training
+          FLOPs per token. Convention: FLOPs per token are 6 per parameter application (forward
+          + backward through every recurrence), attention, embeddings and the head ignored,
+          so a block looped r times costs r blocks.
+        """
+        return {
+            "unique": float(n_once + n_rec),
+            "performs_like": float(self.effective_params(n_once, n_rec, num_recurrences)),
+            "costs_like": float(n_once + num_recurrences * n_rec),
+        }
+
+    # ----------------------------------------------------------------------------- output
+    def report(self) -> str:
+        """A plain-text report: parameters with CIs, restricted fits, residuals by r, checks."""
+        from .report import render_report
+
+        return render_report(self)
+
+    def plot(self, out_dir: str | os.PathLike[str]) -> list[Path]:
+        """Write the fit plots (PNG) into ``out_dir``; returns their paths."""
+        from looped_hf.plotting import plot_fit
+
+        return plot_fit(self, out_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "params": self.params,
+            "ci": {k: list(v) for k, v in self.ci.items()},
+            "r2": self.r2,
+            "objective": self.objective,
+            "residuals": [float(x) for x in self.residuals],
+            "kind": self.kind,
+            "phi_identifiable": self.phi_identifiable,
+            "fixed_phi": self.fixed_phi,
+            "bootstrap_samples": None if self.bootstrap_samples is None else self.bootstrap_samples.tolist(),
+            "restricted": self.restricted,
+            "holdout": self.holdout,
+            "notes": self.notes,
+            "settings": self.settings,
+            "runs": None if self.runs is None else {"kind": self.runs.kind, "source": self.runs.source, "records": self.runs.to_records()},
+        }
+
+    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
+        """JSON text; written atomically to ``path`` (temp file + ``os.replace``) if given."""
+        text = json.dumps(self.to_dict(), indent=indent, allow_nan=True)
+        if path is not None:
+            write_atomic(Path(path), text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> ScalingLawFit:
+        """Inverse of :meth:`to_json` (accepts the JSON text or a path to it)."""
+        s = str(text_or_path)
+        obj = json.loads(Path(s).read_text() if not s.lstrip().startswith("{") else s)
+        if obj.get("format") != _FORMAT:
+            raise ValueError(f"not a looped_hf scaling fit (format {obj.get('format')!r})")
+        runs = None
+        if obj.get("runs"):
+            recs = obj["runs"]["records"]
+            runs = load_runs([{k: v for k, v in r.items() if k != "label"} for r in recs])
+            runs.labels = [r["label"] for r in recs]
+            runs.source = obj["runs"]["source"]
+        bs = obj.get("bootstrap_samples")
+        return cls(
+            params=obj["params"],
+            ci={k: (float(v[0]), float(v[1])) for k, v in obj["ci"].items()},
+            r2=obj["r2"],
+            objective=obj["objective"],
+            residuals=np.asarray(obj["residuals"], float),
+            kind=obj["kind"],
+            phi_identifiable=obj["phi_identifiable"],
+            fixed_phi=obj.get("fixed_phi"),
+            runs=runs,
+            bootstrap_samples=None if bs is None else np.asarray(bs, float).reshape(-1, len(NATURAL_NAMES)),
+            restricted=obj.get("restricted", {}),
+            holdout=obj.get("holdout"),
+            notes=list(obj.get("notes", [])),
+            settings=obj.get("settings", {}),
+        )
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# --------------------------------------------------------------------------------- fitting
+def _free_mask(phi_free: bool) -> np.ndarray:
+    return np.array([True, True, True, True, True, phi_free])
+
+
+def _starts(
+    rng: np.random.Generator, method: StartMethod, kind: str, n_starts: int, fixed: dict[int, float]
+) -> np.ndarray:
+    if method == "grid" or (method == "auto" and kind == "plain"):
+        return chinchilla_grid(fixed)
+    return random_starts(rng, n_starts, fixed)
+
+
+def _bootstrap_weights(
+    rng: np.random.Generator, groups: np.ndarray | None, n: int
+) -> np.ndarray:
+    if groups is None:
+        return rng.multinomial(n, np.full(n, 1.0 / n)).astype(float)
+    n_groups = int(groups.max()) + 1
+    counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups)).astype(float)
+    return counts[groups]
+
+
+def _refit(
+    data: LawData,
+    warm: list[np.ndarray],
+    free: np.ndarray,
+    fixed: dict[int, float],
+    rng: np.random.Generator,
+    weights: np.ndarray | None,
+    n_random: int,
+) -> np.ndarray:
+    """Polish from the warm starts plus ``n_random`` screened random starts; best theta."""
+    starts = [np.asarray(w, float) for w in warm]
+    if n_random > 0:
+        cand = random_starts(rng, 16 * n_random, fixed)
+        f0 = law.objective_value(cand, data, weights)
+        starts += list(cand[np.argsort(f0)[:n_random]])
+    best = None
+    for s in starts:
+        s = s.copy()
+        for i, v in fixed.items():
+            s[i] = v
+        p = polish(s, data, weights, free)
+        if np.isfinite(p.fun) and (best is None or p.fun < best.fun):
+            best = p
+    assert best is not None
+    return best.theta
+
+
+def _natural_row(theta: np.ndarray) -> np.ndarray:
+    a, alpha, b, beta, e, phi = theta
+    return np.array([math.exp(e), math.exp(a), alpha, math.exp(b), beta, phi])
+
+
+def fit_scaling_law(
+    runs: Any,
+    *,
+    bootstrap: int = 0,
+    seed: int = 0,
+    fix_phi: float | None = None,
+    bootstrap_method: BootstrapMethod = "cell",
+    starts: StartMethod = "auto",
+    n_starts: int = 500,
+    n_polish: int = 32,
+    bootstrap_starts: int = 2,
+    variant: str | None = None,
+    checks: bool = True,
+) -> ScalingLawFit:
+    """Fit ``L = E + A (N_once + r^phi N_rec)^-alpha + B D^-beta`` (or Chinchilla's form).
+
+    Args:
+        runs: a ``.jsonl`` / ``.csv`` path, a pandas DataFrame or a list of dicts with ``loss``,
+            ``tokens`` and either ``n_once``, ``n_rec``, ``num_recurrences`` or ``params``
+            (see :func:`looped_hf.scaling.load_runs`).
+        bootstrap: number of bootstrap resamples (0: no intervals).
+        seed: seeds the starts and the resamples; the same seed gives the same fit.
+        fix_phi: hold phi at this value (e.g. 0 or 1) instead of fitting it.
+        bootstrap_method: ``"cell"`` resamples (budget, r) cells (the study's; falls back to
+            ``"run"`` with a note when there is no ``budget`` column), ``"run"`` resamples runs.
+        starts: ``"random"`` (``n_starts`` uniform starts in :data:`law.BOUNDS`, the study's),
+            ``"grid"`` (Chinchilla's 4500-point grid), ``"auto"`` (grid for plain runs, random
+            for looped ones).
+        n_starts: random starts screened with the batched objective.
+        n_polish: best screened starts polished with L-BFGS-B (analytic gradient).
+        bootstrap_starts: random starts per resample in addition to the point estimate.
+        variant: keep only runs of this ``variant`` (required for files that mix variants).
+        checks: also run the phi = 0 / phi = 1 restricted fits and the leave-one-budget-out
+            check (used by :meth:`ScalingLawFit.report`).
+
+    Returns:
+        A :class:`ScalingLawFit`.
+
+    Raises:
+        ValueError: bad input (naming row and column), or fewer runs than free parameters.
+    """
+    if bootstrap_method not in ("cell", "run"):
+        raise ValueError(f"bootstrap_method must be 'cell' or 'run', got {bootstrap_method!r}")
+    if starts not in ("auto", "random", "grid"):
+        raise ValueError(f"starts must be 'auto', 'random' or 'grid', got {starts!r}")
+    if bootstrap < 0:
+        raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
+    data_runs = load_runs(runs, variant=variant)
+    notes = list(data_runs.notes)
+    if data_runs.kind == "plain" and fix_phi is not None:
+        raise ValueError("fix_phi needs looped runs (n_once, n_rec, num_recurrences); these have 'params'")
+    identifiable = phi_is_identifiable(data_runs)
+    if data_runs.kind == "looped" and not identifiable:
+        notes.append(
+            "phi is not identifiable: no run has r > 1 and n_rec > 0; fitted the Chinchilla form "
+            "on N = n_once + n_rec"
+        )
+    phi_free = identifiable and fix_phi is None
+    n_free = 5 + int(phi_free)
+    if len(data_runs) < n_free:
+        raise ValueError(f"{len(data_runs)} run(s) but the law has {n_free} free parameters: need at least {n_free}")
+    if data_runs.budget is not None and len(np.unique(data_runs.budget)) == 1:
+        warnings.warn(
+            "all runs share one compute budget: A, alpha and B, beta trade off along the iso-FLOP line "
+            "and the fit is poorly constrained; sweep several budgets",
+            stacklevel=2,
+        )
+
+    fixed: dict[int, float] = {} if phi_free else {5: float(fix_phi) if (fix_phi is not None and identifiable) else 0.0}
+    if fix_phi is not None and not identifiable:
+        notes.append(f"fix_phi={fix_phi} has no effect: phi is not identifiable from these runs")
+    free = _free_mask(phi_free)
+    data = _law_data(data_runs, identifiable)
+    rng = np.random.default_rng(seed)
+
+    start_pts = _starts(rng, starts, data_runs.kind, n_starts, fixed)
+    best, ordered = multistart(data, start_pts, free, n_polish=n_polish)
+    theta = best.theta
+    pred = law.predict_log_loss(theta, data)[0]
+    residuals = data.log_l - pred
+    params = law.to_natural(theta, phi_identifiable=identifiable)
+    if fix_phi is not None and identifiable:
+        params["phi"] = float(fix_phi)
+    at_bound = [
+        law.PARAM_NAMES[i]
+        for i in np.flatnonzero(free)
+        if min(abs(theta[i] - law.BOUNDS[i][0]), abs(theta[i] - law.BOUNDS[i][1])) < 1e-6
+    ]
+    if at_bound:
+        notes.append(f"parameter(s) {at_bound} sit on the bounds of the search box {law.BOUNDS}: treat with care")
+
+    fit = ScalingLawFit(
+        params=params,
+        ci={},
+        r2=_r2(data_runs.loss, np.exp(pred)),
+        objective=best.fun,
+        residuals=residuals,
+        kind=data_runs.kind,
+        phi_identifiable=identifiable,
+        fixed_phi=None if fix_phi is None else float(fix_phi),
+        runs=data_runs,
+        notes=notes,
+        settings={
+            "seed": seed,
+            "starts": starts,
+            "n_starts": int(len(start_pts)),
+            "n_polish": n_polish,
+            "bootstrap": bootstrap,
+            "bootstrap_method": bootstrap_method,
+            "bootstrap_starts": bootstrap_starts,
+            "huber_delta": law.HUBER_DELTA,
+            "bounds": [list(b) for b in law.BOUNDS],
+            "variant": variant,
+        },
+    )
+    warm = [theta] + [ordered[i] for i in range(min(2, len(ordered)))]
+
+    if bootstrap > 0:
+        groups = None
+        method = bootstrap_method
+        if method == "cell":
+            if data_runs.budget is None:
+                notes.append("no 'budget' column: bootstrap resamples runs instead of (budget, r) cells")
+                method = "run"
+            else:
+                cells = np.stack([data_runs.budget, data_runs.num_recurrences], axis=1)
+                _, groups = np.unique(cells, axis=0, return_inverse=True)
+                groups = groups.ravel()
+        fit.settings["bootstrap_method_used"] = method
+        brng = np.random.default_rng([seed, 1])  # separate stream: bootstrap draws do not move with n_starts
+        samples = []
+        for _ in range(bootstrap):
+            w = _bootstrap_weights(brng, groups, len(data_runs))
+            th = _refit(data, [theta], free, fixed, brng, w, bootstrap_starts)
+            samples.append(_natural_row(th))
+        fit.bootstrap_samples = np.array(samples)
+        lo, hi = np.percentile(fit.bootstrap_samples, [2.5, 97.5], axis=0)
+        for j, name in enumerate(NATURAL_NAMES):
+            if name == "phi" and not phi_free:
+                continue
+            fit.ci[name] = (float(lo[j]), float(hi[j]))
+
+    if checks and data_runs.kind == "looped" and identifiable:
+        for value in (0.0, 1.0):
+            if fix_phi is not None and value == fix_phi:
+                continue
+            fx = {5: value}
+            th = _refit(data, [np.r_[w[:5], value] for w in warm], _free_mask(False), fx, rng, None, 4)
+            p = law.predict_log_loss(th, data)[0]
+            f = float(law.objective_value(th, data)[0])
+            fit.restricted[f"phi={value:g}"] = {
+                "r2": _r2(data_runs.loss, np.exp(p)),
+                "objective": f,
+                "params": law.to_natural(th),
+            }
+    if checks and data_runs.budget is not None and len(np.unique(data_runs.budget)) >= 3:
+        fit.holdout = _leave_largest_budget_out(data_runs, data, warm, free, fixed, rng)
+    return fit
+
+
+def _leave_largest_budget_out(
+    runs: Runs, data: LawData, warm: list[np.ndarray], free: np.ndarray, fixed: dict[int, float], rng: np.random.Generator
+) -> dict[str, Any]:
+    """Fit without the largest budget and predict it: an honest extrapolation check."""
+    assert runs.budget is not None
+    top = float(runs.budget.max())
+    train = (runs.budget < top).astype(float)
+    held = runs.budget == top
+    # Zero weights drop the held-out runs from the objective without rebuilding the arrays.
+    th = _refit(data, warm, free, fixed, rng, train, 4)
+    pred = np.exp(law.predict_log_loss(th, data)[0])
+    rel = (pred[held] - runs.loss[held]) / runs.loss[held]
+    return {
+        "held_out_budget": top,
+        "n_held_out": int(held.sum()),
+        "mean_rel_error": float(np.mean(rel)),
+        "mean_abs_rel_error": float(np.mean(np.abs(rel))),
+        "max_abs_rel_error": float(np.max(np.abs(rel))),
+        "phi_without": float(th[5]) if free[5] else None,
+    }
+
+
+# --------------------------------------------------------------------------------- compare
+@dataclass
+class FitComparison:
+    """phi of a probe sweep minus phi of its baseline, with a bootstrap interval.
+
+    The two sweeps are independent, so the difference of independent bootstrap draws
+    (``phi_probe[b] - phi_base[b]``) samples the sampling distribution of the difference.
+    """
+
+    base: ScalingLawFit
+    probe: ScalingLawFit
+    delta_phi: float
+    ci: tuple[float, float]
+    samples: np.ndarray
+
+    def report(self) -> str:
+        b, p = self.base.params["phi"], self.probe.params["phi"]
+        lo, hi = self.ci
+        verdict = "excludes 0" if (lo > 0 or hi < 0) else "includes 0"
+        return (
+            f"phi: base {b:.3f} {_fmt_ci(self.base.ci.get('phi'))}, probe {p:.3f} {_fmt_ci(self.probe.ci.get('phi'))}\n"
+            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}] "
+            f"({len(self.samples)} paired resamples; the interval {verdict})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"delta_phi": self.delta_phi, "ci": list(self.ci), "n_bootstrap": int(len(self.samples))}
+
+
+def _fmt_ci(ci: tuple[float, float] | None) -> str:
+    return "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def compare_fits(
+    base: Any,
+    probe: Any,
+    *,
+    bootstrap: int = 200,
+    seed: int = 0,
+    bootstrap_method: BootstrapMethod = "cell",
+    base_variant: str | None = None,
+    probe_variant: str | None = None,
+) -> FitComparison:
+    """phi(probe) - phi(base) with a 95% percentile bootstrap interval.
+
+    ``base`` and ``probe`` are fits (their stored bootstrap draws are reused when they have at
+    least ``bootstrap`` of them) or anything :func:`fit_scaling_law` accepts (then fitted here
+    with ``bootstrap`` resamples, seeds ``seed`` and ``seed + 1``).
+    """
+
+    def ensure(x: Any, s: int, variant: str | None) -> ScalingLawFit:
+        if isinstance(x, ScalingLawFit) and x.bootstrap_samples is not None and len(x.bootstrap_samples) >= bootstrap:
+            return x
+        if isinstance(x, ScalingLawFit):
+            if x.runs is None:
+                raise ValueError("a fit without its runs and without bootstrap draws cannot be compared")
+            x = x.runs
+        return fit_scaling_law(x, bootstrap=bootstrap, seed=s, bootstrap_method=bootstrap_method, variant=variant)
+
+    if bootstrap < 2:
+        raise ValueError("compare_fits needs bootstrap >= 2")
+    fb = ensure(base, seed, base_variant)
+    fp = ensure(probe, seed + 1, probe_variant)
+    for name, f in (("base", fb), ("probe", fp)):
+        if f.params["phi"] is None or f.fixed_phi is not None:
+            raise ValueError(f"the {name} sweep has no fitted phi (not identifiable or fixed): nothing to compare")
+    assert fb.bootstrap_samples is not None and fp.bootstrap_samples is not None
+    n = min(len(fb.bootstrap_samples), len(fp.bootstrap_samples))
+    diff = fp.bootstrap_samples[:n, 5] - fb.bootstrap_samples[:n, 5]
+    lo, hi = np.percentile(diff, [2.5, 97.5])
+    return FitComparison(
+        base=fb,
+        probe=fp,
+        delta_phi=float(fp.params["phi"]) - float(fb.params["phi"]),  # type: ignore[arg-type]
+        ci=(float(lo), float(hi)),
+        samples=diff,
+    )

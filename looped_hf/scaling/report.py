@@ -1,0 +1,114 @@
+"""Plain-text report of a :class:`~looped_hf.scaling.fit.ScalingLawFit`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .fit import ScalingLawFit
+
+
+def _si(x: float) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "not identifiable"
+    return f"{x:.4g}" if abs(x) >= 1e-3 else f"{x:.3e}"
+
+
+def render_report(fit: ScalingLawFit) -> str:
+    runs = fit.runs
+    lines: list[str] = []
+    form = (
+        "L = E + A (N_once + r^phi N_rec)^-alpha + B D^-beta"
+        if fit.kind == "looped" and fit.phi_identifiable
+        else "L = E + A N^-alpha + B D^-beta (Chinchilla form)"
+    )
+    n = len(fit.residuals)
+    lines.append(f"Scaling-law fit: {form}")
+    src = f" from {runs.source}" if runs is not None else ""
+    s = fit.settings
+    lines.append(
+        f"{n} runs{src}; Huber delta {s.get('huber_delta', 1e-3):g} on log residuals, summed; "
+        f"L-BFGS-B from {s.get('n_starts', '?')} {s.get('starts', '')} starts "
+        f"(best {s.get('n_polish', '?')} polished), seed {s.get('seed', '?')}"
+    )
+    lines.append("")
+
+    # Parameters.
+    boot = fit.bootstrap_samples
+    hdr = "param      estimate      95% CI"
+    if boot is not None:
+        hdr += f" ({len(boot)} resamples, {s.get('bootstrap_method_used', s.get('bootstrap_method'))} bootstrap)"
+    lines.append(hdr)
+    for name in ("E", "A", "alpha", "B", "beta", "phi"):
+        if name == "phi" and fit.kind == "plain":
+            continue
+        val = fit.params.get(name)
+        ci = fit.ci.get(name)
+        ci_s = f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else ("(fixed)" if name == "phi" and fit.fixed_phi is not None else "-")
+        lines.append(f"{name:<8} {_num(val):>12}      {ci_s}")
+    lines.append(f"R^2 (loss) = {fit.r2:.4f}   objective = {fit.objective:.6g}")
+    lines.append("")
+
+    # Restricted fits.
+    if fit.restricted:
+        lines.append("restricted fits (how much worse than free phi):")
+        for key, res in fit.restricted.items():
+            lines.append(
+                f"  {key:<6} R^2 {res['r2']:.4f} (delta {res['r2'] - fit.r2:+.4f})   objective {res['objective']:.6g} "
+                f"(x{res['objective'] / fit.objective:.2f})"
+            )
+        lines.append("")
+
+    # Residuals by r.
+    if runs is not None:
+        lines.append("residuals log L - log L_hat by r:  r   runs   mean       RMS")
+        for r in np.unique(runs.num_recurrences):
+            m = runs.num_recurrences == r
+            res = fit.residuals[m]
+            lines.append(f"{'':35}{r:>3g} {int(m.sum()):>6}   {res.mean():+.2e}  {np.sqrt(np.mean(res**2)):.2e}")
+        lines.append("")
+
+    # Equivalences: the study's sentence, for the largest model at each r > 1.
+    if runs is not None and fit.kind == "looped" and fit.params.get("phi") is not None:
+        said = False
+        for r in np.unique(runs.num_recurrences):
+            m = (runs.num_recurrences == r) & (runs.n_rec > 0)
+            if r <= 1 or not m.any():
+                continue
+            i = np.flatnonzero(m)[np.argmax(runs.params[m])]
+            eq = fit.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))
+            lines.append(
+                f"at r = {r:g} a looped model of {_si(eq['unique'])} unique parameters performs like a "
+                f"non-looped model of {_si(eq['performs_like'])}, and costs the training compute of one of "
+                f"{_si(eq['costs_like'])}"
+            )
+            said = True
+        if said:
+            lines.append(
+                "  (performs like: N_once + r^phi N_rec; costs like: N_once + r N_rec, i.e. 6 FLOPs per "
+                "parameter application per token, attention/embeddings/head ignored)"
+            )
+            lines.append("")
+
+    if fit.holdout:
+        h = fit.holdout
+        lines.append(
+            f"leave-one-budget-out: fit without budget {h['held_out_budget']:.3g} predicts its {h['n_held_out']} runs "
+            f"with mean error {100 * h['mean_rel_error']:+.2f}% (mean |error| {100 * h['mean_abs_rel_error']:.2f}%, "
+            f"max {100 * h['max_abs_rel_error']:.2f}%)"
+            + (f"; phi without it = {h['phi_without']:.3f}" if h.get("phi_without") is not None else "")
+        )
+        lines.append("")
+    if fit.notes:
+        lines.append("notes:")
+        lines += [f"  - {note}" for note in fit.notes]
+    return "\n".join(lines).rstrip() + "\n"

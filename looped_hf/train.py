@@ -1,0 +1,338 @@
+"""One training run from a recipe: `looped-hf train`, `python -m looped_hf.train`, `accelerate launch`.
+
+    looped-hf train recipes/tiny.yaml
+    looped-hf train recipes/tiny.yaml --num_recurrences 8 --dataset roneneldan/TinyStories
+    accelerate launch -m looped_hf.train recipes/tiny.yaml        # many processes / GPUs
+
+The run is the vanilla `transformers.Trainer` plus `LoopedComputeCallback`; the optimizer is
+AdamW or the study's Muon + AdamW split, with the study's schedule (`looped_hf.optim`). The run's
+length is `max_steps`, `train_tokens` or `train_flops_budget` (FLOPs from the model's own
+`training_flops_per_token`). At the end the held-out loss is measured token-weighted (our own
+loop: Trainer's `eval_loss` is a mean of batch means) and the run directory (`output_dir`) gets:
+
+    config.json, model.safetensors, configuration_looped.py, modeling_looped.py,
+    generation_config.json, tokenizer files      (save_pretrained: loads with trust_remote_code)
+    run_record.json                               (the record below; the fit's columns)
+    recipe.yaml                                   (the resolved recipe: reruns this run)
+    checkpoints/                                  (Trainer checkpoints; a rerun resumes from the last)
+
+A rerun with the same `output_dir` resumes from the last checkpoint in `checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import Trainer, TrainerCallback, set_seed
+
+from looped_hf.arguments import (
+    LoopedTrainingArguments,
+    ModelArguments,
+    RecipeError,
+    parse_recipe,
+    recipe_parser,
+    resolved_recipe,
+    steps_for_tokens,
+    tokens_per_step,
+)
+
+RECORD_NAME = "run_record.json"
+RECIPE_NAME = "recipe.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+
+#: Keys of every run record, in order (the scaling fit's columns are the first six).
+RECORD_KEYS = (
+    "loss", "tokens", "n_once", "n_rec", "num_recurrences", "train_flops",
+    "budget", "arch", "variant", "hidden_size", "seed", "status", "error",
+    "effective_num_layers", "backprop_recurrences", "eval_perplexity", "eval_tokens",
+    "train_loss", "train_flops_per_token", "trainer_total_flos", "max_steps", "tokens_per_step",
+    "seq_len", "num_processes", "config", "recipe", "versions", "wall_time_s", "run_id", "run_dir",
+)  # fmt: skip
+
+
+def arch_name(config: Any) -> str:
+    """'base' for a model without a loop (r = 1 or an empty block), else 'loop<r>'."""
+    if config.num_recurrences == 1 or config.num_recurrent_layers == 0:
+        return "base"
+    return f"loop{config.num_recurrences}"
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    import looped_hf
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "looped_hf": getattr(looped_hf, "__version__", "unknown"),
+    }
+
+
+def resolve_max_steps(
+    training_args: LoopedTrainingArguments, flops_per_token: float, seq_len: int
+) -> tuple[int, int]:
+    """`(max_steps, tokens_per_step)` from whichever of max_steps / train_tokens /
+    train_flops_budget is set (rounded up to whole steps; see `steps_for_tokens`)."""
+    step_tokens = tokens_per_step(training_args, seq_len)
+    if training_args.train_flops_budget is not None:
+        budget = training_args.train_flops_budget
+        tokens = budget / flops_per_token
+        return steps_for_tokens(tokens, step_tokens, "train_flops_budget", f"{budget:.4g}"), step_tokens
+    if training_args.train_tokens is not None:
+        steps = steps_for_tokens(training_args.train_tokens, step_tokens, "train_tokens", training_args.train_tokens)
+        return steps, step_tokens
+    if training_args.max_steps is None or training_args.max_steps <= 0:
+        raise RecipeError(
+            "LoopedTrainingArguments: give the run a length: max_steps, train_tokens or train_flops_budget"
+        )
+    return training_args.max_steps, step_tokens
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to a temporary file, fsync, rename: readers see the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, default=str, allow_nan=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_yaml(path: str | os.PathLike, obj: Any) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def last_checkpoint(checkpoint_dir: str | os.PathLike) -> str | None:
+    """The newest complete `checkpoint-<step>` (one with trainer_state.json), or None."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return None
+    done = []
+    for path in root.glob("checkpoint-*"):
+        suffix = path.name.split("-")[-1]
+        if suffix.isdigit() and (path / "trainer_state.json").exists():
+            done.append((int(suffix), path))
+    return str(max(done)[1]) if done else None
+
+
+class NonFiniteLossGuard(TrainerCallback):
+    """Stops training at the first logged non-finite loss (the run is then recorded as failed)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            self.error = f"non-finite training loss {loss} at step {state.global_step}"
+            control.should_training_stop = True
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, dataset: Any, batch_size: int, accelerator: Any = None) -> tuple[float, int]:
+    """Token-weighted mean next-token loss (nats/token) over `dataset`, and the tokens predicted.
+
+    Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
+    across processes, so the mean is exact whatever the batch split.
+    """
+    rank = accelerator.process_index if accelerator is not None else 0
+    world = accelerator.num_processes if accelerator is not None else 1
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    indices = list(range(rank, len(dataset), world))
+    for start in range(0, len(indices), batch_size):
+        rows = dataset[indices[start : start + batch_size]]["input_ids"]
+        ids = torch.as_tensor(rows, dtype=torch.long, device=device)
+        labels = ids.clone()
+        out = model(input_ids=ids, labels=labels)
+        # The model's loss is the mean over the shifted targets: B x (T - 1) of them.
+        n = (labels[:, 1:] != -100).sum()
+        total += torch.stack([out.loss.double() * n, n.double()])
+    if accelerator is not None and world > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    model.train(was_training)
+    loss_sum, n_tokens = total.tolist()
+    return (loss_sum / n_tokens if n_tokens else math.nan), int(n_tokens)
+
+
+def _empty_record(training_args: LoopedTrainingArguments, run_dir: Path) -> dict[str, Any]:
+    record: dict[str, Any] = dict.fromkeys(RECORD_KEYS)
+    record.update(
+        run_id=training_args.run_id or run_dir.name,
+        run_dir=str(run_dir),
+        variant=training_args.variant,
+        budget=training_args.train_flops_budget,
+        seed=training_args.seed,
+        status="failed",
+    )
+    return record
+
+
+def train(
+    model_args: ModelArguments,
+    data_args: Any,
+    training_args: LoopedTrainingArguments,
+    callbacks: list[TrainerCallback] | None = None,
+) -> dict[str, Any]:
+    """Train one model and return its run record (also written to `<output_dir>/run_record.json`).
+
+    Recipe errors (`RecipeError`: bad field, budget below one step) are raised before training.
+    Failures during training (exception, out of memory, non-finite loss) do not raise: the record
+    has `status="failed"` and `error`.
+    """
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.callback import LoopedComputeCallback
+    from looped_hf.data import build_datasets, collator, load_tokenizer
+    from looped_hf.optim import build_optimizer_and_scheduler
+
+    started = time.time()
+    run_dir = Path(training_args.output_dir)
+    recipe = resolved_recipe(model_args, data_args, training_args)
+    record = _empty_record(training_args, run_dir)
+    seq_len = data_args.seq_len
+
+    # --- everything that can be wrong with the recipe fails here, before any training ----------
+    tokenizer = load_tokenizer(data_args.tokenizer)
+    config = model_args.to_config(
+        len(tokenizer), seq_len,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    with torch.device("meta"):
+        flops_per_token = LoopedForCausalLM(config).training_flops_per_token(seq_len)
+    max_steps, step_tokens = resolve_max_steps(training_args, flops_per_token, seq_len)
+    record.update(
+        arch=training_args.arch or arch_name(config),
+        hidden_size=config.hidden_size,
+        num_recurrences=config.num_recurrences,
+        effective_num_layers=config.effective_num_layers,
+        backprop_recurrences=config.backprop_recurrences,
+        config=json.loads(config.to_json_string()),
+        recipe=recipe,
+        versions=versions(),
+        max_steps=max_steps,
+        tokens_per_step=step_tokens,
+        seq_len=seq_len,
+        num_processes=training_args.world_size,
+        train_flops_per_token=flops_per_token,
+    )
+    training_args.max_steps = max_steps
+    training_args.output_dir = str(run_dir / CHECKPOINTS_DIR)
+    is_main = training_args.process_index == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_yaml(run_dir / RECIPE_NAME, recipe)
+
+    trainer = None
+    try:
+        set_seed(training_args.seed)
+        model = LoopedForCausalLM(config)
+        with training_args.main_process_first(desc="tokenize and pack"):
+            train_ds, eval_ds = build_datasets(data_args, tokenizer)
+        optimizer, scheduler = build_optimizer_and_scheduler(model, training_args, max_steps)
+        compute = LoopedComputeCallback(seq_len=seq_len)
+        guard = NonFiniteLossGuard()
+        trainer = Trainer(
+            model=model,
+            args=training_args,
+            data_collator=collator(tokenizer),
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+            callbacks=[compute, guard, *(callbacks or [])],
+            optimizers=(optimizer, scheduler),
+        )
+        resume = training_args.resume_from_checkpoint or last_checkpoint(training_args.output_dir)
+        output = trainer.train(resume_from_checkpoint=resume)
+        summary = compute.summary(trainer.state)
+        loss, eval_tokens = heldout_loss(model, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator)
+        record.update(
+            loss=loss,
+            eval_tokens=eval_tokens,
+            eval_perplexity=math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf,
+            tokens=summary["train_tokens"],
+            train_flops=summary["train_flops"],
+            trainer_total_flos=summary["trainer_total_flos"],
+            n_once=summary["n_once"],
+            n_rec=summary["n_rec"],
+            train_loss=output.metrics.get("train_loss"),
+            resumed_from=resume,
+        )
+        if guard.error is not None:
+            record["error"] = guard.error
+        elif not math.isfinite(loss):
+            record["error"] = f"non-finite held-out loss {loss}"
+        else:
+            record["status"] = "ok"
+        # Trainer turns the cache off for training; the published model should generate with it.
+        model.config.use_cache = True
+        trainer.save_model(str(run_dir))
+    except Exception as err:  # noqa: BLE001 - a failed run is data for the sweep, not a crash
+        if isinstance(err, RecipeError):
+            raise
+        record["error"] = f"{type(err).__name__}: {err}"
+        record["traceback"] = traceback.format_exc(limit=20)
+    finally:
+        if trainer is not None:
+            trainer.accelerator.wait_for_everyone()
+    record["wall_time_s"] = round(time.time() - started, 3)
+    if is_main:
+        write_json_atomic(run_dir / RECORD_NAME, record)
+        if training_args.results_file:
+            from looped_hf.sweep import append_jsonl
+
+            append_jsonl(training_args.results_file, record)
+    return record
+
+
+def _usage() -> str:
+    return (
+        "usage: looped-hf train RECIPE.yaml [--field value ...]\n"
+        "       accelerate launch -m looped_hf.train RECIPE.yaml [--field value ...]\n\n"
+        "Train one looped model. The recipe is a flat YAML mapping of model, data and training fields;\n"
+        "flags override it. Fields:\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns 0 (ok), 1 (the run failed) or 2 (bad recipe)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        recipe_parser().print_help()
+        return 0 if argv else 2
+    recipe, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
+    try:
+        model_args, data_args, training_args = parse_recipe(recipe, overrides)
+        record = train(model_args, data_args, training_args)
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"looped-hf train: {err}", file=sys.stderr)
+        return 2
+    if record["status"] != "ok":
+        print(f"looped-hf train: run {record['run_id']} failed: {record['error']}", file=sys.stderr)
+        return 1
+    if training_args.process_index == 0:
+        keys = ("run_id", "loss", "tokens", "train_flops", "n_once", "n_rec", "num_recurrences", "wall_time_s")
+        print(json.dumps({k: record[k] for k in keys}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

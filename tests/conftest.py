@@ -1,0 +1,85 @@
+"""Shared test fixtures: a small offline corpus and a tiny, fast training recipe."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Nothing in the tests may reach the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~120 KB of the embedded classics as a JSONL file (one document per line)."""
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    size = 0
+    with lzma.open(REPO / "looped_hf" / "assets" / "corpus.jsonl.xz", "rt", encoding="utf-8") as src, open(
+        path, "w", encoding="utf-8"
+    ) as dst:
+        for line in src:
+            row = json.loads(line)
+            text = row["text"][:4000]
+            dst.write(json.dumps({"text": text}) + "\n")
+            size += len(text)
+            if size > 120_000:
+                break
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized-data cache for the whole session (tests build the same blocks)."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture
+def tiny_recipe(small_corpus: Path, data_cache: Path, tmp_path: Path) -> dict:
+    """A flat recipe for a model that trains in about a second on CPU (bytes tokenizer)."""
+    return {
+        "hidden_size": 32,
+        "head_dim": 16,
+        "num_prelude_layers": 1,
+        "num_recurrent_layers": 1,
+        "num_coda_layers": 1,
+        "num_recurrences": 2,
+        "dataset": str(small_corpus),
+        "tokenizer": "bytes",
+        "seq_len": 32,
+        "eval_blocks": 8,
+        "data_cache_dir": str(data_cache),
+        "output_dir": str(tmp_path / "run"),
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 8,
+        "max_steps": 6,
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "learning_rate": 3e-3,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for `python -m looped_hf...` subprocesses: offline, repo importable, 1 thread."""
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,455 @@
+"""The looped model: Auto registration, remote code, Llama parity, generation, training, accounting."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import looped_hf
+from looped_hf import LoopedConfig, LoopedForCausalLM
+
+VOCAB = 97
+
+
+def tiny_config(**overrides) -> LoopedConfig:
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_prelude_layers=1, num_recurrent_layers=2, num_coda_layers=1, num_recurrences=3,
+        max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return LoopedConfig(**kwargs)
+
+
+def tiny_model(seed: int = 0, **overrides) -> LoopedForCausalLM:
+    torch.manual_seed(seed)
+    model = LoopedForCausalLM(tiny_config(**overrides)).eval()
+    # Random (not identity) injection and gains, so the tests exercise every path.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "injection" in name or "hyperconnection" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def prompts(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def greedy(model, ids, **kwargs) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Auto API, checkpoints, remote code
+# --------------------------------------------------------------------------------------------
+
+
+def test_auto_classes_are_registered():
+    cfg = AutoConfig.for_model("looped", hidden_size=32, num_attention_heads=2, vocab_size=VOCAB)
+    assert isinstance(cfg, LoopedConfig)
+    assert cfg.effective_num_layers == cfg.num_prelude_layers + cfg.num_recurrences * cfg.num_recurrent_layers + cfg.num_coda_layers
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert isinstance(model, LoopedForCausalLM)
+
+
+def test_save_load_without_trust_remote_code(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    files = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py"} <= files
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_looped.LoopedForCausalLM"
+    assert auto_map["AutoConfig"] == "configuration_looped.LoopedConfig"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is LoopedForCausalLM
+    ids = prompts()
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
+    model = tiny_model(tie_word_embeddings=True)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    ids = prompts()
+    torch.save({"ids": ids, "logits": model(ids).logits, "gen": greedy(model, ids, num_recurrences=5)}, tmp_path / "ref.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["looped_hf"] = None  # importing looped_hf must fail here
+        try:
+            import looped_hf  # noqa
+            raise SystemExit("looped_hf was importable")
+        except ImportError:
+            pass
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(ckpt)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        ref = torch.load({str(tmp_path / "ref.pt")!r})
+        torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+        gen = model.generate(ref["ids"], max_new_tokens=6, do_sample=False, pad_token_id=0, num_recurrences=5)
+        assert torch.equal(gen, ref["gen"])
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        print("REMOTE-OK")
+        """
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REMOTE-OK" in result.stdout
+
+
+def test_tied_embeddings_survive_a_round_trip(tmp_path):
+    model = tiny_model(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.num_scaling_params()["lm_head"] == 0
+    model.save_pretrained(tmp_path)
+    loaded = LoopedForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+# --------------------------------------------------------------------------------------------
+# Parity with transformers' Llama
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_plain_config_matches_llama(attn):
+    llama_cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM._from_config(llama_cfg, attn_implementation=attn).eval()
+    cfg = LoopedConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, num_prelude_layers=0, num_recurrent_layers=3, num_coda_layers=0,
+        num_recurrences=1, input_injection="none", hidden_act="silu", qk_norm=False, logit_softcap=None,
+        embedding_norm=False, recurrence_norm=False, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+    looped = LoopedForCausalLM._from_config(cfg, attn_implementation=attn).eval()
+    state = {k.replace("model.layers.", "model.recurrent_layers."): v for k, v in llama.state_dict().items()}
+    missing, unexpected = looped.load_state_dict(state, strict=True)
+    assert not missing and not unexpected
+    ids = prompts(batch=3, length=11)
+    torch.testing.assert_close(looped(ids).logits, llama(ids).logits, rtol=0, atol=1e-5)
+    assert torch.equal(greedy(looped, ids), greedy(llama, ids))
+
+
+# --------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("r", [1, 3, 8])
+def test_cached_generation_equals_uncached(r):
+    model = tiny_model(num_recurrences=r)
+    ids = prompts()
+    assert torch.equal(greedy(model, ids), greedy(model, ids, use_cache=False))
+
+
+def test_generation_with_recurrences_overridden_per_call():
+    model = tiny_model(num_recurrences=2)
+    ids = prompts()
+    for r in (1, 5, 8):
+        cached = greedy(model, ids, num_recurrences=r)
+        assert torch.equal(cached, greedy(model, ids, num_recurrences=r, use_cache=False))
+    # r really changes the computation
+    assert not torch.allclose(model(ids, num_recurrences=1).logits, model(ids, num_recurrences=8).logits)
+
+
+def test_every_layer_application_has_its_own_cache_slot():
+    model = tiny_model(num_recurrences=3)
+    out = model(prompts(), use_cache=True, num_recurrences=5)
+    cfg = model.config
+    assert len(out.cache.layers) == cfg.num_layer_applications(5) == 1 + 5 * 2 + 1
+    assert all(layer.keys.shape[-2] == 7 for layer in out.cache.layers)
+    with pytest.raises(ValueError, match="num_recurrences=3.*filled at num_recurrences=5"):
+        model(prompts(length=1), cache=out.cache, num_recurrences=3)
+
+
+@pytest.mark.parametrize("r", [1, 4])
+def test_left_padded_batch_equals_prompts_one_by_one(r):
+    model = tiny_model(num_recurrences=r)
+    model.generation_config.eos_token_id = None  # compare full continuations
+    a = prompts(batch=1, length=9, seed=3)
+    b = prompts(batch=1, length=5, seed=4)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], dim=1)])
+    mask = (torch.arange(9) >= torch.tensor([[0], [4]])).long()
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0, 9:], greedy(model, a)[0, 9:])
+    assert torch.equal(out[1, 9:], greedy(model, b)[0, 5:])
+
+
+def test_eager_and_sdpa_agree():
+    model = tiny_model()
+    ids = prompts()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    model.set_attn_implementation("eager")
+    eager = model(ids, attention_mask=mask).logits
+    gen_eager = greedy(model, ids, attention_mask=mask)
+    model.set_attn_implementation("sdpa")
+    sdpa = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(eager[0], sdpa[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager[1, 3:], sdpa[1, 3:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(gen_eager, greedy(model, ids, attention_mask=mask))
+
+
+def test_bf16_forward_and_generate():
+    model = tiny_model()
+    ids = prompts()
+    ref = model(ids).logits
+    model = model.to(torch.bfloat16)
+    out = model(ids).logits
+    assert out.dtype == torch.float32  # the soft-cap runs in fp32
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 0.15
+    gen = greedy(model, ids, num_recurrences=4)
+    assert gen.shape == (2, 13)
+
+
+def test_recurrent_states_and_hidden_states_for_logit_lens():
+    model = tiny_model(num_recurrences=3)
+    ids = prompts()
+    out = model(ids, output_recurrent_states=True, output_hidden_states=True, num_recurrences=4)
+    assert len(out.recurrent_states) == 4
+    assert len(out.hidden_states) == model.config.num_layer_applications(4) + 1
+    lens = model.logit_lens(out.recurrent_states)
+    # The last recurrence, decoded through coda + norm + head, is the model's own output.
+    torch.testing.assert_close(lens[-1], out.logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lens[0], lens[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+def _train_steps(model, steps: int = 40) -> list[float]:
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = prompts(batch=4, length=16, seed=5)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("injection", ["linear", "add", "hyperconnection"])
+def test_loss_decreases(injection):
+    losses = _train_steps(tiny_model(input_injection=injection))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_hyperconnections_refuse_another_r():
+    model = tiny_model(input_injection="hyperconnection", num_recurrences=3)
+    with pytest.raises(ValueError, match=r"num_recurrences=4.*hyperconnection.*trained num_recurrences=3"):
+        model(prompts(), num_recurrences=4)
+    with pytest.raises(ValueError, match="num_recurrences=4"):
+        greedy(model, prompts(), num_recurrences=4)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = prompts(batch=2, length=12)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(num_recurrences=3).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _hand_forward(model: LoopedForCausalLM, ids: torch.Tensor, grad_steps: set[int]) -> torch.Tensor:
+    """The looped forward written out by hand, recurrence i under grad only if i in grad_steps."""
+    base = model.model
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    pe = base.rotary_emb(base.embed_tokens.weight, pos)
+    mask = torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1)[None, None]
+
+    def layer(m, h):
+        return m(h, attention_mask=mask, position_embeddings=pe)[0]
+
+    h = base.embedding_norm(base.embed_tokens(ids))
+    for m in base.prelude_layers:
+        h = layer(m, h)
+    e = h
+    for i in range(model.config.num_recurrences):
+        with torch.set_grad_enabled(i in grad_steps):
+            h = torch.nn.functional.linear(torch.cat([h, e], -1), base.injection.weight)
+            for m in base.recurrent_layers:
+                h = layer(m, h)
+            h = base.recurrence_norm(h)
+    for m in base.coda_layers:
+        h = layer(m, h)
+    return model.logits_from_hidden(base.norm(h))
+
+
+def test_truncated_backprop_matches_a_hand_computed_reference():
+    r, k = 5, 2
+    ids = prompts(batch=2, length=10)
+    full = tiny_model(num_recurrences=r).train()
+    truncated = tiny_model(num_recurrences=r, backprop_recurrences=k).train()
+    truncated.model.set_attn_implementation("eager")
+    # Same weights, same forward.
+    torch.testing.assert_close(truncated(ids).logits, full(ids).logits)
+    loss = truncated(ids, labels=ids).loss
+    loss.backward()
+    ref_model = tiny_model(num_recurrences=r).train()
+    ref_model.set_attn_implementation("eager")
+    logits = _hand_forward(ref_model, ids, grad_steps=set(range(r - k, r)))
+    ref_loss = ref_model.loss_function(logits=logits, labels=ids, vocab_size=VOCAB)
+    torch.testing.assert_close(loss, ref_loss)
+    ref_loss.backward()
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in truncated.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    # And it really is truncated: full backprop gives different block gradients.
+    full(ids, labels=ids).loss.backward()
+    block = "model.recurrent_layers.0.mlp.up_proj.weight"
+    assert not torch.allclose(dict(full.named_parameters())[block].grad, dict(truncated.named_parameters())[block].grad)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"num_recurrences": 0}, "num_recurrences=0"),
+        ({"num_prelude_layers": -1}, "num_prelude_layers=-1"),
+        ({"num_coda_layers": -2}, "num_coda_layers=-2"),
+        ({"hidden_size": 30, "num_attention_heads": 4}, "num_attention_heads=4"),
+        ({"input_injection": "concat"}, "input_injection='concat'"),
+        ({"hidden_act": "tanh"}, "hidden_act='tanh'"),
+        ({"backprop_recurrences": 4, "num_recurrences": 3}, "backprop_recurrences=4"),
+        ({"backprop_recurrences": 0}, "backprop_recurrences=0"),
+        ({"input_injection": "hyperconnection", "backprop_recurrences": 1}, "backprop_recurrences=1"),
+        ({"state_init": "random"}, "state_init='random'"),
+    ],
+)
+def test_bad_config_raises_naming_field_and_value(overrides, field):
+    with pytest.raises(ValueError, match=f"LoopedConfig.{field}"):
+        tiny_config(**overrides)
+
+
+def test_bad_num_recurrences_at_call_time():
+    with pytest.raises(ValueError, match="num_recurrences=0"):
+        tiny_model()(prompts(), num_recurrences=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Accounting
+# --------------------------------------------------------------------------------------------
+
+
+def closed_form_counts(cfg: LoopedConfig) -> dict[str, int]:
+    d, f, q = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    attn = d * h * q * 2 + d * kv * q * 2 + (2 * q if cfg.qk_norm else 0)
+    mlp = (3 if cfg.hidden_act != "relu2" else 2) * d * f
+    layer = attn + mlp + 2 * d
+    injection = {"linear": 2 * d * d, "add": 0, "none": 0}.get(cfg.input_injection)
+    if injection is None:  # hyperconnection: alpha, M, beta per step
+        n = cfg.num_hyperconnection_lanes
+        injection = cfg.num_recurrences * (n + n * n + n)
+    once = (cfg.num_prelude_layers + cfg.num_coda_layers) * layer + d + (d if cfg.embedding_norm else 0)
+    rec = cfg.num_recurrent_layers * layer + injection + (d if cfg.recurrence_norm else 0)
+    emb = cfg.vocab_size * d
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
+    return {"once": once, "recurrent": rec, "embedding": emb, "lm_head": head, "total": once + rec + emb + head}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"hidden_act": "silu", "qk_norm": False, "input_injection": "add", "tie_word_embeddings": True},
+        {"num_prelude_layers": 0, "num_coda_layers": 0, "input_injection": "none", "recurrence_norm": False},
+        {"input_injection": "hyperconnection", "num_hyperconnection_lanes": 3, "embedding_norm": False},
+        {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "num_recurrent_layers": 3},
+    ],
+)
+def test_num_scaling_params_matches_closed_form(overrides):
+    cfg = tiny_config(**overrides)
+    with torch.device("meta"):
+        model = LoopedForCausalLM(cfg)
+    assert model.num_scaling_params() == closed_form_counts(cfg)
+
+
+def study_loop4(d: int = 768, **overrides) -> LoopedConfig:
+    """The study's loop4 shape: 2 + 4x4 + 2 = 20 applications, relu2, head dim 128, no biases."""
+    kwargs = dict(vocab_size=32000, hidden_size=d, num_attention_heads=d // 128, num_prelude_layers=2,
+                  num_recurrent_layers=4, num_coda_layers=2, num_recurrences=4, input_injection="linear")
+    kwargs.update(overrides)
+    return LoopedConfig(**kwargs)
+
+
+def test_study_loop4_counts_at_d768():
+    d = 768
+    cfg = study_loop4(d)
+    assert cfg.effective_num_layers == 20
+    with torch.device("meta"):
+        counts = LoopedForCausalLM(cfg).num_scaling_params()
+    norms_per_layer = 2 * d + 2 * 128  # pre-attn, pre-MLP, q-norm, k-norm scales
+    assert counts["once"] == 4 * 12 * d * d + 4 * norms_per_layer + 2 * d  # + embedding norm, final norm
+    assert counts["recurrent"] == 4 * 12 * d * d + 2 * d * d + 4 * norms_per_layer + d  # + recurrence norm
+    assert counts["embedding"] == counts["lm_head"] == 32000 * d
+
+
+def test_training_flops_follow_the_study_formula():
+    d, T = 768, 2048
+    V, hq = 32000, 768
+    for k in (None, 2):
+        cfg = study_loop4(d, backprop_recurrences=k)
+        with torch.device("meta"):
+            model = LoopedForCausalLM(cfg)
+        p = model.num_scaling_params()
+        r_grad = 4 if k is None else k
+        r_nograd = 4 - r_grad
+        expected = (
+            6 * (p["once"] + V * d) + (6 * r_grad + 2 * r_nograd) * p["recurrent"]
+            + 12 * hq * T * (4 + 4 * r_grad) + 4 * hq * T * 4 * r_nograd
+        )
+        assert model.training_flops_per_token(T) == expected
+        # Matches the study's closed form N(r) within the norms' rounding.
+        approx = 6 * (4 * 12 * d * d + V * d) + 6 * 4 * (4 * 12 * d * d + 2 * d * d) + 12 * hq * T * 20
+        if k is None:
+            assert math.isclose(model.training_flops_per_token(T), approx, rel_tol=1e-3)
+    # Truncated backprop costs 2x, not 6x, per parameter for the no-grad steps.
+    with torch.device("meta"):
+        full = LoopedForCausalLM(study_loop4(d))
+        trunc = LoopedForCausalLM(study_loop4(d, backprop_recurrences=2))
+    saved = full.training_flops_per_token(T) - trunc.training_flops_per_token(T)
+    assert saved == 2 * 4 * full.num_scaling_params()["recurrent"] + 2 * 8 * hq * T * 4
+    # More recurrences at inference cost more; forward is 1/3 of training with full backprop.
+    assert full.inference_flops_per_token(T, 8) > full.inference_flops_per_token(T)
+    assert math.isclose(3 * full.inference_flops_per_token(T), full.training_flops_per_token(T))
+
+
+def test_package_exports():
+    assert looped_hf.LoopedConfig is LoopedConfig
+    for name in ("LoopedModel", "LoopedPreTrainedModel", "LoopedForCausalLM"):
+        assert hasattr(looped_hf, name)
+    assert Path(looped_hf.__file__).parent.name == "looped_hf"
