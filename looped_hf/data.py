@@ -28,8 +28,9 @@ Design decisions (and why):
   ``streaming_eval_fraction`` and the held-out set is the first ``eval_blocks`` blocks of those
   documents in stream order (a different, equally fixed, set than the non-streaming one).
   Train and held-out never share a document, and identical texts always land on the same side.
-* **Multi-epoch.** The embedded corpus is ~3.6M tokens at vocab 4096, often less than a scaling
-  run's token budget D. ``build_datasets`` returns the whole map-style train set; run the
+  The tail of the last held-out document beyond ``eval_blocks`` blocks is used by neither side.
+* **Multi-epoch.** The embedded corpus is ~4.0M tokens at vocab 4096 (13.3M characters), often
+  less than a scaling run's token budget D. ``build_datasets`` returns the whole map-style train set; run the
   ``Trainer`` with ``max_steps`` and it reshuffles and repeats epochs on its own. ``len(train)``
   is the number of distinct blocks (``len(train) * seq_len`` distinct training tokens).
 * **Cache.** Tokenized, packed datasets are saved with ``Dataset.save_to_disk`` under
@@ -59,7 +60,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ class DataArguments:
     )
     dataset_split: str = field(
         default="train",
-        metadata={"help": "Split to read; the held-out set is carved out of it by document."},
+        metadata={
+            "help": "Hub split to read (local files form one 'train' split); held-out is carved out of it."
+        },
     )
     dataset_revision: str | None = field(
         default=None, metadata={"help": "Hub dataset revision (commit/tag) to pin; part of the cache key."}
@@ -121,7 +124,8 @@ class DataArguments:
         metadata={"help": "Streaming only: fraction of documents (by hash) reserved for the held-out split."},
     )
     shuffle_buffer: int = field(
-        default=1000, metadata={"help": "Streaming only: shuffle buffer (in blocks) for the train stream; 0 = off."}
+        default=1000,
+        metadata={"help": "Streaming only: shuffle buffer (in blocks) for the train stream; 0 = off."},
     )
     tokenizer: str | None = field(
         default=None,
@@ -130,7 +134,8 @@ class DataArguments:
     )  # fmt: skip
     seq_len: int = field(default=256, metadata={"help": "Tokens per packed block (>= 2)."})
     eval_blocks: int = field(
-        default=64, metadata={"help": "Held-out blocks of seq_len tokens (fixed size, disjoint from training)."}
+        default=64,
+        metadata={"help": "Held-out blocks of seq_len tokens (fixed size, disjoint from training)."},
     )
     split_seed: int = field(
         default=0, metadata={"help": "Seed of the document hash that decides the train / held-out split."}
@@ -138,7 +143,7 @@ class DataArguments:
     stratify_column: str | None = field(
         default="source",
         metadata={"help": "If the dataset has this column, the held-out documents alternate between its "
-                  "values (e.g. the embedded corpus's 'source'). None to disable."},
+                  "values (e.g. the embedded corpus's 'source'). None or '' to disable."},
     )  # fmt: skip
     pack_batch_docs: int = field(
         default=10_000,
@@ -147,7 +152,9 @@ class DataArguments:
     )  # fmt: skip
     data_cache_dir: str | None = field(
         default=None,
-        metadata={"help": "Cache for tokenized data; default $LOOPED_HF_CACHE/data or ~/.cache/looped_hf/data."},
+        metadata={
+            "help": "Cache for tokenized data; default $LOOPED_HF_CACHE/data or ~/.cache/looped_hf/data."
+        },
     )
     num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (None = 1)."})
 
@@ -157,7 +164,9 @@ class DataArguments:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and value for settings that cannot work."""
         if self.seq_len < 2:
-            raise ValueError(f"DataArguments.seq_len must be >= 2 (a block needs an input and a target), got {self.seq_len}")
+            raise ValueError(
+                f"DataArguments.seq_len must be >= 2 (a block needs an input and a target), got {self.seq_len}"
+            )
         if self.eval_blocks < 1:
             raise ValueError(f"DataArguments.eval_blocks must be >= 1, got {self.eval_blocks}")
         if not 0.0 < self.streaming_eval_fraction < 1.0:
@@ -302,7 +311,7 @@ def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
 
     Args:
         name: ``None`` or ``"embedded"``: byte-level BPE shipped in ``looped_hf/assets`` (4096 tokens,
-            trained on the embedded corpus, ~4 characters per token). ``"bytes"``: one token per
+            trained on the embedded corpus, ~3.3 characters per token). ``"bytes"``: one token per
             UTF-8 byte plus EOS and PAD (258 tokens; needs no file, for unit tests). A path to a
             ``tokenizer.json`` file or to a directory saved with ``save_pretrained``; otherwise a
             Hub name through ``AutoTokenizer.from_pretrained``.
@@ -358,7 +367,14 @@ def _resolve_source(args: DataArguments) -> tuple[str, dict[str, Any], dict[str,
         return "embedded", kwargs, {"kind": "embedded", "sha256": sha}
     path = Path(args.dataset).expanduser()
     if path.exists():
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        if path.is_dir():  # every data file below it, skipping hidden files and folders (.cache, .git)
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+        else:
+            files = [path]
         builders = {_builder_for(p) for p in files} - {None}
         if len(builders) != 1:
             raise ValueError(
@@ -379,8 +395,16 @@ def _resolve_source(args: DataArguments) -> tuple[str, dict[str, Any], dict[str,
             "sample_by": args.text_sample_by if builder == "text" else None,
         }
         return "local", kwargs, ident
+    if args.dataset.startswith(("/", "./", "../", "~")) or _builder_for(path) is not None:
+        # Clearly meant as a local path (a Hub id is "org/name"): fail here, not with a Hub error.
+        raise ValueError(f"DataArguments.dataset={args.dataset!r}: no such file or directory")
     kwargs = {"path": args.dataset, "name": args.dataset_config, "revision": args.dataset_revision}
-    ident = {"kind": "hub", "name": args.dataset, "config": args.dataset_config, "revision": args.dataset_revision}
+    ident = {
+        "kind": "hub",
+        "name": args.dataset,
+        "config": args.dataset_config,
+        "revision": args.dataset_revision,
+    }
     return "hub", kwargs, ident
 
 
@@ -423,14 +447,19 @@ def _tokenize_batch(
     seed: int,
 ) -> dict[str, list[Any]]:
     """Tokenize documents, append EOS; drop empty ones; add the split hash (and group)."""
-    texts = [t for t in batch[text_column]]
+    texts = list(batch[text_column])
     keep = [i for i, t in enumerate(texts) if isinstance(t, str) and t.strip()]
     texts = [texts[i] for i in keep]
-    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    ids = (
+        tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        if texts
+        else []
+    )
     eos = tokenizer.eos_token_id
     out: dict[str, list[Any]] = {
         "input_ids": [x + [eos] for x in ids],
         "doc_hash": [_doc_hash(t, seed) for t in texts],
+        "n_tokens": [len(x) + 1 for x in ids],
     }
     if group_column is not None:
         out["group"] = [str(batch[group_column][i]) for i in keep]
@@ -469,7 +498,7 @@ def _build_map_style(
     args: DataArguments, tokenizer: PreTrainedTokenizerBase, kind: str, kwargs: dict[str, Any], work: Path
 ) -> tuple[Dataset, Dataset, dict[str, Any]]:
     raw, columns = _load_raw(args, kind, kwargs, streaming=False)
-    group = args.stratify_column if args.stratify_column in columns else None
+    group = args.stratify_column if args.stratify_column and args.stratify_column in columns else None
     tokenized = raw.map(
         _tokenize_batch,
         batched=True,
@@ -482,7 +511,7 @@ def _build_map_style(
         new_fingerprint=hashlib.sha256(str(work).encode()).hexdigest()[:16],
         desc="Tokenizing documents",
     )  # fmt: skip
-    lengths = np.fromiter((len(x) for x in tokenized["input_ids"]), dtype=np.int64, count=len(tokenized))
+    lengths = np.asarray(tokenized["n_tokens"], dtype=np.int64)
     hashes = np.asarray(tokenized["doc_hash"], dtype=np.int64)
     order = _heldout_order(hashes, tokenized["group"] if group else None)
     need = args.eval_blocks * args.seq_len
@@ -502,7 +531,11 @@ def _build_map_style(
             "fn_kwargs": {"seq_len": args.seq_len}}  # fmt: skip
     # The held-out documents are packed in one batch, so no tokens are dropped between them.
     held_out = tokenized.select(eval_idx).map(
-        _pack_batch, batch_size=None, cache_file_name=str(work / "eval.arrow"), desc="Packing held-out", **pack
+        _pack_batch,
+        batch_size=None,
+        cache_file_name=str(work / "eval.arrow"),
+        desc="Packing held-out",
+        **pack,
     )
     held_out = held_out.select(range(args.eval_blocks))
     train = tokenized.select(train_idx).map(
@@ -532,6 +565,10 @@ def _stream_blocks(tokenized: IterableDataset, seq_len: int, batch_docs: int) ->
     )  # fmt: skip
 
 
+def _is_held_out(example: Mapping[str, Any], threshold: float, want: bool) -> bool:
+    return (example["doc_hash"] < threshold) == want
+
+
 def _streaming_parts(
     args: DataArguments, tokenizer: PreTrainedTokenizerBase, kind: str, kwargs: dict[str, Any]
 ) -> tuple[IterableDataset, IterableDataset]:
@@ -543,11 +580,12 @@ def _streaming_parts(
         fn_kwargs={"tokenizer": tokenizer, "text_column": args.text_column, "group_column": None,
                    "seed": args.split_seed},
         remove_columns=columns,
-        features=Features({"input_ids": List(Value("int64")), "doc_hash": Value("int64")}),
+        features=Features({"input_ids": List(Value("int64")), "doc_hash": Value("int64"), "n_tokens": Value("int64")}),
     )  # fmt: skip
+    # Module-level predicates (not lambdas) so the stream pickles into DataLoader workers on spawn.
     threshold = args.streaming_eval_fraction * _HASH_SPACE
-    held = tokenized.filter(lambda ex: ex["doc_hash"] < threshold)
-    train = tokenized.filter(lambda ex: ex["doc_hash"] >= threshold)
+    held = tokenized.filter(partial(_is_held_out, threshold=threshold, want=True))
+    train = tokenized.filter(partial(_is_held_out, threshold=threshold, want=False))
     return _stream_blocks(train, args.seq_len, 64), _stream_blocks(held, args.seq_len, 64)
 
 
@@ -567,6 +605,17 @@ def _cache_key(args: DataArguments, tokenizer: PreTrainedTokenizerBase, identity
         "streaming_eval_fraction": args.streaming_eval_fraction if args.streaming else None,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _remove_stale_builds(root: Path, max_age_s: float = 24 * 3600) -> None:
+    """Delete temporary build directories left by runs killed (SIGKILL, OOM) more than a day ago."""
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > max_age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:  # another run cleaned it first
+            pass
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -612,6 +661,7 @@ def build_datasets(
         return _with_torch(load_from_disk(str(final / "train"))), _with_torch(held_out)
 
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(root)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key}-"))
     started = time.perf_counter()
     try:
@@ -680,7 +730,9 @@ class PackedBlockCollator:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def collator(tokenizer: PreTrainedTokenizerBase | None = None) -> Callable[[list[Mapping[str, Any]]], dict[str, torch.Tensor]]:
+def collator(
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Callable[[list[Mapping[str, Any]]], dict[str, torch.Tensor]]:
     """The data collator to give the ``Trainer`` for blocks from ``build_datasets``."""
     del tokenizer  # kept in the signature so the call site reads like transformers' collators
     return PackedBlockCollator()

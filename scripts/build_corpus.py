@@ -362,10 +362,14 @@ def build(out_dir: Path, work: Path, site: Path | None, austen_deb: Path | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=ASSETS, help="output directory (default: package assets)")
     parser.add_argument("--work-dir", type=Path, default=None, help="download/unpack dir (default: temp)")
-    parser.add_argument("--site", type=Path, default=None, help="existing pip --target dir with both packages")
+    parser.add_argument(
+        "--site", type=Path, default=None, help="existing pip --target dir with both packages"
+    )
     parser.add_argument("--austen-deb", type=Path, default=None, help="existing r-cran-janeaustenr .deb")
     parser.add_argument("--max-doc-chars", type=int, default=16_000, help="Shakespeare part size")
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
@@ -386,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             digest = hashlib.sha256((out / name).read_bytes()).hexdigest()[:16]
             print(f"{name:18s} {(out / name).stat().st_size:>10,d} bytes sha256 {digest}")
         if args.check:
-            same = all((out / n).read_bytes() == (args.out / n).read_bytes() for n in (CORPUS_NAME, TOKENIZER_NAME))
+            same = all(
+                (out / n).read_bytes() == (args.out / n).read_bytes() for n in (CORPUS_NAME, TOKENIZER_NAME)
+            )
             print("identical to", args.out if same else f"DIFFERENT from {args.out}")
             return 0 if same else 1
     return 0

@@ -75,6 +75,10 @@ def test_save_load_without_trust_remote_code(tmp_path):
     assert type(loaded) is LoopedForCausalLM
     ids = prompts()
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # r can be chosen at load time, like any config field.
+    deeper = AutoModelForCausalLM.from_pretrained(tmp_path, num_recurrences=6).eval()
+    assert deeper.config.num_recurrences == 6 and deeper.config.effective_num_layers == 1 + 6 * 2 + 1
+    torch.testing.assert_close(deeper(ids).logits, model(ids, num_recurrences=6).logits, rtol=0, atol=0)
 
 
 def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
