@@ -94,7 +94,11 @@ class Runs:
         """Plain dicts (JSON-safe), the inverse of :func:`load_runs` on a list."""
         out = []
         for i in range(len(self)):
-            rec: dict[str, Any] = {"label": self.labels[i], "loss": float(self.loss[i]), "tokens": float(self.tokens[i])}
+            rec: dict[str, Any] = {
+                "label": self.labels[i],
+                "loss": float(self.loss[i]),
+                "tokens": float(self.tokens[i]),
+            }
             if self.kind == "looped":
                 rec.update(
                     n_once=float(self.n_once[i]),
@@ -168,7 +172,9 @@ def _records_from(source: Any) -> tuple[list[dict[str, Any]], list[str], str]:
             if not isinstance(rec, Mapping):
                 raise ValueError(f"row {i}: expected a dict, got {type(rec).__name__}")
         return [dict(r) for r in recs], [f"row {i}" for i in range(len(recs))], "<records>"
-    raise ValueError(f"cannot read runs from {type(source).__name__}: pass a path, DataFrame or list of dicts")
+    raise ValueError(
+        f"cannot read runs from {type(source).__name__}: pass a path, DataFrame or list of dicts"
+    )
 
 
 def _number(rec: Mapping[str, Any], col: str, label: str, where: str) -> float:
@@ -302,6 +308,12 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
             )
         seen[key] = label
 
+    n_budget = int(np.isfinite(budget).sum())
+    if 0 < n_budget < n:
+        notes.append(
+            f"'budget' is recorded for {n_budget} of {n} runs only: ignored (no cell bootstrap, no "
+            "leave-one-budget-out check)"
+        )
     arch = [str(r["arch"]) for r in records] if all("arch" in r for r in records) else None
     return Runs(
         loss=loss,

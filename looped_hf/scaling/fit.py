@@ -30,7 +30,7 @@ import numpy as np
 from . import law
 from .data import Runs, load_runs
 from .law import LawData
-from .optimize import chinchilla_grid, multistart, polish, random_starts
+from .optimize import chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
 
 BootstrapMethod = Literal["cell", "run"]
 StartMethod = Literal["auto", "random", "grid"]
@@ -191,7 +191,9 @@ class ScalingLawFit:
             "holdout": self.holdout,
             "notes": self.notes,
             "settings": self.settings,
-            "runs": None if self.runs is None else {"kind": self.runs.kind, "source": self.runs.source, "records": self.runs.to_records()},
+            "runs": None
+            if self.runs is None
+            else {"kind": self.runs.kind, "source": self.runs.source, "records": self.runs.to_records()},
         }
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
@@ -258,9 +260,7 @@ def _starts(
     return random_starts(rng, n_starts, fixed)
 
 
-def _bootstrap_weights(
-    rng: np.random.Generator, groups: np.ndarray | None, n: int
-) -> np.ndarray:
+def _bootstrap_weights(rng: np.random.Generator, groups: np.ndarray | None, n: int) -> np.ndarray:
     if groups is None:
         return rng.multinomial(n, np.full(n, 1.0 / n)).astype(float)
     n_groups = int(groups.max()) + 1
@@ -291,7 +291,8 @@ def _refit(
         p = polish(s, data, weights, free)
         if np.isfinite(p.fun) and (best is None or p.fun < best.fun):
             best = p
-    assert best is not None
+    if best is None:
+        raise RuntimeError("every start ended at a non-finite objective")
     return best.theta
 
 
@@ -348,6 +349,35 @@ def fit_scaling_law(
     if bootstrap < 0:
         raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
     data_runs = load_runs(runs, variant=variant)
+    with single_threaded_blas():
+        return _fit(
+            data_runs,
+            bootstrap,
+            seed,
+            fix_phi,
+            bootstrap_method,
+            starts,
+            n_starts,
+            n_polish,
+            bootstrap_starts,
+            variant,
+            checks,
+        )
+
+
+def _fit(
+    data_runs: Runs,
+    bootstrap: int,
+    seed: int,
+    fix_phi: float | None,
+    bootstrap_method: BootstrapMethod,
+    starts: StartMethod,
+    n_starts: int,
+    n_polish: int,
+    bootstrap_starts: int,
+    variant: str | None,
+    checks: bool,
+) -> ScalingLawFit:
     notes = list(data_runs.notes)
     if data_runs.kind == "plain" and fix_phi is not None:
         raise ValueError("fix_phi needs looped runs (n_once, n_rec, num_recurrences); these have 'params'")
@@ -360,15 +390,19 @@ def fit_scaling_law(
     phi_free = identifiable and fix_phi is None
     n_free = 5 + int(phi_free)
     if len(data_runs) < n_free:
-        raise ValueError(f"{len(data_runs)} run(s) but the law has {n_free} free parameters: need at least {n_free}")
+        raise ValueError(
+            f"{len(data_runs)} run(s) but the law has {n_free} free parameters: need at least {n_free}"
+        )
     if data_runs.budget is not None and len(np.unique(data_runs.budget)) == 1:
         warnings.warn(
             "all runs share one compute budget: A, alpha and B, beta trade off along the iso-FLOP line "
             "and the fit is poorly constrained; sweep several budgets",
-            stacklevel=2,
+            stacklevel=3,  # the user -> fit_scaling_law -> _fit
         )
 
-    fixed: dict[int, float] = {} if phi_free else {5: float(fix_phi) if (fix_phi is not None and identifiable) else 0.0}
+    fixed: dict[int, float] = (
+        {} if phi_free else {5: float(fix_phi) if (fix_phi is not None and identifiable) else 0.0}
+    )
     if fix_phi is not None and not identifiable:
         notes.append(f"fix_phi={fix_phi} has no effect: phi is not identifiable from these runs")
     free = _free_mask(phi_free)
@@ -389,7 +423,9 @@ def fit_scaling_law(
         if min(abs(theta[i] - law.BOUNDS[i][0]), abs(theta[i] - law.BOUNDS[i][1])) < 1e-6
     ]
     if at_bound:
-        notes.append(f"parameter(s) {at_bound} sit on the bounds of the search box {law.BOUNDS}: treat with care")
+        notes.append(
+            f"parameter(s) {at_bound} sit on the bounds of the search box {law.BOUNDS}: treat with care"
+        )
 
     fit = ScalingLawFit(
         params=params,
@@ -461,7 +497,12 @@ def fit_scaling_law(
 
 
 def _leave_largest_budget_out(
-    runs: Runs, data: LawData, warm: list[np.ndarray], free: np.ndarray, fixed: dict[int, float], rng: np.random.Generator
+    runs: Runs,
+    data: LawData,
+    warm: list[np.ndarray],
+    free: np.ndarray,
+    fixed: dict[int, float],
+    rng: np.random.Generator,
 ) -> dict[str, Any]:
     """Fit without the largest budget and predict it: an honest extrapolation check."""
     assert runs.budget is not None
@@ -533,21 +574,33 @@ def compare_fits(
     """
 
     def ensure(x: Any, s: int, variant: str | None) -> ScalingLawFit:
-        if isinstance(x, ScalingLawFit) and x.bootstrap_samples is not None and len(x.bootstrap_samples) >= bootstrap:
+        if (
+            isinstance(x, ScalingLawFit)
+            and x.bootstrap_samples is not None
+            and len(x.bootstrap_samples) >= bootstrap
+        ):
             return x
         if isinstance(x, ScalingLawFit):
             if x.runs is None:
                 raise ValueError("a fit without its runs and without bootstrap draws cannot be compared")
             x = x.runs
-        return fit_scaling_law(x, bootstrap=bootstrap, seed=s, bootstrap_method=bootstrap_method, variant=variant)
+        # No restricted fits / holdout: the comparison only needs phi's bootstrap draws.
+        return fit_scaling_law(
+            x, bootstrap=bootstrap, seed=s, bootstrap_method=bootstrap_method, variant=variant, checks=False
+        )
 
     if bootstrap < 2:
         raise ValueError("compare_fits needs bootstrap >= 2")
     fb = ensure(base, seed, base_variant)
     fp = ensure(probe, seed + 1, probe_variant)
+    phis = []
     for name, f in (("base", fb), ("probe", fp)):
-        if f.params["phi"] is None or f.fixed_phi is not None:
-            raise ValueError(f"the {name} sweep has no fitted phi (not identifiable or fixed): nothing to compare")
+        phi = f.params["phi"]
+        if phi is None or f.fixed_phi is not None:
+            raise ValueError(
+                f"the {name} sweep has no fitted phi (not identifiable or fixed): nothing to compare"
+            )
+        phis.append(phi)
     assert fb.bootstrap_samples is not None and fp.bootstrap_samples is not None
     n = min(len(fb.bootstrap_samples), len(fp.bootstrap_samples))
     diff = fp.bootstrap_samples[:n, 5] - fb.bootstrap_samples[:n, 5]
@@ -555,7 +608,7 @@ def compare_fits(
     return FitComparison(
         base=fb,
         probe=fp,
-        delta_phi=float(fp.params["phi"]) - float(fb.params["phi"]),  # type: ignore[arg-type]
+        delta_phi=phis[1] - phis[0],
         ci=(float(lo), float(hi)),
         samples=diff,
     )

@@ -45,7 +45,14 @@ PARAM_NAMES: tuple[str, ...] = ("a", "alpha", "b", "beta", "e", "phi")
 
 #: Bounds of the start box and of L-BFGS-B (the study's appendix: a, b in [-5, 35],
 #: alpha, beta in [0, 2.5], e in [-3, 2], phi in [-3, 3]).
-BOUNDS: tuple[tuple[float, float], ...] = ((-5.0, 35.0), (0.0, 2.5), (-5.0, 35.0), (0.0, 2.5), (-3.0, 2.0), (-3.0, 3.0))
+BOUNDS: tuple[tuple[float, float], ...] = (
+    (-5.0, 35.0),
+    (0.0, 2.5),
+    (-5.0, 35.0),
+    (0.0, 2.5),
+    (-3.0, 2.0),
+    (-3.0, 3.0),
+)
 
 HUBER_DELTA = 1e-3
 
@@ -126,6 +133,35 @@ def objective(
     grad[:, 4] = g3.sum(axis=1)
     grad[:, 5] = -theta[:, 1] * (g1 * dlne).sum(axis=1)
     return h.sum(axis=1), grad
+
+
+def objective_single(
+    theta: np.ndarray, data: LawData, weights: np.ndarray | None = None, delta: float = HUBER_DELTA
+) -> tuple[float, np.ndarray]:
+    """:func:`objective` for one parameter vector, with fewer numpy calls (the L-BFGS-B polish
+    calls it ~100 times per start, and at 116 runs numpy's per-call overhead dominates).
+
+    Uses ``H(rho) = c (rho - c/2)`` with ``c = clip(rho, -delta, delta)``, which equals both
+    branches of the Huber loss, and one matrix-vector product for the six gradient sums.
+    """
+    a, alpha, b, beta, e, phi = (float(x) for x in theta)
+    r_phi_rec = np.exp(phi * data.log_r) * data.n_rec
+    n_eff = data.n_once + r_phi_rec
+    lne = np.log(n_eff)
+    u1 = a - alpha * lne
+    u2 = b - beta * data.log_d
+    m = np.maximum(np.maximum(u1, u2), e)
+    e1, e2, e3 = np.exp(u1 - m), np.exp(u2 - m), np.exp(e - m)
+    tot = e1 + e2 + e3
+    rho = data.log_l - m - np.log(tot)
+    c = np.clip(rho, -delta, delta)
+    h = c * (rho - 0.5 * c)
+    g = -c / tot
+    if weights is not None:
+        h = h * weights
+        g = g * weights
+    rows = np.stack((e1, -e1 * lne, e2, -e2 * data.log_d, e3, -alpha * e1 * data.log_r * r_phi_rec / n_eff))
+    return float(h.sum()), rows @ g
 
 
 def objective_value(theta: np.ndarray, data: LawData, weights: np.ndarray | None = None) -> np.ndarray:

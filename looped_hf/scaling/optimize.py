@@ -11,17 +11,81 @@ screened answer equals the exhaustive one on the Chinchilla data.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import minimize
 
-from .law import BOUNDS, LawData, objective
+from .law import BOUNDS, LawData, objective, objective_single
 
 # Tight tolerances: the objective is ~1e-3 at the optimum and A, B are weakly identified, so
 # scipy's defaults (gtol 1e-5) stop visibly early.
 _LBFGS_OPTIONS = {"ftol": 1e-15, "gtol": 1e-11, "maxiter": 2000, "maxcor": 20}
+
+
+_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
+_GETTERS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_")
+
+
+def _openblas_handles() -> list[tuple[ctypes.CDLL, str, str]]:
+    """(library, getter, setter) for each OpenBLAS loaded in this process (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = sorted(
+                {ln.split()[-1] for ln in fh if "openblas" in ln.lower() and ln.split()[-1].startswith("/")}
+            )
+    except OSError:
+        return []
+    out = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for get, set_ in zip(_GETTERS, _SETTERS):
+            if hasattr(lib, get) and hasattr(lib, set_):
+                out.append((lib, get, set_))
+                break
+    return out
+
+
+@contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """Run the block with one BLAS thread, then restore.
+
+    Why: scipy's L-BFGS-B calls BLAS/LAPACK on 6x20 matrices every iteration; with OpenBLAS's
+    default thread pool each call wakes all threads, and on a busy 2-core machine a 6 ms polish
+    took 100-500 ms (measured). threadpoolctl does this properly when installed; otherwise we
+    call OpenBLAS's own setter through ctypes, and do nothing where neither is available.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        threadpool_limits = None
+    if threadpool_limits is not None:
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+        return
+    handles = _openblas_handles()
+    saved = []
+    for lib, get, set_ in handles:
+        try:
+            saved.append((lib, set_, int(getattr(lib, get)())))
+            getattr(lib, set_)(1)
+        except Exception:  # a foreign symbol with another signature: leave that library alone
+            continue
+    try:
+        yield
+    finally:
+        for lib, set_, n in saved:
+            getattr(lib, set_)(n)
 
 
 @dataclass
@@ -60,9 +124,7 @@ def chinchilla_grid(fixed: dict[int, float]) -> np.ndarray:
     return grid
 
 
-def polish(
-    theta0: np.ndarray, data: LawData, weights: np.ndarray | None, free: np.ndarray
-) -> Polished:
+def polish(theta0: np.ndarray, data: LawData, weights: np.ndarray | None, free: np.ndarray) -> Polished:
     """L-BFGS-B from ``theta0`` over the ``free`` coordinates (analytic gradient)."""
     theta0 = np.clip(np.asarray(theta0, dtype=float), [b[0] for b in BOUNDS], [b[1] for b in BOUNDS])
     base = theta0.copy()
@@ -71,8 +133,8 @@ def polish(
     def fun(x: np.ndarray) -> tuple[float, np.ndarray]:
         th = base.copy()
         th[idx] = x
-        f, g = objective(th[None, :], data, weights)
-        return float(f[0]), g[0, idx]
+        f, g = objective_single(th, data, weights)
+        return f, g[idx]
 
     res = minimize(
         fun,

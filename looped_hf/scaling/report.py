@@ -46,21 +46,27 @@ def render_report(fit: ScalingLawFit) -> str:
     boot = fit.bootstrap_samples
     hdr = "param      estimate      95% CI"
     if boot is not None:
-        hdr += f" ({len(boot)} resamples, {s.get('bootstrap_method_used', s.get('bootstrap_method'))} bootstrap)"
+        hdr += (
+            f" ({len(boot)} resamples, {s.get('bootstrap_method_used', s.get('bootstrap_method'))} bootstrap)"
+        )
     lines.append(hdr)
     for name in ("E", "A", "alpha", "B", "beta", "phi"):
         if name == "phi" and fit.kind == "plain":
             continue
         val = fit.params.get(name)
         ci = fit.ci.get(name)
-        ci_s = f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else ("(fixed)" if name == "phi" and fit.fixed_phi is not None else "-")
+        ci_s = (
+            f"[{_num(ci[0])}, {_num(ci[1])}]"
+            if ci
+            else ("(fixed)" if name == "phi" and fit.fixed_phi is not None else "-")
+        )
         lines.append(f"{name:<8} {_num(val):>12}      {ci_s}")
     lines.append(f"R^2 (loss) = {fit.r2:.4f}   objective = {fit.objective:.6g}")
     lines.append("")
 
     # Restricted fits.
     if fit.restricted:
-        lines.append("restricted fits (how much worse than free phi):")
+        lines.append("restricted fits (how much worse than the fit above):")
         for key, res in fit.restricted.items():
             lines.append(
                 f"  {key:<6} R^2 {res['r2']:.4f} (delta {res['r2'] - fit.r2:+.4f})   objective {res['objective']:.6g} "
@@ -74,7 +80,9 @@ def render_report(fit: ScalingLawFit) -> str:
         for r in np.unique(runs.num_recurrences):
             m = runs.num_recurrences == r
             res = fit.residuals[m]
-            lines.append(f"{'':35}{r:>3g} {int(m.sum()):>6}   {res.mean():+.2e}  {np.sqrt(np.mean(res**2)):.2e}")
+            lines.append(
+                f"{'':35}{r:>3g} {int(m.sum()):>6}   {res.mean():+.2e}  {np.sqrt(np.mean(res**2)):.2e}"
+            )
         lines.append("")
 
     # Equivalences: the study's sentence, for the largest model at each r > 1.

@@ -21,7 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 #: Ground truth: Chinchilla's refit (Besiroglu et al. 2024) and the study's phi.
-TRUE_PARAMS: dict[str, float] = {"E": 1.817, "A": 482.01, "alpha": 0.3478, "B": 2085.43, "beta": 0.3658, "phi": 0.46}
+TRUE_PARAMS: dict[str, float] = {
+    "E": 1.817,
+    "A": 482.01,
+    "alpha": 0.3478,
+    "B": 2085.43,
+    "beta": 0.3658,
+    "phi": 0.46,
+}
 BUDGETS: tuple[float, ...] = (4.64e17, 1.0e18, 2.15e18, 4.64e18, 1.0e19, 2.15e19)
 RECURRENCES: tuple[int, ...] = (1, 2, 4, 8)
 WIDTH_FACTORS: tuple[float, ...] = (0.55, 0.75, 1.0, 1.35, 1.8)

@@ -1,0 +1,98 @@
+"""``looped-hf fit``: fit the looped scaling law to a sweep's results and report phi.
+
+    looped-hf fit RESULTS [--bootstrap N] [--seed S] [--out fit.json] [--plots DIR]
+                          [--compare PROBE_RESULTS] [--fix-phi X] [--variant NAME]
+                          [--bootstrap-method cell|run]
+
+Prints the report. Bad input (a ValueError naming row and column) exits with status 2 and
+writes nothing; ``--out`` is written atomically (temp file + ``os.replace``) after the fit and
+plots succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .fit import compare_fits, fit_scaling_law, write_atomic
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="looped-hf fit", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", help="results.jsonl (or .csv) of a sweep")
+    p.add_argument("--bootstrap", type=int, default=0, metavar="N", help="bootstrap resamples (default 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of starts and resamples (default 0)"
+    )
+    p.add_argument("--out", type=Path, default=None, metavar="FIT_JSON", help="write the fit as JSON")
+    p.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument(
+        "--compare", default=None, metavar="PROBE_RESULTS", help="probe sweep: report phi(probe) - phi(base)"
+    )
+    p.add_argument(
+        "--fix-phi", type=float, default=None, metavar="X", help="hold phi at X instead of fitting it"
+    )
+    p.add_argument("--variant", default=None, metavar="NAME", help="fit only runs of this variant")
+    p.add_argument(
+        "--bootstrap-method",
+        choices=("cell", "run"),
+        default="cell",
+        help="resample (budget, r) cells or runs",
+    )
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Run ``looped-hf fit``; returns the exit status (0 ok, 2 bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        fit = fit_scaling_law(
+            args.results,
+            bootstrap=args.bootstrap,
+            seed=args.seed,
+            fix_phi=args.fix_phi,
+            variant=args.variant,
+            bootstrap_method=args.bootstrap_method,
+        )
+        comparison = None
+        if args.compare is not None:
+            if args.bootstrap < 2:
+                raise ValueError(
+                    "--compare needs --bootstrap N (N >= 2) for the interval of the phi difference"
+                )
+            probe = fit_scaling_law(
+                args.compare,
+                bootstrap=args.bootstrap,
+                seed=args.seed + 1,
+                variant=args.variant,
+                bootstrap_method=args.bootstrap_method,
+            )
+            comparison = compare_fits(fit, probe, bootstrap=args.bootstrap, seed=args.seed)
+    except ValueError as exc:
+        print(f"looped-hf fit: error: {exc}", file=sys.stderr)
+        return 2
+
+    print(fit.report(), end="")
+    if comparison is not None:
+        print(f"\ncomparison with {args.compare}:")
+        print(comparison.report())
+    if args.plots is not None:
+        for path in fit.plot(args.plots):
+            print(f"wrote {path}")
+    if args.out is not None:
+        obj = fit.to_dict()
+        if comparison is not None:
+            obj["comparison"] = {
+                "probe_results": str(args.compare),
+                **comparison.to_dict(),
+                "probe": comparison.probe.to_dict(),
+            }
+        write_atomic(args.out, json.dumps(obj, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
