@@ -52,10 +52,14 @@ class ModelArguments:
     num_attention_heads: int | None = field(
         default=None, metadata={"help": "Query heads; None = hidden_size // head_dim."}
     )
-    head_dim: int | None = field(default=None, metadata={"help": "Per-head width; None = hidden_size // heads."})
+    head_dim: int | None = field(
+        default=None, metadata={"help": "Per-head width; None = hidden_size // heads."}
+    )
     num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads (GQA); None = heads."})
     intermediate_size: int | None = field(default=None, metadata={"help": "MLP width; None = 4d (relu2)."})
-    hidden_act: str = field(default="relu2", metadata={"help": "relu2 (study), silu, gelu, gelu_pytorch_tanh."})
+    hidden_act: str = field(
+        default="relu2", metadata={"help": "relu2 (study), silu, gelu, gelu_pytorch_tanh."}
+    )
     num_prelude_layers: int = field(default=2, metadata={"help": "P: unique layers before the loop."})
     num_recurrent_layers: int = field(default=4, metadata={"help": "K: layers of the shared block."})
     num_coda_layers: int = field(default=2, metadata={"help": "C: unique layers after the loop."})
@@ -87,7 +91,9 @@ class ModelArguments:
         heads, head_dim = self.num_attention_heads, self.head_dim
         if heads is None:
             if head_dim is None:
-                raise RecipeError("ModelArguments.num_attention_heads=None: give num_attention_heads or head_dim")
+                raise RecipeError(
+                    "ModelArguments.num_attention_heads=None: give num_attention_heads or head_dim"
+                )
             if self.hidden_size % head_dim:
                 raise RecipeError(
                     f"ModelArguments.head_dim={head_dim}: does not divide hidden_size={self.hidden_size}"
@@ -95,7 +101,9 @@ class ModelArguments:
             heads = self.hidden_size // head_dim
         max_pos = self.max_position_embeddings or seq_len
         if max_pos < seq_len:
-            raise RecipeError(f"ModelArguments.max_position_embeddings={max_pos}: smaller than seq_len={seq_len}")
+            raise RecipeError(
+                f"ModelArguments.max_position_embeddings={max_pos}: smaller than seq_len={seq_len}"
+            )
         try:
             return LoopedConfig(
                 vocab_size=vocab_size,
@@ -140,10 +148,6 @@ class LoopedTrainingArguments(TrainingArguments):
     """
 
     output_dir: str | None = field(default="runs/looped", metadata={"help": "The run directory."})
-    include_num_input_tokens_seen: str | bool = field(
-        default="all",
-        metadata={"help": "Trainer's exact, cross-process token count; the compute callback relies on it."},
-    )
     optimizer: str = field(
         default="adamw",
         metadata={"help": "adamw (default) or muon: Muon for 2-D weights inside layers, AdamW for the rest."},
@@ -169,26 +173,49 @@ class LoopedTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Train for budget / training_flops_per_token tokens (rounded up to whole steps)."},
     )
-    run_id: str | None = field(default=None, metadata={"help": "Name of the run (default: output_dir's name)."})
-    arch: str | None = field(default=None, metadata={"help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."})
-    variant: str = field(default="base", metadata={"help": "Sweep variant: base, truncated, hyperconnection."})
+    torch_num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU threads for torch (None: torch's default). On a small or shared CPU, 1 avoids "
+            "OpenMP oversubscription, which slows tiny models several-fold."
+        },
+    )
+    run_id: str | None = field(
+        default=None, metadata={"help": "Name of the run (default: output_dir's name)."}
+    )
+    arch: str | None = field(
+        default=None, metadata={"help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."}
+    )
+    variant: str = field(
+        default="base", metadata={"help": "Sweep variant: base, truncated, hyperconnection."}
+    )
     results_file: str | None = field(
         default=None, metadata={"help": "Also append the run record to this JSONL file (atomic, locked)."}
     )
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
-            raise RecipeError(f"LoopedTrainingArguments.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
+            raise RecipeError(
+                f"LoopedTrainingArguments.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}"
+            )
         if self.lr_schedule not in LR_SCHEDULES:
             raise RecipeError(
                 f"LoopedTrainingArguments.lr_schedule={self.lr_schedule!r}: must be one of {LR_SCHEDULES}"
             )
         if not 0.0 <= self.final_lr_ratio <= 1.0:
-            raise RecipeError(f"LoopedTrainingArguments.final_lr_ratio={self.final_lr_ratio}: must be in [0, 1]")
+            raise RecipeError(
+                f"LoopedTrainingArguments.final_lr_ratio={self.final_lr_ratio}: must be in [0, 1]"
+            )
+        if self.torch_num_threads is not None and self.torch_num_threads < 1:
+            raise RecipeError(
+                f"LoopedTrainingArguments.torch_num_threads={self.torch_num_threads}: must be >= 1"
+            )
         if self.train_tokens is not None and self.train_tokens < 1:
             raise RecipeError(f"LoopedTrainingArguments.train_tokens={self.train_tokens}: must be >= 1")
         if self.train_flops_budget is not None and not self.train_flops_budget > 0:
-            raise RecipeError(f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0")
+            raise RecipeError(
+                f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0"
+            )
         given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
         if len(given) > 1:
             raise RecipeError(
@@ -204,9 +231,15 @@ def _data_arguments_class() -> type:
     return DataArguments
 
 
+class _RecipeParser(HfArgumentParser):
+    # argparse exits the process on a bad value; a library call should raise instead.
+    def error(self, message: str):
+        raise RecipeError(message)
+
+
 def recipe_parser() -> HfArgumentParser:
     """The parser of a flat recipe: model, data and training fields (names must not collide)."""
-    return HfArgumentParser((ModelArguments, _data_arguments_class(), LoopedTrainingArguments))
+    return _RecipeParser((ModelArguments, _data_arguments_class(), LoopedTrainingArguments))
 
 
 def _known_fields(parser: HfArgumentParser) -> set[str]:
@@ -218,7 +251,9 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     text = Path(path).read_text(encoding="utf-8")
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
-        raise RecipeError(f"recipe {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}")
+        raise RecipeError(
+            f"recipe {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
+        )
     return data
 
 
@@ -228,7 +263,9 @@ def check_fields(data: dict[str, Any], known: set[str], where: str) -> None:
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise RecipeError(f"{where}: unknown field {key!r} (not a model, data or training argument){hint}")
+            raise RecipeError(
+                f"{where}: unknown field {key!r} (not a model, data or training argument){hint}"
+            )
 
 
 def _flag_names(argv: list[str]) -> set[str]:
@@ -291,9 +328,10 @@ def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArgu
             if f.init:
                 out[f.name] = _plain(getattr(obj, f.name))
     for f in dataclasses.fields(training_args):
-        if not f.init:
-            continue
-        value = _plain(getattr(training_args, f.name))
+        raw = getattr(training_args, f.name) if f.init else None
+        if not f.init or dataclasses.is_dataclass(raw):
+            continue  # objects built in __post_init__ (e.g. accelerator_config) are not recipe values
+        value = _plain(raw)
         if f.default is not dataclasses.MISSING:
             default = _plain(f.default)
         elif f.default_factory is not dataclasses.MISSING:
@@ -307,7 +345,11 @@ def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArgu
 
 def _plain(value: Any) -> Any:
     """YAML/JSON-safe form of a dataclass value (enums to their value, tuples to lists)."""
-    if hasattr(value, "value") and type(value).__module__ != "builtins" and not isinstance(value, (int, float)):
+    if (
+        hasattr(value, "value")
+        and type(value).__module__ != "builtins"
+        and not isinstance(value, (int, float))
+    ):
         return value.value
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -321,7 +363,12 @@ def _plain(value: Any) -> Any:
 def tokens_per_step(training_args: TrainingArguments, seq_len: int, world_size: int | None = None) -> int:
     """Tokens in one optimizer step: batch x accumulation x processes x sequence length."""
     world = training_args.world_size if world_size is None else world_size
-    return training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * world * seq_len
+    return (
+        training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * world
+        * seq_len
+    )
 
 
 def steps_for_tokens(tokens: float, step_tokens: int, field_name: str, value: Any) -> int:

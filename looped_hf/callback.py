@@ -178,11 +178,13 @@ class LoopedComputeCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self._setup(args, kwargs.get("model"))
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs
+    ):
         if logs is None:
             return
         extra = self.current(state)
-        if "train_runtime" in logs or "total_flos" in logs:
+        if "train_loss" in logs:
             # The end-of-training summary entry: also the static description of the loop.
             extra.update({k: v for k, v in self.static.items() if v is not None})
         logs.update(extra)

@@ -57,7 +57,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         inner = state_dict["optimizers"]
         if len(inner) != len(self.optimizers):
-            raise ValueError(f"checkpoint has {len(inner)} optimizer states, this run has {len(self.optimizers)}")
+            raise ValueError(
+                f"checkpoint has {len(inner)} optimizer states, this run has {len(self.optimizers)}"
+            )
         for opt, sd in zip(self.optimizers, inner):
             opt.load_state_dict(sd)
 
@@ -88,7 +90,9 @@ def build_optimizer(model: torch.nn.Module, args: LoopedTrainingArguments) -> to
     """The optimizer `args.optimizer` names, with the study's parameter split."""
     matrices, hyper, rest = _split_parameters(model)
     adam_kwargs = {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
-    hyper_group = [{"params": hyper, "lr": args.hyperconnection_learning_rate, "weight_decay": 0.0}] if hyper else []
+    hyper_group = (
+        [{"params": hyper, "lr": args.hyperconnection_learning_rate, "weight_decay": 0.0}] if hyper else []
+    )
     if args.optimizer == "adamw":
         groups = [{"params": matrices + rest, "lr": args.learning_rate, "weight_decay": args.weight_decay}]
         return torch.optim.AdamW(groups + hyper_group, **adam_kwargs)
@@ -138,7 +142,9 @@ def build_optimizer_and_scheduler(
             scheduler_specific_kwargs=args.lr_scheduler_kwargs,
         )
     else:
-        scheduler = study_schedule(optimizer, max_steps, args.get_warmup_steps(max_steps), args.final_lr_ratio)
+        scheduler = study_schedule(
+            optimizer, max_steps, args.get_warmup_steps(max_steps), args.final_lr_ratio
+        )
     return optimizer, scheduler
 
 

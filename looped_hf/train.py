@@ -55,7 +55,7 @@ RECORD_KEYS = (
     "loss", "tokens", "n_once", "n_rec", "num_recurrences", "train_flops",
     "budget", "arch", "variant", "hidden_size", "seed", "status", "error",
     "effective_num_layers", "backprop_recurrences", "eval_perplexity", "eval_tokens",
-    "train_loss", "train_flops_per_token", "trainer_total_flos", "max_steps", "tokens_per_step",
+    "train_loss", "train_runtime_s", "train_flops_per_token", "trainer_total_flos", "max_steps", "tokens_per_step",
     "seq_len", "num_processes", "config", "recipe", "versions", "wall_time_s", "run_id", "run_dir",
 )  # fmt: skip
 
@@ -91,7 +91,9 @@ def resolve_max_steps(
         tokens = budget / flops_per_token
         return steps_for_tokens(tokens, step_tokens, "train_flops_budget", f"{budget:.4g}"), step_tokens
     if training_args.train_tokens is not None:
-        steps = steps_for_tokens(training_args.train_tokens, step_tokens, "train_tokens", training_args.train_tokens)
+        steps = steps_for_tokens(
+            training_args.train_tokens, step_tokens, "train_tokens", training_args.train_tokens
+        )
         return steps, step_tokens
     if training_args.max_steps is None or training_args.max_steps <= 0:
         raise RecipeError(
@@ -145,7 +147,9 @@ class NonFiniteLossGuard(TrainerCallback):
 
 
 @torch.no_grad()
-def heldout_loss(model: torch.nn.Module, dataset: Any, batch_size: int, accelerator: Any = None) -> tuple[float, int]:
+def heldout_loss(
+    model: torch.nn.Module, dataset: Any, batch_size: int, accelerator: Any = None
+) -> tuple[float, int]:
     """Token-weighted mean next-token loss (nats/token) over `dataset`, and the tokens predicted.
 
     Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
@@ -209,6 +213,8 @@ def train(
     record = _empty_record(training_args, run_dir)
     seq_len = data_args.seq_len
 
+    if training_args.torch_num_threads is not None:
+        torch.set_num_threads(training_args.torch_num_threads)
     # --- everything that can be wrong with the recipe fails here, before any training ----------
     tokenizer = load_tokenizer(data_args.tokenizer)
     config = model_args.to_config(
@@ -262,7 +268,9 @@ def train(
         resume = training_args.resume_from_checkpoint or last_checkpoint(training_args.output_dir)
         output = trainer.train(resume_from_checkpoint=resume)
         summary = compute.summary(trainer.state)
-        loss, eval_tokens = heldout_loss(model, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator)
+        loss, eval_tokens = heldout_loss(
+            model, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator
+        )
         record.update(
             loss=loss,
             eval_tokens=eval_tokens,
@@ -273,6 +281,7 @@ def train(
             n_once=summary["n_once"],
             n_rec=summary["n_rec"],
             train_loss=output.metrics.get("train_loss"),
+            train_runtime_s=output.metrics.get("train_runtime"),
             resumed_from=resume,
         )
         if guard.error is not None:
@@ -319,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         recipe_parser().print_help()
         return 0 if argv else 2
     recipe, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        # `accelerate launch --multi_gpu --num_processes N` on a machine without GPUs: train on N
+        # CPU processes (gloo) instead of N independent runs. (`accelerate launch --cpu` starts
+        # a single process whatever --num_processes says.)
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     try:
         model_args, data_args, training_args = parse_recipe(recipe, overrides)
         record = train(model_args, data_args, training_args)
@@ -329,7 +343,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"looped-hf train: run {record['run_id']} failed: {record['error']}", file=sys.stderr)
         return 1
     if training_args.process_index == 0:
-        keys = ("run_id", "loss", "tokens", "train_flops", "n_once", "n_rec", "num_recurrences", "wall_time_s")
+        keys = (
+            "run_id",
+            "loss",
+            "tokens",
+            "train_flops",
+            "n_once",
+            "n_rec",
+            "num_recurrences",
+            "wall_time_s",
+        )
         print(json.dumps({k: record[k] for k in keys}))
     return 0
 

@@ -18,14 +18,27 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models on a busy 2-core machine: a second OpenMP thread only adds contention (seen
+    to make 4-step runs 20x slower). Restores the previous setting afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~120 KB of the embedded classics as a JSONL file (one document per line)."""
     path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
     size = 0
-    with lzma.open(REPO / "looped_hf" / "assets" / "corpus.jsonl.xz", "rt", encoding="utf-8") as src, open(
-        path, "w", encoding="utf-8"
-    ) as dst:
+    with (
+        lzma.open(REPO / "looped_hf" / "assets" / "corpus.jsonl.xz", "rt", encoding="utf-8") as src,
+        open(path, "w", encoding="utf-8") as dst,
+    ):
         for line in src:
             row = json.loads(line)
             text = row["text"][:4000]

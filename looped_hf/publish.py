@@ -1,0 +1,435 @@
+"""Publish one run: a complete, Hub-ready repository folder, and optionally upload it.
+
+    looped-hf publish runs/iso_depth_tiny/loop2-w128-b2 --repo-id me/looped-tiny               # folder only
+    looped-hf publish runs/iso_depth_tiny/loop2-w128-b2 --repo-id me/looped-tiny --push        # + upload
+    looped-hf publish RUN_DIR --repo-id me/looped-tiny --fit runs/iso_depth_tiny/fit.json       # card with phi
+
+The folder (default ``RUN_DIR/publish``) holds ``config.json`` (with ``auto_map``),
+``model.safetensors``, ``configuration_looped.py`` + ``modeling_looped.py`` (the remote code),
+``generation_config.json``, the tokenizer files and ``README.md`` (the model card). The model
+is re-saved through ``from_pretrained`` + ``save_pretrained`` so the code files are this
+version's and ``use_cache`` is on (the Trainer saves it off). The folder is built in a temporary
+sibling and renamed into place at the end: an interrupted publish leaves nothing half-written,
+and an existing folder is replaced only with ``--overwrite``.
+
+``--push`` calls ``HfApi().create_repo(..., exist_ok=True)`` and ``HfApi().upload_folder(...)``;
+the token is whatever huggingface_hub resolves (``HF_TOKEN``, ``hf auth login``). This module
+never reads, prints or writes it, and refuses to upload a folder with anything that looks like
+a token in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PathLike = str | os.PathLike[str]
+
+RECORD_NAME = "run_record.json"  # looped_hf.train.RECORD_NAME (not imported: train pulls in the Trainer)
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: Files every published folder has (plus README.md and at least one tokenizer file).
+REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
+                   "generation_config.json", "tokenizer_config.json", "README.md")  # fmt: skip
+# A Hub user access token: "hf_" + 30+ letters/digits. Checked before any upload.
+_TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+class PublishError(ValueError):
+    """A run directory or option that cannot be published; the message names the file or field."""
+
+
+@dataclass
+class RunDir:
+    """A checked run directory: its path, run record and what its weights/tokenizer files are."""
+
+    path: Path
+    record: dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+def check_repo_id(repo_id: str) -> str:
+    """``ORG/NAME`` with the Hub's characters; raises ``PublishError`` naming the value."""
+    if (
+        not isinstance(repo_id, str)
+        or not _REPO_ID.match(repo_id)
+        or ".." in repo_id
+        or repo_id.endswith(".git")
+    ):
+        raise PublishError(f"--repo-id {repo_id!r}: expected ORG/NAME (letters, digits, '-', '_', '.')")
+    return repo_id
+
+
+def check_run_dir(run_dir: PathLike) -> RunDir:
+    """Check that ``run_dir`` is a finished, successful run; raise ``PublishError`` naming what is missing.
+
+    Needs ``config.json``, weights (``model.safetensors`` or a sharded index), a tokenizer file
+    and ``run_record.json`` with ``status: ok`` and a finite ``loss``.
+    """
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise PublishError(f"run directory {path} does not exist")
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / name).is_file() for name in WEIGHTS_FILES):
+        missing.append("model.safetensors (the trained weights)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer.json / tokenizer_config.json (the tokenizer)")
+    if not (path / RECORD_NAME).is_file():
+        missing.append(f"{RECORD_NAME} (the run record)")
+    if missing:
+        raise PublishError(
+            f"{path} is not a finished run directory: missing {', '.join(missing)}. "
+            "Publish a run after `looped-hf train` / `looped-hf sweep` has finished it."
+        )
+    try:
+        record = json.loads((path / RECORD_NAME).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise PublishError(f"{path / RECORD_NAME}: not valid JSON ({err})") from err
+    if not isinstance(record, dict):
+        raise PublishError(f"{path / RECORD_NAME}: expected a JSON object, got {type(record).__name__}")
+    if record.get("status") != "ok":
+        raise PublishError(
+            f"{path / RECORD_NAME}: status={record.get('status')!r} (error: {record.get('error')!r}); only ok runs are published"
+        )
+    from looped_hf.cards import heldout_metrics
+
+    try:
+        heldout_metrics(record)
+    except ValueError as err:
+        raise PublishError(f"{path / RECORD_NAME}: {err}") from err
+    return RunDir(path=path, record=record)
+
+
+def scan_for_tokens(folder: PathLike) -> list[Path]:
+    """Files under ``folder`` containing something shaped like a Hub access token."""
+    hits = []
+    for file in sorted(Path(folder).rglob("*")):
+        if file.is_file() and _TOKEN_PATTERN.search(file.read_bytes()):
+            hits.append(file)
+    return hits
+
+
+# --------------------------------------------------------------------------------------------
+# Building the folder
+# --------------------------------------------------------------------------------------------
+def _save_model_and_tokenizer(run: RunDir, dest: Path) -> Any:
+    """Reload the run's model and tokenizer and save them into ``dest``; returns the model."""
+    from transformers import AutoTokenizer
+
+    from looped_hf import LoopedForCausalLM  # importing looped_hf marks the classes for remote code
+
+    model = LoopedForCausalLM.from_pretrained(run.path)
+    model.config.use_cache = True  # Trainer saved it off; generation wants the cache
+    model.save_pretrained(dest)
+    tokenizer = AutoTokenizer.from_pretrained(run.path)
+    tokenizer.save_pretrained(dest)
+    return model
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 and safetensors writes 0600: a published folder is meant to
+    be shared, so give it the permissions of an ordinary folder under the user's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for file in folder.iterdir():
+        if file.is_file():
+            file.chmod(0o666 & ~mask)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an existing ``out`` is removed only after the move succeeded."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_folder(
+    run_dir: PathLike,
+    repo_id: str,
+    out: PathLike | None = None,
+    *,
+    fit: Any = None,
+    overwrite: bool = False,
+    license: str = "apache-2.0",
+    verify: bool = False,
+) -> Path:
+    """Write the Hub repository folder of one run and return its path.
+
+    Args:
+        run_dir: a finished run directory (see :func:`check_run_dir`).
+        repo_id: ``ORG/NAME``, used in the card's loading code.
+        out: destination folder (default ``run_dir/publish``).
+        fit: a :class:`~looped_hf.scaling.ScalingLawFit` or path to ``fit.json``: the card then
+            shows phi and this model's effective parameter count.
+        overwrite: replace an existing ``out`` (otherwise refused).
+        license: license id for the card metadata.
+        verify: before moving the folder into place, recompute the held-out loss from the folder's
+            own files (:func:`verify_folder`) and refuse if it differs from the run record's.
+
+    Raises:
+        PublishError: incomplete run directory, failed run, bad repo id, ``out`` exists, or
+            (``verify``) the published model does not reproduce the recorded loss.
+    """
+    check_repo_id(repo_id)
+    run = check_run_dir(run_dir)
+    dest = Path(out) if out is not None else run.path / "publish"
+    if run.path.resolve().is_relative_to(dest.resolve()):  # --overwrite would delete the run itself
+        raise PublishError(
+            f"--out {dest} is (or contains) the run directory {run.path}; choose another folder"
+        )
+    if dest.exists() and not overwrite:
+        raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
+    fit_obj = _load_fit(fit)
+    from looped_hf.cards import CARD_NAME, render_checkpoint_card
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        model = _save_model_and_tokenizer(run, tmp)
+        card = render_checkpoint_card(run.record, model, repo_id=repo_id, license=license, fit=fit_obj)
+        card.save(tmp / CARD_NAME)
+        _check_output(tmp)
+        if verify:
+            metrics = verify_folder(tmp, run.record)
+            print(f"[publish] verified: the folder's model scores {metrics['loss']:.6f} nats/token on the held-out "
+                  f"blocks ({metrics['num_tokens']} tokens), as recorded", flush=True)  # fmt: skip
+        _make_readable(tmp)
+        _replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def heldout_metrics_of_folder(
+    folder: PathLike, record: dict[str, Any], batch_size: int = 8
+) -> dict[str, float]:
+    """Recompute the held-out loss and perplexity of a published folder from its own files.
+
+    The held-out blocks are rebuilt from the run's recipe (``looped_hf.data.build_datasets``:
+    same source, ``seq_len``, ``eval_blocks`` and split seed, the folder's tokenizer), and the
+    shipped ``evaluate`` metric ``token_perplexity`` accumulates each batch's summed NLL and
+    token count, so the result is token-weighted like the run record's ``loss``.
+    """
+    import dataclasses
+
+    import evaluate
+    import torch
+    from transformers import AutoTokenizer
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.data import DataArguments, build_datasets
+    from looped_hf.metrics import TOKEN_PERPLEXITY_PATH
+
+    recipe = record.get("recipe") or {}
+    names = {f.name for f in dataclasses.fields(DataArguments) if f.init}
+    data_args = DataArguments(**{k: v for k, v in recipe.items() if k in names})
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    _, heldout = build_datasets(data_args, tokenizer)
+    model = LoopedForCausalLM.from_pretrained(folder).eval()
+    metric = evaluate.load(TOKEN_PERPLEXITY_PATH)
+    with torch.no_grad():
+        for start in range(0, len(heldout), batch_size):
+            ids = torch.as_tensor(heldout[start : start + batch_size]["input_ids"], dtype=torch.long)
+            n = ids[:, 1:].numel()  # packed blocks: no padding, every shifted target counts
+            loss = model(input_ids=ids, labels=ids).loss
+            metric.add_batch(nll_sum=[float(loss) * n], num_tokens=[n])
+    return metric.compute()
+
+
+def verify_folder(folder: PathLike, record: dict[str, Any], tolerance: float = 1e-4) -> dict[str, float]:
+    """Check that the folder's model reproduces the record's held-out loss (within ``tolerance``
+    nats/token); raises ``PublishError`` with both numbers otherwise."""
+    metrics = heldout_metrics_of_folder(folder, record)
+    recorded = float(record["loss"])
+    if not abs(metrics["loss"] - recorded) <= tolerance:
+        raise PublishError(
+            f"run_record.json loss={recorded:.6f} but the published model scores {metrics['loss']:.6f} nats/token "
+            f"on the held-out blocks (tolerance {tolerance:g}): the weights, tokenizer or data differ from the run's"
+        )
+    return metrics
+
+
+def _load_fit(fit: Any) -> Any:
+    if fit is None or not isinstance(fit, (str, os.PathLike)):
+        return fit
+    from looped_hf.scaling import ScalingLawFit
+
+    if not Path(fit).is_file():
+        raise PublishError(f"--fit {fit}: no such file")
+    try:
+        return ScalingLawFit.from_json(fit)
+    except (ValueError, KeyError) as err:
+        raise PublishError(f"--fit {fit}: not a looped_hf fit ({err})") from err
+
+
+def _check_output(folder: Path) -> None:
+    """The folder must hold every file a Hub user needs (guards against transformers changes)."""
+    missing = [name for name in REQUIRED_OUTPUT if not (folder / name).is_file()]
+    if missing:
+        raise PublishError(f"the published folder lacks {missing}: transformers' save_pretrained changed?")
+    auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
+    if "AutoModelForCausalLM" not in auto_map:
+        raise PublishError(
+            f"{folder / 'config.json'}: no auto_map.AutoModelForCausalLM, remote code would not load"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Uploading
+# --------------------------------------------------------------------------------------------
+def push_folder(
+    folder: PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    commit_message: str | None = None,
+    api: Any = None,
+) -> str:
+    """Create ``repo_id`` (if needed) and upload every file of ``folder``; returns the commit URL.
+
+    The token is left to huggingface_hub (``HF_TOKEN``, cached login). ``private=False`` leaves
+    an existing repository's visibility (and the account's default for a new one) alone.
+    """
+    check_repo_id(repo_id)
+    folder = Path(folder)
+    leaked = scan_for_tokens(folder)
+    if leaked:
+        raise PublishError(
+            f"refusing to upload: {[str(p) for p in leaked]} contain(s) something shaped like an access token"
+        )
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
+    info = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        repo_type="model",
+        commit_message=commit_message or "Upload looped model (looped_hf publish)",
+    )
+    return str(getattr(info, "commit_url", info))
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="looped-hf publish", description="Write a Hub-ready folder for one run; --push uploads it."
+    )
+    p.add_argument(
+        "run_dir",
+        help="a finished run directory (config.json, model.safetensors, tokenizer, run_record.json)",
+    )
+    p.add_argument(
+        "--repo-id",
+        required=True,
+        metavar="ORG/NAME",
+        help="Hub repository id (used in the card; --push target)",
+    )
+    p.add_argument("--out", default=None, metavar="DIR", help="folder to write (default: RUN_DIR/publish)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.add_argument(
+        "--fit", default=None, metavar="FIT_JSON", help="the sweep's fit: the card shows phi and N_eff"
+    )
+    p.add_argument(
+        "--license", default="apache-2.0", help="license id for the card metadata (default apache-2.0)"
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="recompute the held-out loss from the folder (evaluate metric) and refuse a mismatch",
+    )
+    p.add_argument(
+        "--push",
+        action="store_true",
+        help="upload the folder with huggingface_hub (an existing complete --out is uploaded as it is)",
+    )
+    p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    p.add_argument("--commit-message", default=None, help="commit message for --push")
+    return p
+
+
+def _folder_for(args: argparse.Namespace) -> Path:
+    """Build the folder, or, for ``--push`` onto an existing complete folder without
+    ``--overwrite``, reuse it as it is: you upload exactly the folder you inspected."""
+    dest = Path(args.out) if args.out is not None else Path(args.run_dir) / "publish"
+    if args.push and dest.is_dir() and not args.overwrite:
+        _check_output(dest)
+        print(f"[publish] pushing the existing folder {dest} as it is (pass --overwrite to rebuild it first)")
+        return dest
+    folder = build_folder(
+        args.run_dir,
+        args.repo_id,
+        args.out,
+        fit=args.fit,
+        overwrite=args.overwrite,
+        license=args.license,
+        verify=args.verify,
+    )
+    print(f"[publish] wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``looped-hf publish``; returns 0, 2 on bad input (nothing written) or 1 if the upload failed."""
+    args = _parser().parse_args(argv)
+    try:
+        check_repo_id(args.repo_id)
+        folder = _folder_for(args)
+    except (PublishError, FileNotFoundError) as err:
+        print(f"looped-hf publish: error: {err}", file=sys.stderr)
+        return 2
+    if not args.push:
+        print(
+            f"[publish] upload it with: looped-hf publish {args.run_dir} --repo-id {args.repo_id} --out {folder} --push"
+        )
+        return 0
+    try:
+        url = push_folder(folder, args.repo_id, private=args.private, commit_message=args.commit_message)
+    except PublishError as err:
+        print(f"looped-hf publish: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - network/auth errors: say what failed, keep the folder
+        print(f"looped-hf publish: upload to {args.repo_id} failed ({type(err).__name__}: {err}); "
+              f"the folder {folder} is complete, retry the push", file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"[publish] pushed to https://huggingface.co/{args.repo_id} ({url})")
+    return 0
+
+
+__all__ = [
+    "PublishError",
+    "RunDir",
+    "build_folder",
+    "check_repo_id",
+    "check_run_dir",
+    "main",
+    "push_folder",
+    "scan_for_tokens",
+    "verify_folder",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
