@@ -30,7 +30,7 @@ from looped_hf.train import train  # noqa: E402
 
 # (label, tokenizer, seq_len, batch, model fields): tiny.yaml's model and the tiny sweep's extremes.
 SETTINGS = [
-    ("tiny.yaml (d64, loop4, BPE-4096)", None, 128, 16,
+    ("tiny.yaml (d64, loop4, BPE-4096)", None, 64, 16,
      {"hidden_size": 64, "num_prelude_layers": 1, "num_recurrent_layers": 2, "num_coda_layers": 1, "num_recurrences": 4}),
     ("iso_depth_tiny d32 base (bytes)", "bytes", 64, 4,
      {"hidden_size": 32, "num_prelude_layers": 0, "num_recurrent_layers": 12, "num_coda_layers": 0,

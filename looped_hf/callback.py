@@ -105,6 +105,11 @@ class LoopedComputeCallback(TrainerCallback):
             # across processes) the tokens the FLOP count multiplies.
             args.include_num_input_tokens_seen = "all"
         if model is not None and model is not self._model:
+            if not hasattr(model, "training_flops_per_token") or not hasattr(model, "num_scaling_params"):
+                raise TypeError(
+                    f"LoopedComputeCallback needs a model with training_flops_per_token() and "
+                    f"num_scaling_params() (LoopedForCausalLM); got {type(model).__name__}"
+                )
             self._remove_hook()
             self._model = model
             self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)

@@ -94,8 +94,14 @@ def build_optimizer(model: torch.nn.Module, args: LoopedTrainingArguments) -> to
         [{"params": hyper, "lr": args.hyperconnection_learning_rate, "weight_decay": 0.0}] if hyper else []
     )
     if args.optimizer == "adamw":
-        groups = [{"params": matrices + rest, "lr": args.learning_rate, "weight_decay": args.weight_decay}]
-        return torch.optim.AdamW(groups + hyper_group, **adam_kwargs)
+        # Weight decay on matrices (and the embedding / head) only, not on norm scales: the usual split.
+        decay = [p for p in matrices + rest if p.ndim >= 2]
+        no_decay = [p for p in matrices + rest if p.ndim < 2]
+        groups = [
+            {"params": decay, "lr": args.learning_rate, "weight_decay": args.weight_decay},
+            {"params": no_decay, "lr": args.learning_rate, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW([g for g in groups if g["params"]] + hyper_group, **adam_kwargs)
     if args.optimizer == "muon":
         muon = torch.optim.Muon(matrices, lr=args.muon_learning_rate, weight_decay=args.weight_decay)
         adam = torch.optim.AdamW(

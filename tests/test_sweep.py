@@ -129,3 +129,17 @@ def test_submitit_executor_runs_jobs_with_the_local_cluster(tiny_recipe, tmp_pat
     assert (sweep_dir / "loop2-w32-b0" / "job_id").exists()
     assert any((sweep_dir / "submitit").iterdir())
     assert len(read_jsonl(sweep_dir / "results.jsonl")) == 1  # the job appended; the runner did not again
+
+
+def test_accelerate_executor_runs_each_run_on_two_processes(tiny_recipe, tmp_path, monkeypatch):
+    env = subprocess_env()
+    for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(key, env[key])
+    recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], recurrences=[2], checkpoints_per_run=0,
+                           executor="accelerate", num_processes=2)  # fmt: skip
+    plan = make_plan(recipe)
+    records = run_sweep(recipe, log=lambda _: None)
+    assert len(records) == 1 and records[0]["status"] == "ok", records
+    assert records[0]["num_processes"] == 2 and plan.tokens_per_step == 2 * 4 * 32
+    assert records[0]["tokens"] == plan.runs[0].tokens  # the plan's steps, on both processes
+    assert (tmp_path / "sweep" / "loop2-w32-b0" / "train.log").exists()

@@ -115,3 +115,11 @@ def test_accelerate_two_processes_log_once_and_count_both(tiny_recipe, tmp_path)
     assert record["status"] == "ok" and record["num_processes"] == 2
     assert record["tokens"] == 3 * 2 * 2 * 32  # steps x batch x processes x seq_len
     assert record["train_flops"] == pytest.approx(record["train_flops_per_token"] * record["tokens"])
+
+
+def test_hyperconnection_model_trains_with_adamw(tiny_recipe):
+    record = _run(
+        dict(tiny_recipe, input_injection="hyperconnection", num_hyperconnection_lanes=2, max_steps=3)
+    )
+    assert record["status"] == "ok", record.get("traceback")
+    assert record["config"]["input_injection"] == "hyperconnection"
