@@ -385,23 +385,11 @@ def render_checkpoint_card(
 # --------------------------------------------------------------------------------------------
 def _equivalence_sentences(fit: ScalingLawFit) -> list[str]:
     """The study's sentence for the largest model at each r > 1 (as ``fit.report()`` says it)."""
-    runs = fit.runs
-    if runs is None or fit.kind != "looped" or fit.params.get("phi") is None:
-        return []
-    import numpy as np
-
-    out = []
-    for r in np.unique(runs.num_recurrences):
-        m = (runs.num_recurrences == r) & (runs.n_rec > 0)
-        if r <= 1 or not m.any():
-            continue
-        i = np.flatnonzero(m)[np.argmax(runs.params[m])]
-        eq = fit.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))
-        out.append(
-            f"At r = {r:g}, a looped model with {si(eq['unique'])} unique parameters performs like a non-looped "
-            f"model of **{si(eq['performs_like'])}** and costs the training compute of one of {si(eq['costs_like'])}."
-        )
-    return out
+    return [
+        f"At r = {eq['r']:g}, a looped model with {si(eq['unique'])} unique parameters performs like a non-looped "
+        f"model of **{si(eq['performs_like'])}** and costs the training compute of one of {si(eq['costs_like'])}."
+        for eq in fit.equivalences()
+    ]
 
 
 def _residual_rows(fit: ScalingLawFit) -> list[dict[str, str]]:
@@ -654,7 +642,7 @@ def render_sweep_card(
     )
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
+def replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished ``tmp`` into ``out``; an old ``out`` is removed only after the move."""
     old = None
     if out.exists():
@@ -695,7 +683,7 @@ def write_sweep_card(
         )
         card.save(tmp / CARD_NAME)
         fit.to_json(tmp / FIT_NAME)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -150,17 +150,6 @@ def _make_readable(folder: Path) -> None:
             file.chmod(0o666 & ~mask)
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``; an existing ``out`` is removed only after the move succeeded."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build_folder(
     run_dir: PathLike,
     repo_id: str,
@@ -198,7 +187,7 @@ def build_folder(
     if dest.exists() and not overwrite:
         raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
     fit_obj = _load_fit(fit)
-    from looped_hf.cards import CARD_NAME, render_checkpoint_card
+    from looped_hf.cards import CARD_NAME, render_checkpoint_card, replace_dir
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -212,7 +201,7 @@ def build_folder(
             print(f"[publish] verified: the folder's model scores {metrics['loss']:.6f} nats/token on the held-out "
                   f"blocks ({metrics['num_tokens']} tokens), as recorded", flush=True)  # fmt: skip
         _make_readable(tmp)
-        _replace_dir(tmp, dest)
+        replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -162,6 +162,21 @@ class ScalingLawFit:
             "costs_like": float(n_once + num_recurrences * n_rec),
         }
 
+    def equivalences(self) -> list[dict[str, float]]:
+        """``equivalence`` for the largest fitted model at each r > 1 (with ``r`` added): the
+        study's sentences, as the report and the sweep card state them."""
+        runs = self.runs
+        if runs is None or self.kind != "looped" or self.params.get("phi") is None:
+            return []
+        out = []
+        for r in np.unique(runs.num_recurrences):
+            m = (runs.num_recurrences == r) & (runs.n_rec > 0)
+            if r <= 1 or not m.any():
+                continue
+            i = np.flatnonzero(m)[np.argmax(runs.params[m])]
+            out.append({"r": float(r), **self.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))})
+        return out
+
     # ----------------------------------------------------------------------------- output
     def report(self) -> str:
         """A plain-text report: parameters with CIs, restricted fits, residuals by r, checks."""

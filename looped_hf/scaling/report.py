@@ -86,26 +86,19 @@ def render_report(fit: ScalingLawFit) -> str:
         lines.append("")
 
     # Equivalences: the study's sentence, for the largest model at each r > 1.
-    if runs is not None and fit.kind == "looped" and fit.params.get("phi") is not None:
-        said = False
-        for r in np.unique(runs.num_recurrences):
-            m = (runs.num_recurrences == r) & (runs.n_rec > 0)
-            if r <= 1 or not m.any():
-                continue
-            i = np.flatnonzero(m)[np.argmax(runs.params[m])]
-            eq = fit.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))
-            lines.append(
-                f"at r = {r:g} a looped model of {_si(eq['unique'])} unique parameters performs like a "
-                f"non-looped model of {_si(eq['performs_like'])}, and costs the training compute of one of "
-                f"{_si(eq['costs_like'])}"
-            )
-            said = True
-        if said:
-            lines.append(
-                "  (performs like: N_once + r^phi N_rec; costs like: N_once + r N_rec, i.e. 6 FLOPs per "
-                "parameter application per token, attention/embeddings/head ignored)"
-            )
-            lines.append("")
+    equivalences = fit.equivalences()
+    for eq in equivalences:
+        lines.append(
+            f"at r = {eq['r']:g} a looped model of {_si(eq['unique'])} unique parameters performs like a "
+            f"non-looped model of {_si(eq['performs_like'])}, and costs the training compute of one of "
+            f"{_si(eq['costs_like'])}"
+        )
+    if equivalences:
+        lines.append(
+            "  (performs like: N_once + r^phi N_rec; costs like: N_once + r N_rec, i.e. 6 FLOPs per "
+            "parameter application per token, attention/embeddings/head ignored)"
+        )
+        lines.append("")
 
     if fit.holdout:
         h = fit.holdout
