@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from looped_hf.fileio import replace_dir
+
 if TYPE_CHECKING:
     from looped_hf.scaling import ScalingLawFit
 
@@ -533,23 +535,9 @@ def _plots(fit: ScalingLawFit, plots_dir: Path) -> list[dict[str, str]]:
 
 
 def _versions() -> dict[str, str]:
-    import platform
+    from looped_hf.train import versions
 
-    import huggingface_hub
-    import numpy
-    import scipy
-
-    versions = {"python": platform.python_version()}
-    for name in ("torch", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:  # the card can be written where only the fit's packages exist
-            pass
-    from looped_hf import __version__
-
-    versions.update(huggingface_hub=huggingface_hub.__version__, numpy=numpy.__version__, scipy=scipy.__version__,
-                    looped_hf=__version__)  # fmt: skip
-    return versions
+    return versions(extra=("huggingface_hub", "numpy", "scipy"))
 
 
 def default_commands(sweep_dir: PathLike, bootstrap: int, seed: int = 0) -> list[str]:
@@ -640,17 +628,6 @@ def render_sweep_card(
         looped_hf_link=_project_link(),
         looped_hf_version=__version__,
     )
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` into ``out``; an old ``out`` is removed only after the move."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_sweep_card(

@@ -187,7 +187,8 @@ def build_folder(
     if dest.exists() and not overwrite:
         raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
     fit_obj = _load_fit(fit)
-    from looped_hf.cards import CARD_NAME, render_checkpoint_card, replace_dir
+    from looped_hf.cards import CARD_NAME, render_checkpoint_card
+    from looped_hf.fileio import replace_dir
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))

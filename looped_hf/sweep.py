@@ -547,7 +547,7 @@ class _Progress:
 
 
 def _prepare(plan: SweepPlan, sweep_dir: Path, recipe_text: str | None) -> None:
-    from looped_hf.train import write_json_atomic, write_yaml
+    from looped_hf.fileio import write_json_atomic, write_yaml_atomic
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
     copy = sweep_dir / RECIPE_COPY
@@ -561,7 +561,7 @@ def _prepare(plan: SweepPlan, sweep_dir: Path, recipe_text: str | None) -> None:
     elif recipe_text is not None:
         copy.write_text(recipe_text)
     else:
-        write_yaml(copy, {"sweep": dataclasses.asdict(plan.sweep), **plan.base_recipe})
+        write_yaml_atomic(copy, {"sweep": dataclasses.asdict(plan.sweep), **plan.base_recipe})
     write_json_atomic(sweep_dir / PLAN_NAME, plan.to_json())
 
 
@@ -600,7 +600,7 @@ def run_sweep(
     if max_runs is not None:
         todo = todo[:max_runs]
 
-    from looped_hf.train import write_yaml
+    from looped_hf.fileio import write_yaml_atomic
 
     for run in todo:
         run_dir = sweep_dir / run.run_id
@@ -610,7 +610,7 @@ def run_sweep(
             record = existing  # finished, but killed before its line was appended
         else:
             recipe_path = run_dir / "recipe.yaml"
-            write_yaml(recipe_path, run.recipe)
+            write_yaml_atomic(recipe_path, run.recipe)
             record = _execute(plan, run, run_dir, recipe_path, results)
         append_jsonl(results, record)
         log(progress.update(run.run_id, record.get("status", "failed")))

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from transformers import Trainer, TrainerCallback, set_seed
 
 from looped_hf.arguments import (
@@ -45,6 +44,7 @@ from looped_hf.arguments import (
     steps_for_tokens,
     tokens_per_step,
 )
+from looped_hf.fileio import write_json_atomic, write_yaml_atomic
 
 RECORD_NAME = "run_record.json"
 RECIPE_NAME = "recipe.yaml"
@@ -67,17 +67,22 @@ def arch_name(config: Any) -> str:
     return f"loop{config.num_recurrences}"
 
 
-def versions() -> dict[str, str]:
+def versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """Versions that make a result reproducible: python, torch, transformers, looped_hf, + ``extra``."""
+    import importlib
+
     import transformers
 
     import looped_hf
 
-    return {
+    out = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "looped_hf": getattr(looped_hf, "__version__", "unknown"),
     }
+    out.update({name: importlib.import_module(name).__version__ for name in extra})
+    return out
 
 
 def resolve_max_steps(
@@ -100,24 +105,6 @@ def resolve_max_steps(
             "LoopedTrainingArguments: give the run a length: max_steps, train_tokens or train_flops_budget"
         )
     return training_args.max_steps, step_tokens
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to a temporary file, fsync, rename: readers see the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, default=str, allow_nan=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def write_yaml(path: str | os.PathLike, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def last_checkpoint(checkpoint_dir: str | os.PathLike) -> str | None:
@@ -244,7 +231,7 @@ def train(
     is_main = training_args.process_index == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_yaml(run_dir / RECIPE_NAME, recipe)
+        write_yaml_atomic(run_dir / RECIPE_NAME, recipe)
 
     trainer = None
     try:

@@ -96,3 +96,29 @@ def subprocess_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+# Prepended to scripts that must prove a checkpoint loads as remote code, without the package.
+_BLOCK_LOOPED_HF = '''
+import sys
+sys.modules["looped_hf"] = None  # importing looped_hf must fail here
+try:
+    import looped_hf  # noqa
+    raise SystemExit("looped_hf was importable")
+except ImportError:
+    pass
+'''
+
+
+def run_without_looped_hf(script: str, tmp_path: Path) -> str:
+    """Run ``script`` in a fresh Python where ``import looped_hf`` fails (remote code only),
+    offline, with a private modules cache; assert it succeeds and return its stdout."""
+    import subprocess
+    import textwrap
+
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf_home"),
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    code = _BLOCK_LOOPED_HF + textwrap.dedent(script)
+    result = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

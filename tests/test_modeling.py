@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_without_looped_hf
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import looped_hf
@@ -87,15 +84,7 @@ def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
     model.save_pretrained(ckpt)
     ids = prompts()
     torch.save({"ids": ids, "logits": model(ids).logits, "gen": greedy(model, ids, num_recurrences=5)}, tmp_path / "ref.pt")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        sys.modules["looped_hf"] = None  # importing looped_hf must fail here
-        try:
-            import looped_hf  # noqa
-            raise SystemExit("looped_hf was importable")
-        except ImportError:
-            pass
+    script = f"""
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(ckpt)!r}, trust_remote_code=True).eval()
@@ -107,11 +96,7 @@ def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         print("REMOTE-OK")
         """
-    )
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "REMOTE-OK" in result.stdout
+    assert "REMOTE-OK" in run_without_looped_hf(script, tmp_path)
 
 
 def test_tied_embeddings_survive_a_round_trip(tmp_path):

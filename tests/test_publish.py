@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import run_without_looped_hf
 from transformers import AutoModelForCausalLM
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
@@ -130,15 +128,7 @@ def test_published_folder_loads_in_a_fresh_process_without_looped_hf(
                "gen": original.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
                                         num_recurrences=4)}  # fmt: skip
     torch.save(ref, tmp_path / "ref.pt")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        sys.modules["looped_hf"] = None  # importing looped_hf must fail here
-        try:
-            import looped_hf  # noqa
-            raise SystemExit("looped_hf was importable")
-        except ImportError:
-            pass
+    script = f"""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         folder = {str(published)!r}
@@ -155,14 +145,7 @@ def test_published_folder_loads_in_a_fresh_process_without_looped_hf(
         assert model.config.use_cache is True
         print("FRESH-PROCESS-OK", tok.decode(gen[0]))
         """
-    )
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf_home"),
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "FRESH-PROCESS-OK" in result.stdout
+    assert "FRESH-PROCESS-OK" in run_without_looped_hf(script, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------

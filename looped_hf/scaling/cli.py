@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from .fit import compare_fits, fit_scaling_law, write_atomic
+from ..fileio import write_text_atomic
+from .fit import compare_fits, fit_scaling_law
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
                 **comparison.to_dict(),
                 "probe": comparison.probe.to_dict(),
             }
-        write_atomic(args.out, json.dumps(obj, indent=2))
+        write_text_atomic(args.out, json.dumps(obj, indent=2))
         print(f"wrote {args.out}")
     return 0
 

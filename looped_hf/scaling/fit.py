@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..fileio import write_text_atomic
 from . import law
 from .data import Runs, load_runs
 from .law import LawData
@@ -215,7 +216,7 @@ class ScalingLawFit:
         """JSON text; written atomically to ``path`` (temp file + ``os.replace``) if given."""
         text = json.dumps(self.to_dict(), indent=indent, allow_nan=True)
         if path is not None:
-            write_atomic(Path(path), text)
+            write_text_atomic(path, text)
         return text
 
     @classmethod
@@ -248,18 +249,6 @@ class ScalingLawFit:
             notes=list(obj.get("notes", [])),
             settings=obj.get("settings", {}),
         )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 # --------------------------------------------------------------------------------- fitting
