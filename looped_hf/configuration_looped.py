@@ -6,9 +6,18 @@
            -> coda (C layers, once) -> norm -> lm_head [-> soft-cap]
 
 Defaults follow the iso-depth study ("How Much Is One Recurrence Worth?", Schwethelm et al.
-2026, loop4 shape): squared-ReLU MLP, QK-norm, logit soft-cap 15, RMSNorm after the embedding and
-at the end of every recurrence, linear input injection. Setting prelude = coda = 0, r = 1,
-``input_injection="none"``, ``hidden_act="silu"`` and the extra norms off gives a plain Llama.
+2026, loop4 shape; its nanochat/gpt.py): squared-ReLU MLP, parameter-free QK-norm after RoPE,
+logit soft-cap 15, RMSNorm after the embedding and at the end of every recurrence, linear input
+injection W [e; h] with W = [I | 0]. ``init_scheme="study"`` gives the study's initialisation;
+transformers' normal init stays the default. Setting prelude = coda = 0, r = 1,
+``input_injection="none"``, ``hidden_act="silu"``, ``qk_norm="none"`` and the extra norms off gives
+a plain Llama.
+
+``looped_format`` versions the forward semantics, so every checkpoint loads with the logits it was
+saved with: 1 = looped_hf 0.1.0 (linear injection W [h; e], additive injection from h_0 = e,
+hyperconnection lanes updated with the block's residual delta then normed, QK-norm ``True`` meant
+the learnable norm before RoPE); 2 = the study's conventions (this version). A config.json without
+the key was written by 0.1.0 and loads as format 1.
 
 This file is shipped with every checkpoint as remote code: it imports only transformers.
 """
@@ -20,6 +29,12 @@ import math
 from transformers.configuration_utils import PreTrainedConfig
 
 INPUT_INJECTIONS = ("linear", "add", "none", "hyperconnection")
+# "after_rope": the study's parameter-free RMSNorm of q and k after RoPE (nanochat/gpt.py);
+# "learnable_before_rope": per-head RMSNorm with a learnable scale before RoPE (OLMo-2 / Qwen3).
+QK_NORMS = ("after_rope", "learnable_before_rope", "none")
+# "hf": transformers' normal(0, initializer_range); "study": nanochat/gpt.py init_weights.
+INIT_SCHEMES = ("hf", "study")
+LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module docstring
 STATE_INITS = ("prelude", "zeros", "noise")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
@@ -36,22 +51,39 @@ class LoopedConfig(PreTrainedConfig):
         r, the default number of passes through the recurrent block; ``forward`` and
         ``generate`` accept ``num_recurrences=`` to change it per call (test-time compute).
     input_injection:
-        How the prelude output ``e`` re-enters each recurrence: ``"linear"`` (concat [h, e] then a
-        d x 2d map initialised to [I | 0], identity on h at start), ``"add"`` (h + e), ``"none"``
-        (passthrough: diverged in the study's ablation), or ``"hyperconnection"`` (``N`` lanes
-        mixed at loop boundaries with per-step parameters; such a model is locked to its r).
+        How the prelude output ``e`` re-enters each recurrence: ``"linear"`` (u = W [e; h], a
+        d x 2d map initialised to [I | 0]: every recurrence of an untrained model reads e),
+        ``"add"`` (u = h + e from h_0 = 0: the first block input is e), ``"none"`` (passthrough
+        u = h: diverged in the study's ablation), or ``"hyperconnection"`` (``N`` lanes mixed at
+        loop boundaries with per-step parameters; such a model is locked to its r).
     num_hyperconnection_lanes:
         Lanes for ``"hyperconnection"`` (the study uses 2).
     state_init:
-        h_0: ``"prelude"`` (h_0 = e, the study), ``"zeros"``, or ``"noise"`` (Huginn: Gaussian
-        with std ``state_init_std``).
+        h_0: ``"prelude"`` (h_0 = e), ``"zeros"``, or ``"noise"`` (Huginn: Gaussian with std
+        ``state_init_std``). ``None`` (default) is the study's choice for the injection: h_0 = 0
+        for ``"add"`` (so the first block input is e, not 2e), h_0 = e otherwise (hyperconnection
+        lanes all start as e).
     backprop_recurrences:
         ``None``: full backprop through the loop. ``k``: only the last k recurrences carry
-        gradient; the first r - k run under ``no_grad`` (truncated backprop).
+        gradient; the first r - k run under ``no_grad`` (truncated backprop; the same gradients
+        as the study's detach of the state). Refused with hyperconnections unless k = r, as the
+        study's config does: the per-step gains of the detached steps would never train.
     recurrence_norm:
         RMSNorm (one shared weight) at the end of every recurrence.
-    embedding_norm, qk_norm, logit_softcap:
+    qk_norm:
+        ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
+        ``"learnable_before_rope"`` (OLMo-2 / Qwen3: a learnable per-head scale, before RoPE) or
+        ``"none"``. ``True`` / ``False`` are read as ``"after_rope"`` / ``"none"`` (in a format-1
+        checkpoint ``True`` was the learnable form).
+    init_scheme:
+        ``"hf"`` (default: transformers' normal(0, ``initializer_range``)) or ``"study"``
+        (nanochat/gpt.py ``init_weights``: embedding N(0, 1), lm_head N(0, 0.001), q/k/v/o and
+        MLP-in uniform with std 1/sqrt(d), MLP-out uniform with std 1/sqrt(fan-in)). Both start
+        the linear injection at [I | 0] and hyperconnections at the cyclic init.
+    embedding_norm, logit_softcap:
         The study's extra stabilisers; off / ``None`` for a plain Llama.
+    looped_format:
+        The forward semantics version (see the module docstring); set by loading, not by users.
 
     ``num_hidden_layers`` is derived: it equals the effective depth at the default r (layer
     applications per token), so ``generate()``'s cache has one slot per application and
@@ -80,7 +112,8 @@ class LoopedConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: float = 0.0
     mlp_bias: bool = False
-    qk_norm: bool = True
+    qk_norm: str | bool | None = "after_rope"
+    init_scheme: str = "hf"
     logit_softcap: float | None = 15.0
     embedding_norm: bool = True
     num_prelude_layers: int = 2
@@ -89,13 +122,20 @@ class LoopedConfig(PreTrainedConfig):
     num_recurrences: int = 4
     input_injection: str = "linear"
     num_hyperconnection_lanes: int = 2
-    state_init: str = "prelude"
+    state_init: str | None = None
     state_init_std: float = 1.0
     backprop_recurrences: int | None = None
     recurrence_norm: bool = True
     num_hidden_layers: int | None = None
+    looped_format: int = LOOPED_FORMAT
 
     def __post_init__(self, **kwargs):
+        if self.qk_norm is True:
+            self.qk_norm = "learnable_before_rope" if self.looped_format == 1 else "after_rope"
+        elif self.qk_norm is False or self.qk_norm is None:
+            self.qk_norm = "none"
+        if self.state_init is None:
+            self.state_init = "zeros" if self.input_injection == "add" else "prelude"
         if self.head_dim is None and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -144,22 +184,49 @@ class LoopedConfig(PreTrainedConfig):
             raise bad("state_init", f"must be one of {STATE_INITS}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise bad("hidden_act", f"must be one of {HIDDEN_ACTS}")
-        if self.input_injection == "hyperconnection":
-            lanes = self.num_hyperconnection_lanes
-            if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-                raise bad("num_hyperconnection_lanes", "must be an integer >= 1")
-            if self.backprop_recurrences is not None:
-                raise bad("backprop_recurrences", "hyperconnections cannot be combined with truncated backprop")
+        if self.qk_norm not in QK_NORMS:
+            raise bad("qk_norm", f"must be one of {QK_NORMS} (or true / false)")
+        if self.init_scheme not in INIT_SCHEMES:
+            raise bad("init_scheme", f"must be one of {INIT_SCHEMES}")
+        if self.looped_format not in (1, LOOPED_FORMAT):
+            raise bad("looped_format", f"must be 1 (looped_hf 0.1.0) or {LOOPED_FORMAT}; a newer looped_hf wrote it")
         k = self.backprop_recurrences
         if k is not None:
             if not isinstance(k, int) or isinstance(k, bool) or k < 1:
                 raise bad("backprop_recurrences", "must be None (full backprop) or an integer >= 1")
             if k > self.num_recurrences:
                 raise bad("backprop_recurrences", f"exceeds num_recurrences={self.num_recurrences}")
+        if self.input_injection == "hyperconnection":
+            lanes = self.num_hyperconnection_lanes
+            if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+                raise bad("num_hyperconnection_lanes", "must be an integer >= 1")
+            if k is not None and k < self.num_recurrences:
+                # The study's GPTConfig refuses this too: the per-step gains of the detached steps
+                # would never receive a gradient.
+                raise bad(
+                    "backprop_recurrences",
+                    f"hyperconnections need full backprop (None or {self.num_recurrences}): the per-step "
+                    "lane parameters of the detached recurrences would never train",
+                )
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise bad("logit_softcap", "must be None or > 0")
         if self.state_init_std < 0:
             raise bad("state_init_std", "must be >= 0")
+
+    # --- versioning ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # A config.json without ``looped_format`` was written by looped_hf 0.1.0: keep its forward
+        # semantics so its weights give the logits they were trained to give.
+        if config_dict.get("model_type", cls.model_type) == cls.model_type and "looped_format" not in config_dict:
+            config_dict = {**config_dict, "looped_format": 1}
+        return super().from_dict(config_dict, **kwargs)
+
+    def to_diff_dict(self) -> dict:
+        # Always written, even at its default: its absence means format 1.
+        out = super().to_diff_dict()
+        out["looped_format"] = self.looped_format
+        return out
 
     # --- derived quantities -----------------------------------------------------------------
     def num_layer_applications(self, num_recurrences: int | None = None) -> int:
@@ -182,4 +249,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["LoopedConfig"]
+__all__ = ["LOOPED_FORMAT", "LoopedConfig"]

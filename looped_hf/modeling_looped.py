@@ -5,7 +5,10 @@
            -> coda (C layers) -> norm -> lm_head [-> soft-cap]
 
 The layer is Llama's (pre-norm, RoPE, GQA) with the study's switches: squared-ReLU MLP, QK-norm,
-logit soft-cap. Every *application* of a layer (P + r*K + C per token) owns one KV-cache slot, so
+logit soft-cap. Where the study's code (kschwethelm/looped-lm-scaling, nanochat/gpt.py) fixes a
+convention, this file follows it and says so: injection order and init, hyperconnection update,
+QK-norm placement, initialisation, parameter groups. ``config.looped_format == 1`` keeps the forward
+of looped_hf 0.1.0 for checkpoints saved by it. Every *application* of a layer (P + r*K + C per token) owns one KV-cache slot, so
 the cache is the flat stack a looped model unrolls into; ``config.num_hidden_layers`` is that
 depth at the default r and the cache grows when a call asks for more recurrences.
 
@@ -134,6 +137,11 @@ class LoopedMLP(nn.Module):
             self.act_fn = ACT2FN[config.hidden_act]
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
+        # The study's init: MLP-in std 1/sqrt(d), MLP-out Kaiming fan-in std 1/sqrt(f) (f = 4d).
+        for proj in (self.up_proj, getattr(self, "gate_proj", None)):
+            if proj is not None:
+                proj.looped_study_init = ("uniform", d**-0.5)
+        self.down_proj.looped_study_init = ("uniform", f**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -155,11 +163,16 @@ class LoopedAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)
-        if config.qk_norm:
-            # Per-head RMSNorm on q and k before RoPE (OLMo-2/Qwen3 placement): bounds the logits,
-            # which matters more when the same weights are applied r times.
+        # QK-norm bounds the attention logits, which matters more when the same weights are applied
+        # r times. The study (nanochat/gpt.py) normalises q and k after RoPE with no learnable scale;
+        # "learnable_before_rope" is the OLMo-2 / Qwen3 placement (and looped_hf 0.1.0's).
+        self.qk_norm = config.qk_norm
+        self.qk_norm_eps = config.rms_norm_eps
+        if self.qk_norm == "learnable_before_rope":
             self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            proj.looped_study_init = ("uniform", d**-0.5)  # std 1/sqrt(d): read by _init_weights
 
     def forward(
         self,
@@ -174,7 +187,7 @@ class LoopedAttention(nn.Module):
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)
         key_states = self.k_proj(hidden_states).view(hidden_shape)
-        if self.config.qk_norm:
+        if self.qk_norm == "learnable_before_rope":
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         query_states = query_states.transpose(1, 2)
         key_states = key_states.transpose(1, 2)
@@ -182,6 +195,10 @@ class LoopedAttention(nn.Module):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if self.qk_norm == "after_rope":
+            # RMS over head_dim with no weights, as the study (its fused kernel accumulates in fp32).
+            query_states = F.rms_norm(query_states, (self.head_dim,), eps=self.qk_norm_eps)
+            key_states = F.rms_norm(key_states, (self.head_dim,), eps=self.qk_norm_eps)
         if cache is not None:
             # A shared layer has one cache slot per application, not per module.
             key_states, value_states = cache.update(key_states, value_states, cache_index)
@@ -231,35 +248,16 @@ class LoopedDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, attn_weights
 
 
-class LoopedInputInjection(nn.Module):
-    """Mixes the prelude output ``e`` into the state at the start of every recurrence.
-
-    ``linear``: W [h; e] with W (d x 2d) initialised to [I | 0], so training starts from a plain
-    loop and learns how much of ``e`` to re-read (Geiping et al. 2025; the study's default).
-    """
-
-    def __init__(self, config: LoopedConfig) -> None:
-        super().__init__()
-        self.mode = config.input_injection
-        if self.mode == "linear":
-            self.weight = nn.Parameter(torch.empty(config.hidden_size, 2 * config.hidden_size))
-
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        if self.mode == "linear":
-            return F.linear(torch.cat([h, e], dim=-1), self.weight)
-        if self.mode == "add":
-            return h + e
-        return h
-
-
 class LoopedHyperConnection(nn.Module):
     """Hyperconnections at loop boundaries (the study's probe; Zhu et al. 2024 applied per layer).
 
-    ``N`` lanes H (all starting as h_0). At step i the block reads x = sum_j alpha[i, j] H_j and the
-    lanes update as H <- M[i] H + beta[i] (block(x) - x): the block's residual delta is written
-    into each lane with its own gain. Cyclic init (alpha_i = e_(i mod N), M = I, beta = 1) makes the
-    untrained model a plain loop. The lanes are summed before the coda. Parameters are per step,
-    so the model runs only at its trained r.
+    ``N`` lanes H, all starting as the prelude output e. At step i the block reads
+    x = sum_j alpha[i, j] H_j and the lanes update as H <- M[i] H + beta[i] norm(block(x)), norm
+    being the recurrence norm applied to the block's output, none on the lanes (the study's
+    nanochat/gpt.py ``_hyperconnect_step``). Cyclic init (alpha_i = e_(i mod N), M = I, beta = 1)
+    breaks the lane symmetry. The lanes are summed before the coda. Parameters are per step, so
+    the model runs only at its trained r. (looped_format 1 wrote the residual delta block(x) - x
+    and normed the lanes.)
     """
 
     def __init__(self, config: LoopedConfig) -> None:
@@ -281,10 +279,11 @@ class LoopedHyperConnection(nn.Module):
     def read(self, lanes: torch.Tensor, step: int) -> torch.Tensor:
         return torch.einsum("n,n...->...", self.alpha[step].to(lanes.dtype), lanes)
 
-    def write(self, lanes: torch.Tensor, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def write(self, lanes: torch.Tensor, step: int, update: torch.Tensor) -> torch.Tensor:
+        """H <- M[step] H + beta[step] * update (one gain per lane)."""
         mixed = torch.einsum("mn,n...->m...", self.mixing[step].to(lanes.dtype), lanes)
-        gain = self.beta[step].to(lanes.dtype).view(-1, *([1] * x.dim()))
-        return mixed + gain * (y - x).unsqueeze(0)
+        gain = self.beta[step].to(lanes.dtype).view(-1, *([1] * update.dim()))
+        return mixed + gain * update.unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,12 +322,35 @@ class LoopedPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False  # r is a Python int: a new r is a new graph
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, LoopedInputInjection) and module.mode == "linear":
+        """transformers' init (``init_scheme="hf"``) or the study's (``"study"``, nanochat/gpt.py
+        ``init_weights``). Roles are tagged on the leaf modules when they are built
+        (``looped_study_init``), so this works leaf by leaf, as transformers applies it, and under
+        remote code. Both schemes start the injection at [I | 0] and hyperconnections cyclic."""
+        study = self.config.init_scheme == "study"
+        role = getattr(module, "looped_study_init", None)
+        if role == "injection":
+            # u = W [e; h] with W = [I | 0]: every recurrence reads e at init (the study). 0.1.0
+            # checkpoints concatenated [h; e]; they are loaded, never initialised, so one form.
             d = module.weight.shape[0]
             init.copy_(module.weight, torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1))
+        elif study and role is not None:
+            kind, std = role
+            if kind == "uniform":
+                # Uniform with bound sqrt(3) std has that std and no outliers (the study's choice).
+                bound = 3**0.5 * std
+                init.uniform_(module.weight, -bound, bound)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif study and isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=1.0)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, LoopedHyperConnection):
             module.reset_parameters()
+        else:
+            super()._init_weights(module)
 
 
 def _grow_cache(cache: Cache, num_slots: int) -> None:
@@ -354,12 +376,13 @@ class LoopedModel(LoopedPreTrainedModel):
         self.prelude_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_prelude_layers))
         self.recurrent_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_recurrent_layers))
         self.coda_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_coda_layers))
-        if config.input_injection == "hyperconnection":
-            self.injection = None
-            self.hyperconnection = LoopedHyperConnection(config)
-        else:
-            self.injection = LoopedInputInjection(config) if config.input_injection != "none" else None
-            self.hyperconnection = None
+        # The linear injection adapter is a plain nn.Linear(2d -> d) so LoRA and tensor parallelism
+        # see it like any projection; its weight keeps 0.1.0's key (``model.injection.weight``).
+        self.injection = None
+        if config.input_injection == "linear":
+            self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+            self.injection.looped_study_init = "injection"
+        self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
         self.recurrence_norm = (
             LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.recurrence_norm else None
         )
@@ -374,18 +397,31 @@ class LoopedModel(LoopedPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    # The parameter groups of the study's accounting. Everything run once per token is "once";
-    # everything run r times (the block, its norm, the injection, hyperconnection gains) is
-    # "recurrent"; the token embedding is apart (a lookup: no FLOPs).
+    # The parameter groups of the study's accounting (nanochat/gpt.py num_scaling_params and
+    # effective_params): "recurrent" (N_rec) is the block and the injection adapter or
+    # hyperconnection gains; "once" (N_once) is prelude + coda + the model-level norm scales, the
+    # recurrence norm INCLUDED although it runs r times (the study counts all three norm_* scales
+    # as "scalars", run once). The token embedding is apart (a lookup: no FLOPs).
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         once = [*self.prelude_layers.parameters(), *self.coda_layers.parameters(), *self.norm.parameters()]
-        if self.embedding_norm is not None:
-            once += list(self.embedding_norm.parameters())
+        for module in (self.embedding_norm, self.recurrence_norm):
+            if module is not None:
+                once += list(module.parameters())
         recurrent = list(self.recurrent_layers.parameters())
-        for module in (self.injection, self.hyperconnection, self.recurrence_norm):
+        for module in (self.injection, self.hyperconnection):
             if module is not None:
                 recurrent += list(module.parameters())
         return {"once": once, "recurrent": recurrent, "embedding": list(self.embed_tokens.parameters())}
+
+    def _inject(self, h: torch.Tensor, e: torch.Tensor, legacy: bool) -> torch.Tensor:
+        """The block's input u from the state h and the prelude output e (see LoopedConfig)."""
+        mode = self.config.input_injection
+        if mode == "linear":
+            # The study's order, [e; h], so W = [I | 0] reads e; looped_format 1 concatenated [h; e].
+            return self.injection(torch.cat([h, e] if legacy else [e, h], dim=-1))
+        if mode == "add":
+            return h + e
+        return h
 
     def _recurrence_has_grad(self, step: int, r: int) -> bool:
         k = self.config.backprop_recurrences
@@ -478,6 +514,7 @@ class LoopedModel(LoopedPreTrainedModel):
 
         recurrent_states: list[torch.Tensor] = []
         hc = self.hyperconnection
+        legacy = config.looped_format == 1
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
         for step in range(r):
             with torch.set_grad_enabled(torch.is_grad_enabled() and self._recurrence_has_grad(step, r)):
@@ -486,13 +523,15 @@ class LoopedModel(LoopedPreTrainedModel):
                     y = x
                     for layer in self.recurrent_layers:
                         y = apply(layer, y)
-                    lanes = hc.write(lanes, step, x, y)
-                    if self.recurrence_norm is not None:
-                        lanes = self.recurrence_norm(lanes)
+                    if legacy:
+                        lanes = hc.write(lanes, step, y - x)
+                        if self.recurrence_norm is not None:
+                            lanes = self.recurrence_norm(lanes)
+                    else:
+                        lanes = hc.write(lanes, step, self.recurrence_norm(y) if self.recurrence_norm is not None else y)
                     state = lanes.sum(0)
                 else:
-                    if self.injection is not None:
-                        h = self.injection(h, e)
+                    h = self._inject(h, e, legacy)
                     for layer in self.recurrent_layers:
                         h = apply(layer, h)
                     if self.recurrence_norm is not None:
@@ -525,6 +564,8 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         self.model = LoopedModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not config.tie_word_embeddings:
+            self.lm_head.looped_study_init = ("normal", 0.001)  # the study: small logits at init
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -636,7 +677,21 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         params = self.num_scaling_params()
         # The head's matmul costs V*d per token whether or not its weights are tied.
         n_head = config.vocab_size * config.hidden_size
-        return r, r_grad, params["once"] + n_head, params["recurrent"], config.num_attention_heads * config.head_dim
+        n_rec = params["recurrent"]
+        hc = self.model.hyperconnection
+        if hc is not None:
+            # Lane mixing is no weight matmul: per step and token it reads N lanes, mixes N x N and
+            # writes N gains, all of width d. The study (gpt.py estimate_flops) counts it as
+            # (N^2 + 2N) d "equivalent params" per recurrence in place of the r (N^2 + 2N) scalars.
+            n = hc.num_lanes
+            n_rec += (n * n + 2 * n) * config.hidden_size - sum(p.numel() for p in hc.parameters())
+        # The model-level norm scales (after the embedding, after each recurrence, before the head)
+        # are elementwise, not matmuls: the study's estimate_flops leaves them out; so do we.
+        base = self.model
+        scalars = sum(
+            p.numel() for m in (base.embedding_norm, base.recurrence_norm, base.norm) if m is not None for p in m.parameters()
+        )
+        return r, r_grad, params["once"] - scalars + n_head, n_rec, config.num_attention_heads * config.head_dim
 
     def training_flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
         """Training FLOPs per token (the study's count; PaLM's MFU formula for a looped model).
@@ -644,8 +699,12 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         A matmul with N weights costs 2N FLOPs per token forward and 4N backward (grads of the
         input and of the weights): 6N per token for a parameter used once with gradient. So:
 
-            6 * (N_once + N_head)                          prelude, coda, norms, lm_head
-          + (6 * r_grad + 2 * r_nograd) * N_rec            the block: with truncated backprop only
+            6 * (N_once + N_head)                          prelude, coda (their layer norms too, as
+                                                           the study), lm_head; not the model-level
+                                                           norm scales (elementwise)
+          + (6 * r_grad + 2 * r_nograd) * N_rec            the block + injection (hyperconnections:
+                                                           (N^2 + 2N) d per step, as the study);
+                                                           with truncated backprop only
                                                            the last k = r_grad steps train; the
                                                            first r - k run forward only (2x)
           + 12 * h * q * T * (P + C + r_grad * K)          attention scores + weighted sum: 2*2*h*q*T

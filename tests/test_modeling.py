@@ -284,7 +284,7 @@ def _hand_forward(model: LoopedForCausalLM, ids: torch.Tensor, grad_steps: set[i
     e = h
     for i in range(model.config.num_recurrences):
         with torch.set_grad_enabled(i in grad_steps):
-            h = torch.nn.functional.linear(torch.cat([h, e], -1), base.injection.weight)
+            h = base.injection(torch.cat([e, h], -1))  # the study's order: [e; h]
             for m in base.recurrent_layers:
                 h = layer(m, h)
             h = base.recurrence_norm(h)
@@ -356,15 +356,17 @@ def test_bad_num_recurrences_at_call_time():
 def closed_form_counts(cfg: LoopedConfig) -> dict[str, int]:
     d, f, q = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    attn = d * h * q * 2 + d * kv * q * 2 + (2 * q if cfg.qk_norm else 0)
+    attn = d * h * q * 2 + d * kv * q * 2 + (2 * q if cfg.qk_norm == "learnable_before_rope" else 0)
     mlp = (3 if cfg.hidden_act != "relu2" else 2) * d * f
     layer = attn + mlp + 2 * d
     injection = {"linear": 2 * d * d, "add": 0, "none": 0}.get(cfg.input_injection)
     if injection is None:  # hyperconnection: alpha, M, beta per step
         n = cfg.num_hyperconnection_lanes
         injection = cfg.num_recurrences * (n + n * n + n)
-    once = (cfg.num_prelude_layers + cfg.num_coda_layers) * layer + d + (d if cfg.embedding_norm else 0)
-    rec = cfg.num_recurrent_layers * layer + injection + (d if cfg.recurrence_norm else 0)
+    # The study's groups: every model-level norm scale (embedding, recurrence, final) is "once".
+    norms = d + (d if cfg.embedding_norm else 0) + (d if cfg.recurrence_norm else 0)
+    once = (cfg.num_prelude_layers + cfg.num_coda_layers) * layer + norms
+    rec = cfg.num_recurrent_layers * layer + injection
     emb = cfg.vocab_size * d
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
     return {"once": once, "recurrent": rec, "embedding": emb, "lm_head": head, "total": once + rec + emb + head}
@@ -378,6 +380,7 @@ def closed_form_counts(cfg: LoopedConfig) -> dict[str, int]:
         {"num_prelude_layers": 0, "num_coda_layers": 0, "input_injection": "none", "recurrence_norm": False},
         {"input_injection": "hyperconnection", "num_hyperconnection_lanes": 3, "embedding_norm": False},
         {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "num_recurrent_layers": 3},
+        {"qk_norm": "learnable_before_rope", "input_injection": "add"},
     ],
 )
 def test_num_scaling_params_matches_closed_form(overrides):
@@ -401,9 +404,12 @@ def test_study_loop4_counts_at_d768():
     assert cfg.effective_num_layers == 20
     with torch.device("meta"):
         counts = LoopedForCausalLM(cfg).num_scaling_params()
-    norms_per_layer = 2 * d + 2 * 128  # pre-attn, pre-MLP, q-norm, k-norm scales
-    assert counts["once"] == 4 * 12 * d * d + 4 * norms_per_layer + 2 * d  # + embedding norm, final norm
-    assert counts["recurrent"] == 4 * 12 * d * d + 2 * d * d + 4 * norms_per_layer + d  # + recurrence norm
+    norms_per_layer = 2 * d  # pre-attn, pre-MLP scales; the study's QK-norm has none
+    # N_once: prelude + coda + the embedding, recurrence and final norm scales (the study's "scalars").
+    assert counts["once"] == 4 * 12 * d * d + 4 * norms_per_layer + 3 * d
+    # N_rec: the block + the 2d^2 injection adapter, the study's N(r) = (4 + 16/r) 12 d^2 + 2 d^2 at r = 4.
+    assert counts["recurrent"] == 4 * 12 * d * d + 2 * d * d + 4 * norms_per_layer
+    assert counts["once"] + counts["recurrent"] - 8 * norms_per_layer - 3 * d == (4 + 16 / 4) * 12 * d * d + 2 * d * d
     assert counts["embedding"] == counts["lm_head"] == 32000 * d
 
 
@@ -414,11 +420,13 @@ def test_training_flops_follow_the_study_formula():
         cfg = study_loop4(d, backprop_recurrences=k)
         with torch.device("meta"):
             model = LoopedForCausalLM(cfg)
-        p = model.num_scaling_params()
         r_grad = 4 if k is None else k
         r_nograd = 4 - r_grad
+        # The study's estimate_flops, term by term: prelude + coda + lm_head at 6x (their layer
+        # norms included, the model-level norm scales not), block + injection at 6x / 2x.
+        layer = 12 * d * d + 2 * d
         expected = (
-            6 * (p["once"] + V * d) + (6 * r_grad + 2 * r_nograd) * p["recurrent"]
+            6 * (4 * layer + V * d) + (6 * r_grad + 2 * r_nograd) * (4 * layer + 2 * d * d)
             + 12 * hq * T * (4 + 4 * r_grad) + 4 * hq * T * 4 * r_nograd
         )
         assert model.training_flops_per_token(T) == expected
