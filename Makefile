@@ -1,5 +1,5 @@
 # The main job and the tests, one command each.
-#   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~20 min, 2 CPU cores)
+#   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~15 min, 2 CPU cores)
 #   make test    install, then the test suite (offline, CPU)
 # Re-running `make demo` resumes the sweep where it stopped.
 
@@ -13,6 +13,8 @@ RECIPE ?= recipes/iso_depth_tiny.yaml
 OUT ?= runs/iso_depth_tiny
 CARD_DIR ?= model_cards/iso_depth_tiny
 BOOTSTRAP ?= 200
+# Runs trained at once (empty: the sweep's default, cores // the recipe's torch_num_threads).
+JOBS ?=
 
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -26,7 +28,7 @@ install:
 	$(PYTHON) -m pip install -e ".[test]"
 
 demo: install
-	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP)
+	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP) $(if $(JOBS),--jobs $(JOBS))
 
 test: install
 	$(PYTHON) -m pytest tests

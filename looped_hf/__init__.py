@@ -10,10 +10,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from .configuration_looped import LoopedConfig
-from .modeling_looped import LoopedForCausalLM, LoopedModel, LoopedPreTrainedModel
+from .modeling_looped import (
+    LoopedForCausalLM,
+    LoopedForQuestionAnswering,
+    LoopedForSequenceClassification,
+    LoopedForTokenClassification,
+    LoopedModel,
+    LoopedPreTrainedModel,
+)
 
 __version__ = "0.1.0"
 
@@ -23,12 +37,21 @@ AutoModelForCausalLM.register(LoopedConfig, LoopedForCausalLM, exist_ok=True)
 LoopedConfig.register_for_auto_class()
 LoopedModel.register_for_auto_class("AutoModel")
 LoopedForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+# The standard heads (transformers' generic ones on the looped trunk), local and as remote code.
+for _auto, _head in (
+    (AutoModelForSequenceClassification, LoopedForSequenceClassification),
+    (AutoModelForTokenClassification, LoopedForTokenClassification),
+    (AutoModelForQuestionAnswering, LoopedForQuestionAnswering),
+):
+    _auto.register(LoopedConfig, _head, exist_ok=True)
+    _head.register_for_auto_class(_auto.__name__)
 
 if TYPE_CHECKING:
     from .callback import LoopedComputeCallback
+    from .recurrence import RecurrenceSamplingCallback
 
 # Heavier pieces (Trainer, datasets) load on first use, so `import looped_hf` stays quick.
-_LAZY = {"LoopedComputeCallback": "callback"}
+_LAZY = {"LoopedComputeCallback": "callback", "RecurrenceSamplingCallback": "recurrence"}
 
 
 def __getattr__(name: str):
@@ -44,6 +67,10 @@ __all__ = [
     "LoopedModel",
     "LoopedPreTrainedModel",
     "LoopedForCausalLM",
+    "LoopedForSequenceClassification",
+    "LoopedForTokenClassification",
+    "LoopedForQuestionAnswering",
     "LoopedComputeCallback",
+    "RecurrenceSamplingCallback",
     "__version__",
 ]

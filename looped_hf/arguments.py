@@ -4,7 +4,7 @@ A recipe is one flat YAML mapping whose keys are the fields of three dataclasses
 `transformers.HfArgumentParser` (the same convention as TRL / alignment-handbook recipes):
 
 - `ModelArguments` (below): the `LoopedConfig` fields a recipe chooses; vocabulary size and
-  special tokens come from the tokenizer, `max_position_embeddings` from `seq_len`.
+  special tokens come from the tokenizer; `max_position_embeddings` is at least 2048 (not tied to `seq_len`).
 - `looped_hf.data.DataArguments`: corpus, tokenizer, `seq_len`, held-out split.
 - `LoopedTrainingArguments` (below): `transformers.TrainingArguments` plus the study's optimizer,
   schedule and a training length in tokens or FLOPs.
@@ -27,9 +27,15 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from looped_hf.configuration_looped import LoopedConfig
+from looped_hf.configuration_looped import INIT_SCHEMES, QK_NORMS, LoopedConfig
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "muonh")
+LR_SCALINGS = ("hyperp", "none")
+# The study's AdamW settings under MuonH (nanochat/gpt.py setup_optimizer: betas (0.8, 0.95),
+# eps 1e-10); they replace TrainingArguments' defaults (0.9, 0.999, 1e-8) for optimizer muonh.
+MUONH_ADAM = {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-10}
+# Fields read only by muonh (set with another optimizer, they would be silently unused).
+MUONH_ONLY_FIELDS = ("embedding_learning_rate", "lm_head_learning_rate", "norm_learning_rate")
 LR_SCHEDULES = ("study", "trainer")
 # The keys that set a run's length; a command-line flag for one of them replaces the others
 # given in the file ("flags override the file" would otherwise produce a conflict error).
@@ -44,8 +50,8 @@ class RecipeError(ValueError):
 class ModelArguments:
     """The model half of a recipe: `LoopedConfig` fields (see that class for their meaning).
 
-    `vocab_size`, `bos/eos/pad_token_id` come from the tokenizer and `max_position_embeddings`
-    defaults to the data's `seq_len`, so a recipe cannot contradict its own data.
+    `vocab_size`, `bos/eos/pad_token_id` come from the tokenizer, so a recipe cannot contradict
+    its own data; `max_position_embeddings` defaults to max(seq_len, 2048).
     """
 
     hidden_size: int = field(default=64, metadata={"help": "Width d (residual stream)."})
@@ -66,17 +72,45 @@ class ModelArguments:
     num_recurrences: int = field(default=4, metadata={"help": "r: passes through the block."})
     input_injection: str = field(default="linear", metadata={"help": "linear, add, none, hyperconnection."})
     num_hyperconnection_lanes: int = field(default=2, metadata={"help": "Lanes for hyperconnection."})
-    state_init: str = field(default="prelude", metadata={"help": "h_0: prelude (study), zeros, noise."})
+    state_init: str | None = field(
+        default=None, metadata={"help": "h_0: prelude, zeros, noise; None = the study's (0 for add, else e)."}
+    )
     backprop_recurrences: int | None = field(
         default=None, metadata={"help": "k: backprop through the last k recurrences only; None = all."}
     )
     recurrence_norm: bool = field(default=True, metadata={"help": "RMSNorm after every recurrence."})
-    qk_norm: bool = field(default=True, metadata={"help": "RMSNorm on queries and keys."})
+    qk_norm: str = field(
+        default="after_rope",
+        metadata={"help": "after_rope (the study: parameter-free RMSNorm of q and k after RoPE), "
+                  "learnable_before_rope (looped_hf 0.1.0's learnable per-head scale), or none. "
+                  "true / false are read as after_rope / none."},
+    )  # fmt: skip
+    init_scheme: str = field(
+        default="hf",
+        metadata={"help": "hf: transformers' normal(0, initializer_range); study: the study's init "
+                  "(embedding N(0,1), lm_head N(0,0.001), uniform 1/sqrt(fan-in) matrices)."},
+    )  # fmt: skip
     logit_softcap: float | None = field(default=15.0, metadata={"help": "tanh soft-cap of the logits."})
     embedding_norm: bool = field(default=True, metadata={"help": "RMSNorm after the embedding."})
     tie_word_embeddings: bool = field(default=False, metadata={"help": "Share embedding and lm_head."})
     initializer_range: float = field(default=0.02, metadata={"help": "Std of the normal weight init."})
-    max_position_embeddings: int | None = field(default=None, metadata={"help": "None = the data's seq_len."})
+    max_position_embeddings: int | None = field(
+        default=None, metadata={"help": "None = max(seq_len, 2048), LoopedConfig's default."}
+    )
+
+    def __post_init__(self) -> None:
+        # Recipes written for looped_hf 0.1.0 say `qk_norm: true/false` (YAML booleans, or the
+        # strings a command-line flag gives): read them as the study's form / off.
+        if isinstance(self.qk_norm, bool) or str(self.qk_norm).lower() in ("true", "false"):
+            self.qk_norm = "after_rope" if str(self.qk_norm).lower() == "true" else "none"
+        if self.qk_norm not in QK_NORMS:
+            raise RecipeError(
+                f"ModelArguments.qk_norm={self.qk_norm!r}: must be one of {QK_NORMS} (or true/false)"
+            )
+        if self.init_scheme not in INIT_SCHEMES:
+            raise RecipeError(
+                f"ModelArguments.init_scheme={self.init_scheme!r}: must be one of {INIT_SCHEMES}"
+            )
 
     def to_config(
         self,
@@ -99,7 +133,10 @@ class ModelArguments:
                     f"ModelArguments.head_dim={head_dim}: does not divide hidden_size={self.hidden_size}"
                 )
             heads = self.hidden_size // head_dim
-        max_pos = self.max_position_embeddings or seq_len
+        # Not the training seq_len: RoPE has no learned table, and lm-eval / pipelines truncate every
+        # context to max_position_embeddings, so a model trained on 64-token blocks would accept
+        # only 64 tokens. LoopedConfig's default (2048) unless the data is longer.
+        max_pos = self.max_position_embeddings or max(seq_len, LoopedConfig.max_position_embeddings)
         if max_pos < seq_len:
             raise RecipeError(
                 f"ModelArguments.max_position_embeddings={max_pos}: smaller than seq_len={seq_len}"
@@ -124,6 +161,7 @@ class ModelArguments:
                 backprop_recurrences=self.backprop_recurrences,
                 recurrence_norm=self.recurrence_norm,
                 qk_norm=self.qk_norm,
+                init_scheme=self.init_scheme,
                 logit_softcap=self.logit_softcap,
                 embedding_norm=self.embedding_norm,
                 tie_word_embeddings=self.tie_word_embeddings,
@@ -150,13 +188,45 @@ class LoopedTrainingArguments(TrainingArguments):
     output_dir: str | None = field(default="runs/looped", metadata={"help": "The run directory."})
     optimizer: str = field(
         default="adamw",
-        metadata={"help": "adamw (default) or muon: Muon for 2-D weights inside layers, AdamW for the rest."},
+        metadata={
+            "help": "adamw (default): AdamW over every parameter at learning_rate. muon: torch's Muon for the "
+            "2-D weights inside the layers at muon_learning_rate, AdamW (learning_rate) for the rest. muonh: "
+            "the study's HyperP recipe (nanochat/optim.py): MuonH for the 2-D weights inside the layers and "
+            "the injection adapter (Nesterov 0.95, Polar-Express, update scaled to and weight projected back "
+            "onto its initial Frobenius norm, no weight decay) at muon_learning_rate; AdamW groups lm_head, "
+            "embedding, norm scales and hyperconnection gains at their own *_learning_rate; adam_beta1/2 and "
+            "adam_epsilon left at the TrainingArguments defaults become the study's 0.8, 0.95, 1e-10; "
+            "learning_rate and weight_decay are not used (an error if set)."
+        },
     )
     muon_learning_rate: float = field(
-        default=0.014, metadata={"help": "Muon's lr (the study's value); `learning_rate` drives AdamW."}
+        default=0.014,
+        metadata={
+            "help": "Matrix lr of muon / muonh (the study's 0.014, scripts/base_train.py --matrix-lr)."
+        },
+    )
+    embedding_learning_rate: float = field(
+        default=0.3, metadata={"help": "muonh: AdamW lr of the token embedding (the study's 0.3)."}
+    )
+    lm_head_learning_rate: float = field(
+        default=0.004, metadata={"help": "muonh: AdamW lr of lm_head (the study's unembedding lr 0.004)."}
+    )
+    norm_learning_rate: float = field(
+        default=0.005, metadata={"help": "muonh: AdamW lr of every RMSNorm scale (the study's 0.005)."}
     )
     hyperconnection_learning_rate: float = field(
         default=0.01, metadata={"help": "AdamW lr of the hyperconnection mixing parameters (study: 0.01)."}
+    )
+    lr_scaling: str | None = field(
+        default=None,
+        metadata={
+            "help": "muonh only. hyperp (the default for muonh): the five lrs above are the study's reference "
+            "values and each run scales them (HyperP, arXiv 2603.28743, as scripts/base_train.py): every lr "
+            "by (B / 262144)^0.558 (B = tokens per optimizer step), the matrix lr by (T / D_REF)^-0.32 (T = "
+            "the run's training tokens, D_REF = 10 x the scaling params of the size-10 reference model of "
+            "the same kind), the AdamW lrs by (d / 640)^-0.5. none: every group trains at exactly the lr "
+            "given (the sweep planner writes the lrs it computed this way)."
+        },
     )
     lr_schedule: str = field(
         default="study",
@@ -187,7 +257,22 @@ class LoopedTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."}
     )
     variant: str = field(
-        default="base", metadata={"help": "Sweep variant: base, truncated, hyperconnection."}
+        default="base",
+        metadata={
+            "help": "Sweep variant: base, truncated, hyperconnection; a run with a sampled r is 'sampled_r' "
+            "(set for it when left at base) or any name containing 'sampled', so a fit never mixes it into "
+            "a fixed-r sweep."
+        },
+    )
+    recurrence_sampling: str = field(
+        default="fixed",
+        metadata={
+            "help": "fixed: every step runs num_recurrences. poisson_lognormal: Huginn's scheme "
+            "(looped_hf.recurrence): each optimizer step runs r = 1 + Poisson(LogNormal(log(num_recurrences - 1) "
+            "- 1/8, 1/2)), mean num_recurrences, the same r on every process and micro-batch of the step "
+            "(drawn from the run seed and the step); backprop_recurrences caps backprop at the last k. "
+            "Evaluation runs at num_recurrences."
+        },
     )
     results_file: str | None = field(
         default=None, metadata={"help": "Also append the run record to this JSONL file (atomic, locked)."}
@@ -198,6 +283,7 @@ class LoopedTrainingArguments(TrainingArguments):
             raise RecipeError(
                 f"LoopedTrainingArguments.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}"
             )
+        self._check_optimizer_fields()
         if self.lr_schedule not in LR_SCHEDULES:
             raise RecipeError(
                 f"LoopedTrainingArguments.lr_schedule={self.lr_schedule!r}: must be one of {LR_SCHEDULES}"
@@ -216,12 +302,76 @@ class LoopedTrainingArguments(TrainingArguments):
             raise RecipeError(
                 f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0"
             )
+        self._check_recurrence_sampling()
         given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
         if len(given) > 1:
             raise RecipeError(
                 f"LoopedTrainingArguments: {' and '.join(given)} are all set; a run length takes exactly one"
             )
         super().__post_init__()
+
+    def _check_recurrence_sampling(self) -> None:
+        """A known scheme, and a sampled-r run recorded under a variant of its own (the fit's filter)."""
+        from looped_hf.recurrence import RECURRENCE_SAMPLINGS
+
+        if self.recurrence_sampling not in RECURRENCE_SAMPLINGS:
+            raise RecipeError(
+                f"LoopedTrainingArguments.recurrence_sampling={self.recurrence_sampling!r}: must be one of "
+                f"{RECURRENCE_SAMPLINGS}"
+            )
+        if self.recurrence_sampling == "fixed":
+            return
+        if self.variant == "base":
+            # A sampled-r run is not a point of the fixed-r sweep: recorded apart, fitted only on request.
+            self.variant = "sampled_r"
+        elif "sampled" not in self.variant:
+            raise RecipeError(
+                f"LoopedTrainingArguments.variant={self.variant!r}: a run with recurrence_sampling="
+                f"{self.recurrence_sampling!r} must not be recorded as a fixed-r variant; use 'sampled_r' or a "
+                f"name containing 'sampled' (e.g. '{self.variant}_sampled_r')"
+            )
+
+    def _check_optimizer_fields(self) -> None:
+        """Optimizer-specific fields: no field is silently unused, and muonh gets the study's AdamW."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.init}
+        for name in ("muon_learning_rate", *MUONH_ONLY_FIELDS, "hyperconnection_learning_rate"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise RecipeError(f"LoopedTrainingArguments.{name}={value!r}: must be a positive number")
+        if self.lr_scaling is not None and self.lr_scaling not in LR_SCALINGS:
+            raise RecipeError(
+                f"LoopedTrainingArguments.lr_scaling={self.lr_scaling!r}: must be one of {LR_SCALINGS}"
+            )
+        if self.optimizer != "muonh":
+            if self.lr_scaling is not None:
+                raise RecipeError(
+                    f"LoopedTrainingArguments.lr_scaling={self.lr_scaling!r}: only optimizer 'muonh' scales its lrs "
+                    f"per run (optimizer={self.optimizer!r} trains at learning_rate / muon_learning_rate)"
+                )
+            for name in MUONH_ONLY_FIELDS:
+                if getattr(self, name) != defaults[name]:
+                    raise RecipeError(
+                        f"LoopedTrainingArguments.{name}={getattr(self, name)!r}: used only by optimizer 'muonh' "
+                        f"(optimizer={self.optimizer!r})"
+                    )
+            return
+        if self.lr_scaling is None:
+            self.lr_scaling = "hyperp"
+        if self.learning_rate != defaults["learning_rate"]:
+            raise RecipeError(
+                f"LoopedTrainingArguments.learning_rate={self.learning_rate!r}: not used by optimizer 'muonh', "
+                f"whose lrs are muon_learning_rate, {', '.join(MUONH_ONLY_FIELDS)} and "
+                "hyperconnection_learning_rate; remove it"
+            )
+        if self.weight_decay != 0:
+            raise RecipeError(
+                f"LoopedTrainingArguments.weight_decay={self.weight_decay!r}: optimizer 'muonh' has no weight decay "
+                "(MuonH keeps every matrix on its Frobenius sphere, where decay is a first-order no-op; the "
+                "study's AdamW groups use none); set 0"
+            )
+        for name, study in MUONH_ADAM.items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, study)
 
 
 def _data_arguments_class() -> type:

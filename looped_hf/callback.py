@@ -7,10 +7,13 @@ and to every `report_to` backend):
   gradient accumulation. It is the Trainer's own `num_input_tokens_seen` (gathered across
   processes every micro-batch and saved in checkpoints, so it survives `resume_from_checkpoint`);
   the callback switches `include_num_input_tokens_seen` on if it was off.
-- `train_flops`: `model.training_flops_per_token(seq_len) x train_tokens`, from the model's own
-  accounting (loop applications, truncated backprop and attention included). The Trainer's
-  `total_flos` (6 x tokens x unique non-embedding params) undercounts a looped model by ~r; it is
-  left untouched and reported next to ours as `trainer_total_flos` in `summary()`.
+- `train_flops`: the sum over optimizer steps of `model.training_flops_per_token(seq_len, r_step)`
+  x the step's tokens, from the model's own accounting (loop applications, truncated backprop and
+  attention included), with r_step the r the step's forwards actually ran (the call's
+  `num_recurrences=`, e.g. set by `looped_hf.recurrence.RecurrenceSamplingCallback`, else the
+  config's). With a fixed r this is `training_flops_per_token(seq_len) x train_tokens`. The
+  Trainer's `total_flos` (6 x tokens x unique non-embedding params) undercounts a looped model by
+  ~r; it is left untouched and reported next to ours as `trainer_total_flos` in `summary()`.
 
 and records `n_once`, `n_rec`, `num_recurrences`, `effective_num_layers` and
 `backprop_recurrences` (in the final training log entry and in `summary()`).
@@ -22,6 +25,14 @@ Trainer's callback list, so reporters receive the dict after it has been complet
 updates the `log_history` entry that `Trainer.log` has just appended. The callback list is found
 through the caller's frame (`CallbackHandler.call_event`), because callbacks are never handed
 the Trainer; `attach(trainer)` does the same explicitly.
+
+How the FLOPs stay exact: a forward pre-hook sums each training micro-batch's tokens x FLOPs per
+token (at its r) in this process; at the end of every optimizer step the step's token-weighted
+FLOPs per token multiply the step's tokens counted over all processes (the Trainer's gathered
+`num_input_tokens_seen`). That needs the r of a step to be the same on every process, which the
+sampler guarantees. The running total is saved in every Trainer checkpoint (this callback is an
+`ExportableState`: `trainer_state.json` -> `stateful_callbacks`) and read back when training
+resumes, so a resumed run reports the same FLOPs as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -33,12 +44,12 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_callback import CallbackHandler, ExportableState
 
 logger = logging.getLogger(__name__)
 
 
-class LoopedComputeCallback(TrainerCallback):
+class LoopedComputeCallback(TrainerCallback, ExportableState):
     """Adds `train_flops` and `train_tokens` to every Trainer log entry (see the module docstring).
 
     Args:
@@ -51,11 +62,20 @@ class LoopedComputeCallback(TrainerCallback):
         self._model: torch.nn.Module | None = None
         self._hook: Any = None
         self._handler_found = False
-        # Per-process sums over training micro-batches seen by the hook, used for the mean
-        # FLOPs per token (exact for packed, equal-length blocks; a token-weighted mean otherwise).
-        self._local_tokens = 0
-        self._local_flops = 0.0
-        self._fpt_cache: dict[int, float] = {}
+        # Per-process sums over the training micro-batches of the current optimizer step (the hook
+        # adds to them; `on_step_end` turns them into the step's FLOPs per token and resets them).
+        self._step_tokens = 0
+        self._step_flops = 0.0
+        # Cumulative, all processes: FLOPs of the tokens counted so far, and how many tokens that is
+        # (state.num_input_tokens_seen at the end of the last step folded in).
+        self._flops = 0.0
+        self._counted_tokens = 0
+        self._last_fpt = math.nan  # FLOPs per token of the last step (for tokens not yet folded in)
+        self._last_seq_len: int | None = None  # of the last training micro-batch
+        # Tokens of a resumed checkpoint that saved no FLOP total, still to be priced at the
+        # configured r once the sequence length is known (seq_len=None: from the first batch).
+        self._unpriced_tokens = 0
+        self._fpt_cache: dict[tuple[int, int | None], float] = {}
         self.static: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
 
@@ -132,10 +152,11 @@ class LoopedComputeCallback(TrainerCallback):
             "backprop_recurrences": config.backprop_recurrences,
         }
 
-    def _flops_per_token(self, seq_len: int) -> float:
-        if seq_len not in self._fpt_cache:
-            self._fpt_cache[seq_len] = float(self._model.training_flops_per_token(seq_len))
-        return self._fpt_cache[seq_len]
+    def _flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
+        key = (seq_len, num_recurrences)
+        if key not in self._fpt_cache:
+            self._fpt_cache[key] = float(self._model.training_flops_per_token(seq_len, num_recurrences))
+        return self._fpt_cache[key]
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         # Training micro-batches only (evaluation runs the model in eval mode).
@@ -148,25 +169,76 @@ class LoopedComputeCallback(TrainerCallback):
                 return
             ids = ids[..., 0]
         seq_len = self.seq_len or int(ids.shape[-1])
+        r = kwargs.get("num_recurrences")  # what this call runs (None: the config's r)
+        self._last_seq_len = seq_len
         n = int(ids.numel())
-        self._local_tokens += n
-        self._local_flops += n * self._flops_per_token(seq_len)
+        self._step_tokens += n
+        self._step_flops += n * self._flops_per_token(seq_len, None if r is None else int(r))
 
     # --- values ---------------------------------------------------------------------------------
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: the token-weighted mean over the micro-batches seen."""
-        if self._local_tokens:
-            return self._local_flops / self._local_tokens
+    def _pending_fpt(self) -> float:
+        """FLOPs per token for tokens not yet folded into the total: the current step's micro-batches
+        if any were seen, else the last step's, else the configured r's."""
+        if self._step_tokens:
+            return self._step_flops / self._step_tokens
+        if math.isfinite(self._last_fpt):
+            return self._last_fpt
         if self.seq_len is not None and self._model is not None:
             return self._flops_per_token(self.seq_len)
         return math.nan
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: total FLOPs / total tokens (the configured r's before any step)."""
+        if self._counted_tokens and not self._unpriced_tokens:
+            return self._flops / self._counted_tokens
+        return self._pending_fpt()
+
     def current(self, state: TrainerState) -> dict[str, Any]:
         """`train_tokens` and `train_flops` now (cumulative, all processes)."""
+        self._price_unpriced()
         tokens = int(state.num_input_tokens_seen)
-        fpt = self.flops_per_token()
-        flops = 0.0 if tokens == 0 else tokens * fpt
+        pending = tokens - self._counted_tokens
+        flops = self._flops + (pending * self._pending_fpt() if pending else 0.0)
+        if self._unpriced_tokens:  # resumed, no FLOP total saved, no batch seen yet: unknown
+            flops = math.nan
         return {"train_tokens": tokens, "train_flops": flops}
+
+    def state(self) -> dict[str, Any]:
+        """Saved in every Trainer checkpoint (`ExportableState`), read back on resume."""
+        return {
+            "args": {"seq_len": self.seq_len},
+            "attributes": {"_flops": self._flops, "_counted_tokens": self._counted_tokens},
+        }
+
+    def _restore(self, state: TrainerState) -> None:
+        """On resume: take the FLOP total saved with the checkpoint, or (a checkpoint from before
+        the total was saved) price its tokens at the configured r."""
+        tokens = int(state.num_input_tokens_seen)
+        if tokens == 0:  # a fresh start (also a second `train()` with the same callback)
+            self._flops, self._counted_tokens, self._unpriced_tokens = 0.0, 0, 0
+            self._step_tokens, self._step_flops, self._last_fpt = 0, 0.0, math.nan
+            return
+        if self._counted_tokens == tokens:
+            return
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        saved = saved[0] if isinstance(saved, list) else saved
+        attributes = (saved or {}).get("attributes") or {}
+        if attributes.get("_counted_tokens") == tokens:
+            self._flops, self._counted_tokens = float(attributes["_flops"]), tokens
+            return
+        logger.warning(
+            "LoopedComputeCallback: the checkpoint carries no FLOP total for its %d tokens; counting them at "
+            "the configured num_recurrences (exact unless r varied before the resume)",
+            tokens,
+        )
+        self._flops, self._counted_tokens, self._unpriced_tokens = 0.0, tokens, tokens
+        self._price_unpriced()
+
+    def _price_unpriced(self) -> None:
+        seq_len = self.seq_len or self._last_seq_len
+        if self._unpriced_tokens and seq_len is not None and self._model is not None:
+            self._flops += self._unpriced_tokens * self._flops_per_token(seq_len)
+            self._unpriced_tokens = 0
 
     def summary(self, state: TrainerState) -> dict[str, Any]:
         """Everything the run record needs from training: tokens, FLOPs (ours and the Trainer's)."""
@@ -182,6 +254,23 @@ class LoopedComputeCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self._setup(args, kwargs.get("model"))
+        self._restore(state)
+        # Trainer._save_checkpoint indexes stateful_callbacks by class name without a default: a
+        # state resumed from a checkpoint written without this callback would raise KeyError there.
+        if state.stateful_callbacks is None:
+            state.stateful_callbacks = {}
+        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        # Fold this optimizer step in: its tokens over all processes x its FLOPs per token here.
+        self._price_unpriced()
+        tokens = int(state.num_input_tokens_seen)
+        if self._step_tokens:
+            self._last_fpt = self._step_flops / self._step_tokens
+        if tokens > self._counted_tokens:
+            self._flops += (tokens - self._counted_tokens) * self._pending_fpt()
+            self._counted_tokens = tokens
+        self._step_tokens, self._step_flops = 0, 0.0
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs

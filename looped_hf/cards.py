@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -310,7 +311,20 @@ def _training_section(record: Mapping[str, Any], tokenizer_name: str) -> dict[st
         if record.get("trainer_total_flos")
         else "-",
         "recipe_yaml": yaml.safe_dump(_public_recipe(recipe), sort_keys=False).rstrip() or "{}",
+        "recurrences": _training_recurrences(record),
     }
+
+
+def _training_recurrences(record: Mapping[str, Any]) -> str | None:
+    """How r was chosen during training, for a run with a sampled r (None: fixed r)."""
+    sampling = record.get("recurrence_sampling") or (record.get("recipe") or {}).get("recurrence_sampling")
+    if sampling in (None, "fixed"):
+        return None
+    ran = record.get("sampled_recurrences") or {}
+    seen = ""
+    if ran.get("steps"):
+        seen = f"; ran mean {ran['mean']:.2f}, min {ran['min']}, max {ran['max']} over {ran['steps']} steps"
+    return f"sampled per optimizer step (`{sampling}`, mean r = {record.get('num_recurrences')}{seen})"
 
 
 def render_checkpoint_card(
@@ -322,11 +336,22 @@ def render_checkpoint_card(
     license: str = "apache-2.0",
     fit: ScalingLawFit | None = None,
     prompt: str = "To be, or not to be",
+    test_time: Mapping[str, Any] | PathLike | None = None,
+    test_time_plot: str | None = None,
 ) -> ModelCard:
-    """The model card of one checkpoint (``model``: the loaded ``LoopedForCausalLM``)."""
+    """The model card of one checkpoint (``model``: the loaded ``LoopedForCausalLM``).
+
+    ``test_time``: the checkpoint's test-time scaling curve (``looped-hf test-time``: a result of
+    ``looped_hf.test_time.evaluate_recurrences`` or the path of its JSON). ``None``: the
+    ``test_time_scaling.json`` next to the checkpoint the model was loaded from, if there is one
+    measured on these weights. The card then shows the held-out loss at every r measured, and
+    ``test_time_plot`` (a path relative to the card, e.g. ``test_time_scaling.png`` copied beside
+    it) as an image.
+    """
     from looped_hf import __version__
 
     config = model.config
+    curve = _test_time_curve(model, test_time)
     params = model.num_scaling_params()
     model_name = repo_id.split("/")[-1]
     data = checkpoint_card_data(record, config, params, model_name=model_name, license=license, fit=fit)
@@ -376,10 +401,47 @@ def render_checkpoint_card(
             "eval_tokens": _count(metrics["eval_tokens"]),
         },  # fmt: skip
         prompt=prompt,
+        test_time=None if curve is None else {
+            "summary": _test_time_summary(curve),
+            "table": _test_time_table(curve),
+            "plot": test_time_plot,
+            "sampling": curve.get("recurrence_sampling") or "fixed",
+        },
         transformers_spec=">=5.24,<5.25",
         looped_hf_link=_project_link(),
         looped_hf_version=__version__,
     )
+
+
+def _test_time_curve(model: Any, test_time: Mapping[str, Any] | PathLike | None) -> Mapping[str, Any] | None:
+    """The test-time curve to show: the one given, or the one saved beside the loaded checkpoint."""
+    from looped_hf.test_time import CURVE_JSON, load_curve
+
+    if isinstance(test_time, Mapping):
+        return test_time
+    if test_time is not None:
+        path = Path(test_time)
+        if not path.is_file():
+            raise FileNotFoundError(f"test_time={str(test_time)!r}: no such file (write it with `looped-hf test-time`)")
+        return json.loads(path.read_text(encoding="utf-8"))
+    source = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not (source / CURVE_JSON).is_file():
+        return None
+    weights = source / "model.safetensors"
+    # Only a curve measured on exactly these weights (a retrained run leaves a stale one behind).
+    return load_curve(source, sha256_file(weights) if weights.is_file() else None)
+
+
+def _test_time_summary(curve: Mapping[str, Any]) -> str:
+    from looped_hf.test_time import summary_sentence
+
+    return summary_sentence(curve)
+
+
+def _test_time_table(curve: Mapping[str, Any]) -> str:
+    from looped_hf.test_time import markdown_table
+
+    return markdown_table(curve)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,10 +482,19 @@ def _holdout_sentence(fit: ScalingLawFit) -> str | None:
 
 
 def phi_caveat(fit: ScalingLawFit) -> str | None:
-    """A warning when the runs barely constrain phi (the interval reaches the search box or is
-    wider than the whole phi = 0 .. 1 range), so the card does not oversell a noisy estimate."""
+    """A warning when the runs do not pin phi down, so the card does not oversell the estimate.
+
+    With the fit's identifiability diagnosis (``fit.diagnostics``, fits since v0.2) it is the
+    verdict line when phi is not identified. Without one (an older ``fit.json``) it falls back to
+    the interval alone: one that reaches the search box or is wider than the whole 0 .. 1 range.
+    """
     if fit.params.get("phi") is None:
         return "phi is not identifiable from these runs (no run has r > 1 and N_rec > 0)."
+    verdict = (fit.diagnostics or {}).get("verdict")
+    if verdict is not None:
+        if verdict.get("identified") is False:
+            return verdict["line"] + " See *Is phi identified?* below."
+        return None
     ci = fit.ci.get("phi")
     if not ci:
         return "no bootstrap interval: refit with bootstrap resamples before reading much into phi."
@@ -434,6 +505,48 @@ def phi_caveat(fit: ScalingLawFit) -> str | None:
                 + ("reaches the search bounds " if at_bound else "is wider than the whole range 0 .. 1 ")
                 + "- these runs do not pin phi down; more runs, budgets or widths are needed.")  # fmt: skip
     return None
+
+
+def _open_interval(interval: Iterable[float | None]) -> str:
+    lo, hi = interval
+    return f"[{'open' if lo is None else f'{lo:.3g}'}, {'open' if hi is None else f'{hi:.3g}'}]"
+
+
+def identifiability_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
+    """The fit's identifiability diagnosis, formatted for the sweep card (None without one)."""
+    d = fit.diagnostics or {}
+    verdict = d.get("verdict")
+    if not verdict:
+        return None
+    prof = d.get("profile")
+    tests = []
+    for ref, key in (("0", "lr_phi0"), ("1", "lr_phi1")):
+        x = (prof or {}).get(key)
+        if x is not None:
+            tests.append(f"phi = {ref} is {'excluded' if x > prof['cut'] else 'inside'} (LR {x:.3g})")
+    rows = []
+    for row in d.get("budgets") or []:
+        tpp = f"{si(row['tokens_per_param'][0], 2)} - {si(row['tokens_per_param'][1], 2)}"
+        for k, p in enumerate(row["per_r"]):
+            side = {"below": "below the widths", "above": "above the widths", "inside": "inside"}[p["optimal_vs_widths"]]
+            rows.append({
+                "budget": f"{row['budget']:.3g}".replace("e+", "e") if k == 0 else "",
+                "tokens_per_param": tpp if k == 0 else "", "r": f"{p['r']:g}", "best": p["best"],
+                "position": f"**{p['position']}**" if p["position"] in ("smallest", "largest") else p["position"],
+                "optimum": f"{si(p['optimal_params'])} ({p['optimal_tokens_per_param']:.3g} tokens/param, {side})",
+            })  # fmt: skip
+    boot = d.get("bootstrap") or {}
+    return {
+        "identified": verdict.get("identified"),
+        "line": verdict["line"],
+        "reasons": list(verdict.get("reasons") or []),
+        "profile_ci": _open_interval(prof["interval"]) if prof else None,
+        "profile_tests": "; ".join(tests),
+        "profile_cut": f"{prof['cut']:.3g}" if prof else None,
+        "at_bound": [b["text"] for b in d.get("at_bound") or []],
+        "boot_at_bound": ", ".join(f"{k} {100 * v:.0f}%" for k, v in (boot.get("at_bound_by_param") or {}).items()),
+        "isoflop_rows": rows,
+    }
 
 
 def fit_summary(fit: ScalingLawFit) -> dict[str, Any]:
@@ -476,6 +589,7 @@ def fit_summary(fit: ScalingLawFit) -> dict[str, Any]:
         "holdout": _holdout_sentence(fit),
         "notes": list(fit.notes),
         "caveat": phi_caveat(fit),
+        "identifiability": identifiability_summary(fit),
     }
 
 
@@ -520,6 +634,14 @@ def _plots(fit: ScalingLawFit, plots_dir: Path) -> list[dict[str, str]]:
     from looped_hf import plotting
 
     captions = {
+        "isoflop.png": ("IsoFLOP curves: loss against effective parameters per budget",
+                        "IsoFLOP curves: held-out loss against N_eff = N_once + r^phi N_rec, one panel per budget, one "
+                        "colour per r; lines: the fitted law along the sweep's models at that budget; stars: its "
+                        "compute-optimal size. A minimum between a budget's widths is what pins the law down."),
+        "phi_profile.png": ("profile of the objective over phi",
+                            "The fit's objective with phi held fixed and every other parameter refitted (as a "
+                            "likelihood-ratio statistic); phi below the dashed cut form the profile-likelihood 95% "
+                            "interval (shaded); the bar is the bootstrap interval. Flat means not determined."),
         "loss_vs_flops.png": ("held-out loss against training FLOPs by r",
                               "Held-out loss against training FLOPs, one colour per r; lines: the fitted law at the "
                               "compute-optimal size for each r."),
@@ -740,6 +862,7 @@ __all__ = [
     "card_image_links",
     "checkpoint_card_data",
     "fit_summary",
+    "identifiability_summary",
     "heldout_metrics",
     "main",
     "render_checkpoint_card",

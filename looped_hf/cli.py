@@ -13,17 +13,18 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("looped_hf.train", "train one model from a recipe (YAML); flags override the file"),
-    "sweep": ("looped_hf.sweep", "plan (--dry-run) or run a resumable iso-depth sweep"),
+    "sweep": ("looped_hf.sweep", "plan (--dry-run) or run a resumable iso-depth sweep, --jobs N runs at once"),
     "fit": ("looped_hf.scaling.cli", "fit the looped scaling law (phi) to a sweep's results"),
     "card": ("looped_hf.cards", "write a sweep's model card (phi, plots, runs)"),
     "publish": ("looped_hf.publish", "write a Hub-ready folder for one run; --push uploads it"),
+    "test-time": ("looped_hf.test_time", "held-out loss of a checkpoint at r = 1 .. 4x its trained r (table + plot)"),
     "demo": ("looped_hf.demo", "the main job: tiny iso-depth sweep -> fit -> cards"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: looped-hf <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`looped-hf <command> --help` shows a command's options."]
     return "\n".join(lines)
 

@@ -38,6 +38,34 @@ LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module 
 STATE_INITS = ("prelude", "zeros", "noise")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
+# The Auto class -> model class pairs modeling_looped.py provides (written to every ``auto_map``).
+AUTO_CLASSES = {
+    "AutoModel": "LoopedModel",
+    "AutoModelForCausalLM": "LoopedForCausalLM",
+    "AutoModelForSequenceClassification": "LoopedForSequenceClassification",
+    "AutoModelForTokenClassification": "LoopedForTokenClassification",
+    "AutoModelForQuestionAnswering": "LoopedForQuestionAnswering",
+}
+
+
+def tensor_parallel_plan(gated: bool = True) -> dict[str, str]:
+    """Llama's tensor-parallel plan for each of the three layer lists.
+
+    q/k/v and the MLP input projections are split by output (whole heads per rank, so
+    num_key_value_heads must divide by the TP size), o_proj and down_proj by input, then
+    all-reduced. The injection adapter reads the full (replicated) [e; h], so it stays replicated,
+    as do the norms and the hyperconnection gains; transformers adds the vocabulary split of the
+    embedding itself. ``gated=False`` (the squared-ReLU MLP) has no gate_proj to name.
+    """
+    modules = [("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+               ("self_attn.o_proj", "rowwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise")]  # fmt: skip
+    if gated:
+        modules.append(("mlp.gate_proj", "colwise"))
+    return {
+        f"{stack}.*.{module}": style
+        for stack in ("prelude_layers", "recurrent_layers", "coda_layers")
+        for module, style in modules
+    }
 
 
 class LoopedConfig(PreTrainedConfig):
@@ -92,6 +120,9 @@ class LoopedConfig(PreTrainedConfig):
 
     model_type = "looped"
     keys_to_ignore_at_inference = ["cache"]
+    # Tensor parallelism (``from_pretrained(..., tp_plan="auto")``), see ``tensor_parallel_plan``;
+    # an instance gets the plan of its MLP in ``__post_init__`` (transformers never serialises it).
+    base_model_tp_plan = tensor_parallel_plan(gated=True)
 
     vocab_size: int = 8192
     hidden_size: int = 256
@@ -149,6 +180,7 @@ class LoopedConfig(PreTrainedConfig):
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         self.validate_loop()
         self.num_hidden_layers = self.effective_num_layers
+        self.base_model_tp_plan = tensor_parallel_plan(gated=self.hidden_act != "relu2")
         super().__post_init__(**kwargs)
 
     # --- validation -------------------------------------------------------------------------
@@ -222,6 +254,20 @@ class LoopedConfig(PreTrainedConfig):
             config_dict = {**config_dict, "looped_format": 1}
         return super().from_dict(config_dict, **kwargs)
 
+    def to_dict(self) -> dict:
+        # ``save_pretrained`` writes ``auto_map`` for the saved class only; every class lives in the
+        # shipped modeling_looped.py, so list them all: a causal-LM checkpoint then loads as remote
+        # code into any head (``AutoModelForSequenceClassification``, ...) and vice versa.
+        out = super().to_dict()
+        auto_map = out.get("auto_map")
+        if isinstance(auto_map, dict):
+            source = next((v for v in auto_map.values() if isinstance(v, str) and "modeling_looped." in v), None)
+            if source is not None:
+                prefix = source[: source.index("modeling_looped.")]
+                out["auto_map"] = {**{auto: f"{prefix}modeling_looped.{cls}" for auto, cls in AUTO_CLASSES.items()},
+                                   **auto_map}  # fmt: skip
+        return out
+
     def to_diff_dict(self) -> dict:
         # Always written, even at its default: its absence means format 1.
         out = super().to_diff_dict()
@@ -249,4 +295,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["LOOPED_FORMAT", "LoopedConfig"]
+__all__ = ["LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

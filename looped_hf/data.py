@@ -333,7 +333,13 @@ def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
         tok = _wrap(Tokenizer.from_file(name), name)
     else:
         tok = AutoTokenizer.from_pretrained(name)  # local directory or Hub name
-    return _ensure_special_tokens(tok)
+    tok = _ensure_special_tokens(tok)
+    # Decoder-only generation pads on the left, so every prompt of a batch ends at the last
+    # position; the tokenizer saved with each checkpoint carries this. Training packs full blocks
+    # (no padding), so it changes nothing there.
+    tok.padding_side = "left"
+    tok.init_kwargs["padding_side"] = "left"  # what save_pretrained writes to tokenizer_config.json
+    return tok
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -4,7 +4,10 @@
     looped-hf demo --recipe tests/data/micro_sweep.yaml --out /tmp/micro --card-dir /tmp/micro/card --bootstrap 20
 
 1. trains every run of the sweep recipe on the embedded corpus through the sweep runner
-   (``looped_hf.sweep.run_sweep``): killed or interrupted, the same command resumes;
+   (``looped_hf.sweep.run_sweep``), several at once (``--jobs``; default: the available cores
+   divided by the recipe's ``torch_num_threads``): killed or interrupted, the same command
+   resumes. The console shows one progress line; each run's log is ``<run>/train.log``
+   (``--verbose`` shows the logs too);
 2. fits ``L = E + A (N_once + r^phi N_rec)^-alpha + B D^-beta`` with a (budget, r)-cell
    bootstrap and writes ``OUT/fit.json``;
 3. writes the sweep card (phi with its CI, restricted fits, residuals, plots, runs,
@@ -49,13 +52,17 @@ def _stage(number: int, text: str) -> None:
     print(f"\n[demo {number}/4] {text}", flush=True)
 
 
-def train_sweep(recipe: Path, out: Path, executor: str | None = None) -> list[dict[str, Any]]:
-    """Stage 1: plan and run the sweep (resumable); returns the records of all planned runs."""
+def train_sweep(
+    recipe: Path, out: Path, executor: str | None = None, jobs: int | None = None, verbose: bool = False
+) -> list[dict[str, Any]]:
+    """Stage 1: plan and run the sweep (resumable), `jobs` runs at once (None: the runner's
+    default, see ``looped_hf.sweep.default_jobs``); returns the records of all planned runs."""
     from looped_hf.sweep import make_plan, run_sweep
 
     plan = make_plan(recipe, out)
-    print(plan.table(), flush=True)
-    records = run_sweep(recipe, out, executor=executor)
+    # The totals only: the table (`looped-hf sweep RECIPE --dry-run`) has a line per run.
+    print("\n".join(plan.summary()) + f"\n(the plan, run by run: looped-hf sweep {recipe} --dry-run)", flush=True)
+    records = run_sweep(recipe, out, executor=executor, jobs=jobs, verbose=verbose)
     ok = [r for r in records if r.get("status") == "ok"]
     failed = [r.get("run_id") for r in records if r.get("status") != "ok"]
     if failed:
@@ -109,11 +116,14 @@ def run_demo(
     repo_id: str | None = None,
     executor: str | None = None,
     verify: bool = True,
+    jobs: int | None = None,
+    verbose: bool = False,
 ) -> dict[str, Any]:
     """Run the whole job; returns ``{"fit", "card", "checkpoint", "sweep_dir"}``.
 
     ``verify``: recompute the published checkpoint's held-out loss from its folder (the
-    ``evaluate`` metric) and stop if it differs from the run record's.
+    ``evaluate`` metric) and stop if it differs from the run record's. ``jobs``: runs trained at
+    once (None: the sweep runner's default); ``verbose``: print every run's log as well.
     """
     from looped_hf.cards import best_run, write_sweep_card
     from looped_hf.publish import build_folder
@@ -126,7 +136,7 @@ def run_demo(
     repo_id = repo_id or f"your-name/looped-{name.replace('_', '-')}"
 
     _stage(1, f"training the sweep {recipe_path} into {sweep_dir} (interrupt and rerun to resume)")
-    records = train_sweep(recipe_path, sweep_dir, executor)
+    records = train_sweep(recipe_path, sweep_dir, executor, jobs=jobs, verbose=verbose)
     _stage(2, "fitting the looped scaling law")
     fit = fit_sweep(sweep_dir, bootstrap, seed)
 
@@ -201,7 +211,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--executor", default=None, help="override the recipe's sweep.executor (local, subprocess, ...)"
     )
+    p.add_argument(
+        "--jobs", "-j", type=_positive_int, default=None, metavar="N",
+        help="runs trained at once (default: available cores // the recipe's torch_num_threads, at least 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="also print every run's log (always in <run>/train.log)"
+    )
     return p
+
+
+def _positive_int(text: str) -> int:
+    from looped_hf.sweep import _positive_int as parse
+
+    return parse(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_demo(args.recipe, args.out, args.card_dir, bootstrap=args.bootstrap, seed=args.seed,
-                 repo_id=args.repo_id, executor=args.executor, verify=not args.no_verify)  # fmt: skip
+                 repo_id=args.repo_id, executor=args.executor, verify=not args.no_verify, jobs=args.jobs,
+                 verbose=args.verbose)  # fmt: skip
     except (DemoError, RecipeError, PublishError, FileNotFoundError) as err:
         print(f"looped-hf demo: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, (RecipeError, FileNotFoundError)) or "--recipe" in str(err) else 1

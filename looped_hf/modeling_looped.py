@@ -8,9 +8,29 @@ The layer is Llama's (pre-norm, RoPE, GQA) with the study's switches: squared-Re
 logit soft-cap. Where the study's code (kschwethelm/looped-lm-scaling, nanochat/gpt.py) fixes a
 convention, this file follows it and says so: injection order and init, hyperconnection update,
 QK-norm placement, initialisation, parameter groups. ``config.looped_format == 1`` keeps the forward
-of looped_hf 0.1.0 for checkpoints saved by it. Every *application* of a layer (P + r*K + C per token) owns one KV-cache slot, so
-the cache is the flat stack a looped model unrolls into; ``config.num_hidden_layers`` is that
-depth at the default r and the cache grows when a call asks for more recurrences.
+of looped_hf 0.1.0 for checkpoints saved by it. Every *application* of a layer (P + r*K + C per
+token) owns one KV-cache slot, so the cache is the flat stack a looped model unrolls into;
+``config.num_hidden_layers`` is that depth at the default r and a dynamic cache grows when a call
+asks for more recurrences.
+
+It behaves like transformers 5.24's Llama wherever a looped model can: ``cache=`` (the old
+``past_key_values=`` is mapped with Llama's deprecation warning), ``return_dict=False`` gives a
+tuple, a keyword the model does not know raises ``TypeError`` instead of vanishing into
+``**kwargs``, hidden states and attentions are collected by transformers' output-capturing hooks,
+the forward compiles with ``torch.compile(fullgraph=True)`` at a fixed r, and the standard heads
+(sequence / token classification, question answering) are transformers' generic ones.
+
+Hidden states, ``output_hidden_states=True``: P + r*K + C + 1 tensors, one per layer
+*application* in execution order. Index 0 is the input of the first application (with P > 0 the
+embedding, after the embedding norm when there is one; with P = 0 the first block input, the
+injected state); index i >= 1 is the output of application i - 1: prelude layer p (0-based) is
+p + 1, recurrence s and block layer j (0-based) are P + s*K + j + 1, coda layer c is
+P + r*K + c + 1, and the last entry is the final normed state (``last_hidden_state``), as for
+Llama. A block layer's output is recorded before the recurrence norm and the next injection (the
+normed state after every recurrence is ``recurrent_states``). ``output_hidden_states=[i, ...]``
+selects by these indices, negative ones counted from the end at the call's r. Attentions (eager
+attention only) have the same order without the leading input: ``attentions[a]`` is application
+a, the one that also owns cache slot a.
 
 This module is the one owner of parameter and FLOP accounting (``num_scaling_params``,
 ``training_flops_per_token``, ``inference_flops_per_token``); training, planning and model cards
@@ -20,8 +40,10 @@ and ``.configuration_looped``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import wraps
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +53,19 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import TransformersKwargs, can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_looped import LoopedConfig
 
@@ -54,12 +85,11 @@ class LoopedRMSNorm(nn.Module):
             # One fused op instead of eight: decoding at batch 1 is bound by per-op overhead, and
             # a looped model applies its norms r times. Bit-identical to the path below in fp32.
             return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
-        # Normalise in fp32 (bf16 variance underflows), then cast back: identical to Llama.
+        # Normalise in fp32 (bf16 variance underflows), cast back, then scale: Llama's order, with
+        # the fp32 part fused (one kernel instead of five).
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        normed = F.rms_norm(hidden_states.to(torch.float32), self.weight.shape, None, self.variance_epsilon)
+        return self.weight * normed.to(input_dtype)
 
 
 class LoopedRotaryEmbedding(nn.Module):
@@ -304,6 +334,79 @@ class LoopedCausalLMOutputWithPast(CausalLMOutputWithPast):
 
 
 # ---------------------------------------------------------------------------------------------
+# Keyword arguments: what ``**kwargs`` may carry, and what it must not swallow
+# ---------------------------------------------------------------------------------------------
+
+# The keywords transformers 5.24 threads through a decoder's ``**kwargs`` (``TransformersKwargs``):
+# the output flags (read by ``capture_outputs``), ``num_items_in_batch`` (the loss, from Trainer)
+# and the packed-sequence / attention-backend ones the attention functions read. Anything else
+# would vanish into ``**kwargs`` with no effect, so it is refused (a ``None`` value asks for
+# nothing and is dropped). ``output_router_logits`` is left out: there is no router here.
+_FORWARD_KWARGS = frozenset(TransformersKwargs.__annotations__) - {"output_router_logits", "position_ids"}
+# Loss keywords ``ForCausalLMLoss`` reads besides logits / labels / vocab_size / num_items_in_batch.
+_LOSS_KWARGS = ("ignore_index", "shift_labels")
+# Why a keyword that v4-era code (or another architecture) passes is refused.
+_REFUSED_KWARG_HINTS = {
+    "cache_position": "transformers 5 removed it; positions come from position_ids, or from the cache's length "
+    "when position_ids is None",
+    "num_logits_to_keep": "it is called logits_to_keep",
+    "head_mask": "transformers 5 removed head masking",
+    "token_type_ids": "a decoder-only model has no token types (looped_hf's tokenizers do not return them); "
+    "drop the key",
+    "output_router_logits": "this model has no router (it is not a mixture of experts)",
+    "labels": "LoopedModel computes no loss; use LoopedForCausalLM (or a head class) for a loss",
+    "layer_past": "the cache keyword is cache",
+    "encoder_hidden_states": "this is a decoder-only model: there is no cross-attention",
+}
+
+
+def _checked_kwargs(owner: nn.Module, kwargs: dict, accepted: frozenset[str] = _FORWARD_KWARGS) -> dict:
+    """``kwargs`` without ``None`` values of unknown keys; ``TypeError`` naming any other unknown key.
+
+    A keyword that ``**kwargs`` swallows silently is a wrong result with no error (the v4
+    ``past_key_values=`` restarted positions at 0); this makes every such keyword loud.
+    """
+    out = {}
+    for key, value in kwargs.items():
+        if key in accepted:
+            out[key] = value
+        elif value is not None:
+            hint = _REFUSED_KWARG_HINTS.get(key, f"{type(owner).__name__} does not use it")
+            shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)[:80]
+            raise TypeError(f"{type(owner).__name__}.forward() got an unexpected keyword argument {key}={shown}: {hint}")
+    return out
+
+
+def _select_hidden_states_at_r(forward: Callable) -> Callable:
+    """Make ``output_hidden_states=[i, ...]`` select by the indices of the call's r.
+
+    transformers' ``capture_outputs`` resolves (and bounds) the indices with
+    ``config.num_hidden_layers``, the applications at the *default* r; a call at another r has
+    P + r*K + C + 1 hidden states. For such a call (``num_recurrences=`` given as a keyword and
+    different from the default) every state is collected and the unselected ones are replaced by
+    ``None`` afterwards, as ``capture_outputs`` would. Applied outside ``capture_outputs``.
+    """
+
+    @wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        selection = kwargs.get("output_hidden_states")
+        r = kwargs.get("num_recurrences")
+        if selection is None or isinstance(selection, bool) or r is None or r == self.config.num_recurrences:
+            return forward(self, *args, **kwargs)
+        n = self.config.num_layer_applications(int(r)) + 1
+        indices = [selection] if isinstance(selection, int) else list(selection)
+        keep = {i % n for i in indices if -n <= i < n}
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        out = forward(self, *args, **{**kwargs, "output_hidden_states": True, "return_dict": True})
+        out.hidden_states = tuple(h if i in keep else None for i, h in enumerate(out.hidden_states))
+        return out if return_dict else out.to_tuple()
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
 
@@ -319,7 +422,15 @@ class LoopedPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False  # r is a Python int: a new r is a new graph
+    # r is a Python int: each r is its own graph (recompiled once), the forward has no data-dependent
+    # branch at a fixed r.
+    _can_compile_fullgraph = True
+    # One record per *application* of a layer: a shared layer's hook fires every time it runs, so
+    # the hidden states and attentions are in execution order (see the module docstring).
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(LoopedDecoderLayer, index=0),
+        "attentions": OutputRecorder(LoopedAttention, index=1),
+    }
 
     def _init_weights(self, module: nn.Module) -> None:
         """transformers' init (``init_scheme="hf"``) or the study's (``"study"``, nanochat/gpt.py
@@ -365,6 +476,26 @@ def _grow_cache(cache: Cache, num_slots: int) -> None:
         )
     while len(cache.layers) < num_slots:
         cache.layers.append(DynamicLayer())
+
+
+def _check_cache_recurrences(cache: Cache, r: int) -> None:
+    """Refuse a cache filled at another r: slot a holds application a, and which layer (and which
+    recurrence) application a is depends on r, so mixing two r's attends to the wrong keys.
+
+    The r a cache was filled at is a Python attribute on the cache, so at a fixed r this is a
+    constant check that ``torch.compile`` guards on, never a read of the cache's length. Only
+    when r changes is the length read, so that an emptied cache (``reset()``, as ``generate``
+    does before reusing its static cache) can be reused at a new r.
+    """
+    filled_r = getattr(cache, "looped_num_recurrences", None)
+    if filled_r == r:
+        return
+    if filled_r is not None and (torch.compiler.is_compiling() or cache.get_seq_length() > 0):
+        raise ValueError(
+            f"num_recurrences={r}, but this cache was filled at num_recurrences={filled_r}: every "
+            "recurrence has its own cache slot, so r must stay fixed for the life of a cache"
+        )
+    cache.looped_num_recurrences = r
 
 
 class LoopedModel(LoopedPreTrainedModel):
@@ -413,20 +544,61 @@ class LoopedModel(LoopedPreTrainedModel):
                 recurrent += list(module.parameters())
         return {"once": once, "recurrent": recurrent, "embedding": list(self.embed_tokens.parameters())}
 
-    def _inject(self, h: torch.Tensor, e: torch.Tensor, legacy: bool) -> torch.Tensor:
+    def _injection_split(self, e: torch.Tensor, legacy: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(W_e e, W_h) for the linear injection u = W [e; h] = W_e e + W_h h, or ``None``.
+
+        e is the same at every recurrence, so W_e e is computed once per forward instead of a
+        concat and a d x 2d matmul per recurrence (r + 1 d x d matmuls instead of 2r, forward and
+        backward). Only for a plain ``nn.Linear``: a wrapped adapter (LoRA, quantisation, FSDP)
+        must see its own forward called, and gets ``self.injection(cat)`` instead.
+        """
+        injection = self.injection
+        if type(injection) is not nn.Linear or injection.bias is not None:
+            return None
+        d = self.config.hidden_size
+        # The study's order is [e; h] (W = [I | 0] reads e); looped_format 1 concatenated [h; e].
+        w_e, w_h = (injection.weight[:, d:], injection.weight[:, :d]) if legacy else (
+            injection.weight[:, :d], injection.weight[:, d:]
+        )
+        return F.linear(e, w_e), w_h
+
+    def _inject(
+        self, h: torch.Tensor, e: torch.Tensor, legacy: bool, split: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """The block's input u from the state h and the prelude output e (see LoopedConfig)."""
         mode = self.config.input_injection
         if mode == "linear":
-            # The study's order, [e; h], so W = [I | 0] reads e; looped_format 1 concatenated [h; e].
+            if split is not None:
+                e_part, w_h = split
+                return e_part + F.linear(h, w_h)
             return self.injection(torch.cat([h, e] if legacy else [e, h], dim=-1))
         if mode == "add":
             return h + e
         return h
 
-    def _recurrence_has_grad(self, step: int, r: int) -> bool:
-        k = self.config.backprop_recurrences
-        return k is None or step >= r - k
+    def _resolve_num_recurrences(self, num_recurrences: int | None) -> int:
+        config = self.config
+        r = config.num_recurrences if num_recurrences is None else num_recurrences
+        try:
+            # r must be a Python int (a graph per r under torch.compile); numpy / 0-d tensor ints convert.
+            r = operator.index(r) if not isinstance(r, bool) else None
+        except TypeError:
+            r = None
+        if r is None:
+            raise ValueError(f"num_recurrences={num_recurrences!r}: must be an integer >= 1")
+        if r < 1:
+            raise ValueError(f"num_recurrences={r}: must be >= 1")
+        if config.is_recurrence_locked and r != config.num_recurrences:
+            raise ValueError(
+                f"num_recurrences={r}: this model uses input_injection='hyperconnection', whose parameters are "
+                f"indexed by recurrence step, so it can only run at its trained num_recurrences={config.num_recurrences}"
+            )
+        return r
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @_select_hidden_states_at_r
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -436,42 +608,27 @@ class LoopedModel(LoopedPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         num_recurrences: int | None = None,
-        output_hidden_states: bool | None = None,
-        output_attentions: bool | None = None,
         output_recurrent_states: bool = False,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedModelOutputWithPast:
+        r"""The decoder. ``num_recurrences`` overrides r for this call; ``output_recurrent_states``
+        returns the state after every recurrence. ``output_hidden_states`` / ``output_attentions``
+        are collected per layer application (see the module docstring); ``return_dict=False``
+        returns a tuple. Unknown keywords raise ``TypeError``."""
         config = self.config
+        kwargs = _checked_kwargs(self, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        r = config.num_recurrences if num_recurrences is None else int(num_recurrences)
-        if r < 1:
-            raise ValueError(f"num_recurrences={r}: must be >= 1")
-        if config.is_recurrence_locked and r != config.num_recurrences:
-            raise ValueError(
-                f"num_recurrences={r}: this model uses input_injection='hyperconnection', whose parameters are "
-                f"indexed by recurrence step, so it can only run at its trained num_recurrences={config.num_recurrences}"
-            )
-        use_cache = config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
-        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        r = self._resolve_num_recurrences(num_recurrences)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
-        num_slots = config.num_layer_applications(r)
         if cache is not None:
-            filled_r = getattr(cache, "looped_num_recurrences", None)
-            if cache.get_seq_length() > 0 and filled_r is not None and filled_r != r:
-                raise ValueError(
-                    f"num_recurrences={r}, but this cache was filled at num_recurrences={filled_r}: every "
-                    "recurrence has its own cache slot, so r must stay fixed for the life of a cache"
-                )
-            _grow_cache(cache, num_slots)
-            cache.looped_num_recurrences = r
+            # Grow (or refuse) first, so a refused call leaves the cache's recorded r unchanged.
+            _grow_cache(cache, config.num_layer_applications(r))
+            _check_cache_recurrences(cache, r)
 
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
@@ -481,30 +638,20 @@ class LoopedModel(LoopedPreTrainedModel):
             config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
             position_ids=position_ids,
         )
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        # What every layer application gets, as Llama's layers do (position_ids: the varlen /
+        # packed-sequence attention backends read it).
+        layer_kwargs = dict(
+            attention_mask=causal_mask, position_embeddings=self.rotary_emb(inputs_embeds, position_ids),
+            position_ids=position_ids, cache=cache, **kwargs,
+        )
 
-        all_hidden_states: list[torch.Tensor] = []
-        all_attentions: list[torch.Tensor] = []
         app = 0  # index of the current layer application == its cache slot
-
-        def apply(layer: LoopedDecoderLayer, h: torch.Tensor) -> torch.Tensor:
-            nonlocal app
-            if output_hidden_states:
-                all_hidden_states.append(h)
-            h, weights = layer(
-                h, attention_mask=causal_mask, position_embeddings=position_embeddings, cache=cache,
-                cache_index=app, output_attentions=output_attentions, **kwargs,
-            )
-            if output_attentions:
-                all_attentions.append(weights)
-            app += 1
-            return h
-
         h = inputs_embeds
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
         for layer in self.prelude_layers:
-            h = apply(layer, h)
+            h = layer(h, cache_index=app, **layer_kwargs)[0]
+            app += 1
         e = h
         if config.state_init == "zeros":
             h = torch.zeros_like(e)
@@ -512,52 +659,69 @@ class LoopedModel(LoopedPreTrainedModel):
             # Huginn's random state: draws from the global RNG, which Trainer/set_seed seed.
             h = torch.randn_like(e) * config.state_init_std
 
-        recurrent_states: list[torch.Tensor] = []
         hc = self.hyperconnection
         legacy = config.looped_format == 1
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        for step in range(r):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and self._recurrence_has_grad(step, r)):
-                if hc is not None:
-                    x = hc.read(lanes, step)
-                    y = x
-                    for layer in self.recurrent_layers:
-                        y = apply(layer, y)
-                    if legacy:
-                        lanes = hc.write(lanes, step, y - x)
-                        if self.recurrence_norm is not None:
-                            lanes = self.recurrence_norm(lanes)
-                    else:
-                        lanes = hc.write(lanes, step, self.recurrence_norm(y) if self.recurrence_norm is not None else y)
-                    state = lanes.sum(0)
-                else:
-                    h = self._inject(h, e, legacy)
-                    for layer in self.recurrent_layers:
-                        h = apply(layer, h)
+        split = self._injection_split(e, legacy) if config.input_injection == "linear" else None
+        K = len(self.recurrent_layers)
+
+        def recurrence(step: int, h: torch.Tensor, lanes: torch.Tensor | None) -> tuple:
+            """One pass through the block; returns (h, lanes, the state after it)."""
+            app = len(self.prelude_layers) + step * K
+            if hc is not None:
+                x = hc.read(lanes, step)
+                y = x
+                for j, layer in enumerate(self.recurrent_layers):
+                    y = layer(y, cache_index=app + j, **layer_kwargs)[0]
+                if legacy:
+                    lanes = hc.write(lanes, step, y - x)
                     if self.recurrence_norm is not None:
-                        h = self.recurrence_norm(h)
-                    state = h
+                        lanes = self.recurrence_norm(lanes)
+                else:
+                    lanes = hc.write(lanes, step, self.recurrence_norm(y) if self.recurrence_norm is not None else y)
+                return h, lanes, lanes.sum(0)
+            h = self._inject(h, e, legacy, split)
+            for j, layer in enumerate(self.recurrent_layers):
+                h = layer(h, cache_index=app + j, **layer_kwargs)[0]
+            if self.recurrence_norm is not None:
+                h = self.recurrence_norm(h)
+            return h, lanes, h
+
+        # Truncated backprop: the first r - k recurrences run under no_grad (the study's detach of
+        # the state). Without truncation no grad-mode switch is entered at all.
+        k = config.backprop_recurrences
+        no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
+        recurrent_states: list[torch.Tensor] = []
+        for step in range(r):
+            if step < no_grad_steps:
+                with torch.no_grad():
+                    h, lanes, state = recurrence(step, h, lanes)
+            else:
+                h, lanes, state = recurrence(step, h, lanes)
             if output_recurrent_states:
                 recurrent_states.append(state)
         if hc is not None:
             h = lanes.sum(0)  # lanes are summed before the coda
+        app = len(self.prelude_layers) + r * K
         for layer in self.coda_layers:
-            h = apply(layer, h)
-        if output_hidden_states:
-            all_hidden_states.append(h)
+            h = layer(h, cache_index=app, **layer_kwargs)[0]
+            app += 1
         h = self.norm(h)
 
         return LoopedModelOutputWithPast(
             last_hidden_state=h,
             cache=cache if use_cache else None,
-            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
-            attentions=tuple(all_attentions) if output_attentions else None,
             recurrent_states=tuple(recurrent_states) if output_recurrent_states else None,
         )
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor parallelism as Llama: the head's output columns are sharded then gathered (the
+    # soft-cap is elementwise, so it runs on the gathered logits). No pipeline plan: transformers'
+    # pipeline parallelism splits ``base_model.layers`` into stages, and a looped model's shared
+    # block runs r times in one place, so there is no flat stack to cut.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__(config)
@@ -598,10 +762,12 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
                 mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
                 pe = base.rotary_emb(h, pos)
                 for layer in base.coda_layers:
-                    h, _ = layer(h, attention_mask=mask, position_embeddings=pe, cache=None)
+                    h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)[0]
             out.append(self.logits_from_hidden(base.norm(h)))
         return out
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -614,11 +780,15 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         num_recurrences: int | None = None,
         output_recurrent_states: bool = False,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedCausalLMOutputWithPast:
         r"""Causal-LM forward. ``num_recurrences`` overrides r for this call (``generate`` passes it
         through); ``output_recurrent_states`` returns the state after every recurrence; ``labels``
-        are NOT shifted by the caller (the loss shifts them; -100 is ignored)."""
+        are NOT shifted by the caller (the loss shifts them; -100 is ignored). ``ignore_index`` and
+        ``shift_labels`` go to the loss (a loss is computed when either labels or shift_labels is
+        given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``."""
+        loss_kwargs = {key: kwargs.pop(key) for key in _LOSS_KWARGS if key in kwargs}
+        kwargs = _checked_kwargs(self, kwargs)  # so an error names the class the caller called
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -628,14 +798,17 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             num_recurrences=num_recurrences,
             output_recurrent_states=output_recurrent_states,
+            return_dict=True,  # the tuple, if asked for, is made here (config.return_dict=False too)
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.logits_from_hidden(hidden_states[:, slice_indices, :])
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.logits_from_hidden(hidden_states)
         loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if labels is not None or loss_kwargs.get("shift_labels") is not None:
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                num_items_in_batch=kwargs.get("num_items_in_batch"), **loss_kwargs,
+            )
         return LoopedCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -651,11 +824,12 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
     def num_scaling_params(self) -> dict[str, int]:
         """Parameters in the study's groups; the parts sum to the real parameter count.
 
-        ``once``: prelude + coda + the norms run once (after the embedding, before the head).
-        ``recurrent``: the block + what runs with it every recurrence (injection adapter,
-        recurrence norm, hyperconnection gains). ``embedding`` and ``lm_head`` apart (a tied head
-        counts 0 here: its weights are the embedding's). The scaling law's N_once and N_rec are
-        ``once`` and ``recurrent``.
+        ``once``: prelude + coda + the model-level norm scales (after the embedding, after every
+        recurrence, before the head: the study counts all three as run-once "scalars").
+        ``recurrent``: the block + the injection adapter or hyperconnection gains. ``embedding``
+        and ``lm_head`` apart (a tied head counts 0 here: its weights are the embedding's). The
+        scaling law's N_once and N_rec are ``once`` and ``recurrent`` (the study's
+        ``effective_params``: once = prelude + coda + scalars, reused = recur_block + inject).
         """
         groups = {name: sum(p.numel() for p in params) for name, params in self.model.parameter_groups().items()}
         tied = self.lm_head.weight is self.model.embed_tokens.weight
@@ -731,4 +905,59 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * config.num_layer_applications(r))
 
 
-__all__ = ["LoopedPreTrainedModel", "LoopedModel", "LoopedForCausalLM"]
+# ---------------------------------------------------------------------------------------------
+# The standard heads: transformers' generic ones on the looped trunk (as Llama's in 5.24)
+# ---------------------------------------------------------------------------------------------
+
+
+# The generic heads build their trunk with ``AutoModel.from_config(config)``, which cannot resolve
+# the looped trunk in a process that loads it as remote code without looped_hf installed (the
+# config class is not registered there). So each head builds ``LoopedModel`` itself, exactly as
+# the generic ``__init__`` would, and keeps the generic forward and loss unchanged.
+
+
+class LoopedForSequenceClassification(GenericForSequenceClassification, LoopedPreTrainedModel):
+    """A linear ``score`` head on the last non-pad token's final state (transformers' generic)."""
+
+    def __init__(self, config: LoopedConfig) -> None:
+        LoopedPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = LoopedModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class LoopedForTokenClassification(GenericForTokenClassification, LoopedPreTrainedModel):
+    """A linear ``score`` head on every token's final state (transformers' generic)."""
+
+    def __init__(self, config: LoopedConfig) -> None:
+        LoopedPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = LoopedModel(config)
+        # The generic head's dropout: classifier_dropout, else hidden_dropout, else 0.1.
+        dropout = getattr(config, "classifier_dropout", None)
+        if dropout is None:
+            dropout = getattr(config, "hidden_dropout", None)
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=getattr(config, "token_classification_bias", True))
+        self.post_init()
+
+
+class LoopedForQuestionAnswering(GenericForQuestionAnswering, LoopedPreTrainedModel):
+    """Start / end span logits from every token's final state (transformers' generic)."""
+
+    def __init__(self, config: LoopedConfig) -> None:
+        LoopedPreTrainedModel.__init__(self, config)
+        self.model = LoopedModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
+__all__ = [
+    "LoopedPreTrainedModel",
+    "LoopedModel",
+    "LoopedForCausalLM",
+    "LoopedForSequenceClassification",
+    "LoopedForTokenClassification",
+    "LoopedForQuestionAnswering",
+]

@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from looped_hf.scaling import load_runs
+from looped_hf.scaling.diagnose import SEARCH_FACTOR, compute_optimal, law_loss, size_family
 
 if TYPE_CHECKING:
     from looped_hf.scaling import Runs, ScalingLawFit
@@ -28,6 +32,14 @@ if TYPE_CHECKING:
 PathLike = str | os.PathLike[str]
 # What Runs.flops computes when a run has no train_flops: 6 FLOPs per applied parameter per token.
 _FALLBACK = {"looped": "6 (N_once + r N_rec) D", "plain": "6 N D"}
+
+
+def _compact_count(value: float, _pos: int | None = None) -> str:
+    """6000 -> "6k", 2e6 -> "2M": tick labels for parameter counts."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
 
 
 def _new_figure(width: float = 6.4, height: float = 4.4) -> Figure:
@@ -44,8 +56,6 @@ def _save(fig: Figure, path: PathLike) -> Path:
 
 
 def _runs_of(fit: ScalingLawFit, runs: Any) -> Runs:
-    from looped_hf.scaling import load_runs
-
     if runs is not None:
         return load_runs(runs)
     if fit.runs is None:
@@ -64,22 +74,139 @@ def _colors(values: np.ndarray) -> dict[float, Any]:
 def _frontier(fit: ScalingLawFit, runs: Runs, r: float, flops: np.ndarray) -> np.ndarray:
     """Loss of the law at the compute-optimal size for each FLOP budget, at recurrence r.
 
-    The architecture at r is the sweep's: ``N_once / N`` and the FLOPs per token per applied
-    parameter are their medians over the runs at r (iso-depth sweeps scale every part as d^2,
-    so one ratio describes all widths). Sizes range over the sweep's, x1/3 .. x3.
+    The models at r are the sweep's (:func:`~looped_hf.scaling.diagnose.size_family`); sizes range
+    over the sweep's, x1/3 .. x3.
     """
+    family = size_family(runs, r)
     m = runs.num_recurrences == r
-    frac_once = float(np.median(runs.n_once[m] / runs.params[m]))
-    applied = runs.n_once[m] + r * runs.n_rec[m]
-    per_token = float(np.median(runs.flops[m] / (runs.tokens[m] * applied)))
     sizes = np.geomspace(runs.params[m].min() / 3, runs.params[m].max() * 3, 300)
-    n_once, n_rec = frac_once * sizes, (1 - frac_once) * sizes
-    tokens = flops[:, None] / (per_token * (n_once + r * n_rec))[None, :]
-    if fit.kind == "looped" and fit.params.get("phi") is not None:
-        loss = fit.predict(tokens=tokens, n_once=n_once, n_rec=n_rec, num_recurrences=r)
-    else:
-        loss = fit.predict(tokens=tokens, params=sizes)
-    return np.min(loss, axis=1)
+    return np.array([np.min(law_loss(fit.params, family, float(c), sizes)) for c in flops])
+
+
+def _n_eff(fit: ScalingLawFit, n_once: np.ndarray, n_rec: np.ndarray, r: np.ndarray | float) -> np.ndarray:
+    phi = fit.params.get("phi")
+    return np.asarray(n_once, float) + np.asarray(n_rec, float) * (
+        np.asarray(r, float) ** phi if phi is not None else 1.0
+    )
+
+
+def plot_isoflop(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path:
+    """IsoFLOP curves: one panel per budget, loss against N_eff = N_once + r^phi N_rec.
+
+    Points: the runs, coloured by r. Lines: the fitted law along the sweep's models at each r
+    (:class:`~looped_hf.scaling.diagnose.SizeFamily`: tokens = budget / FLOPs per token), over
+    the sweep's sizes and out to the compute-optimal one, which is marked with a star. A minimum
+    between a budget's widths is what pins the law down; points that only fall or only rise
+    mean the widths sit on one side of the optimum. Needs a ``budget`` column.
+    """
+    runs = _runs_of(fit, runs)
+    if runs.budget is None:
+        raise ValueError("IsoFLOP curves need a 'budget' column in the runs")
+    budgets = np.unique(runs.budget)
+    ncols = min(3, len(budgets))
+    nrows = int(np.ceil(len(budgets) / ncols))
+    fig = _new_figure(4.0 * ncols, 3.3 * nrows + 0.4)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    colors = _colors(runs.num_recurrences)
+    families = {r: size_family(runs, r) for r in colors}
+    lo_all, hi_all = runs.params.min() / SEARCH_FACTOR, runs.params.max() * SEARCH_FACTOR
+    for k, budget in enumerate(budgets):
+        ax = axes[k // ncols][k % ncols]
+        mb = runs.budget == budget
+        for r, color in colors.items():
+            m = mb & (runs.num_recurrences == r)
+            if not m.any():
+                continue
+            x = _n_eff(fit, runs.n_once[m], runs.n_rec[m], r)
+            label = f"r = {r:g}" if k == 0 else None
+            ax.scatter(
+                x, runs.loss[m], s=22, color=color, zorder=3, label=label, edgecolors="white", linewidths=0.5
+            )
+            fam = families[r]
+            opt = compute_optimal(fit.params, fam, float(budget), lo_all, hi_all)
+            n_lo = min(runs.params[m].min() / 1.5, opt["n"] / 1.5)
+            n_hi = max(runs.params[m].max() * 1.5, opt["n"] * 1.5)
+            sizes = np.geomspace(n_lo, n_hi, 200)
+            n_once, n_rec = fam.split(sizes)
+            ax.plot(
+                _n_eff(fit, n_once, n_rec, r),
+                law_loss(fit.params, fam, float(budget), sizes),
+                color=color,
+                lw=1.3,
+            )
+            ax.scatter([opt["n_eff"]], [opt["loss"]], marker="*", s=110, color=color, edgecolors="k", linewidths=0.6,
+                       zorder=4, label="compute-optimal (law)" if k == 0 and r == max(colors) else None)  # fmt: skip
+        ax.set_xscale("log")
+        # A sweep spans less than a decade of N: label 1-2-5 ticks compactly (6k, 10k, 20k), not
+        # matplotlib's overlapping minor-tick labels.
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(_compact_count))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"budget {budget:.3g} FLOPs".replace("e+", "e"), fontsize=9)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.set_xlabel(
+            "N_eff = N_once + r^phi N_rec" if fit.params.get("phi") is not None else "N", fontsize=8
+        )
+        if k % ncols == 0:
+            ax.set_ylabel("final eval loss (nats/token)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for k in range(len(budgets), nrows * ncols):
+        axes[k // ncols][k % ncols].set_visible(False)
+    phi = fit.params.get("phi")
+    fig.suptitle(
+        "IsoFLOP curves: runs (dots), fitted law (lines), compute-optimal size (stars)"
+        + (f"; phi = {phi:.3f}" if phi is not None else ""),
+        fontsize=10,
+    )
+    fig.legend(loc="outside lower center", ncols=len(colors) + 1, fontsize=8)
+    return _save(fig, path)
+
+
+def plot_phi_profile(fit: ScalingLawFit, path: PathLike) -> Path:
+    """The profile of the objective over phi (every other parameter refitted at each phi).
+
+    y: the LR statistic ``2 (f_prof(phi) - f_min) / kappa`` (:mod:`looped_hf.scaling.profile`);
+    the dashed line is its 95% cut, and the phi below it form the profile-likelihood interval
+    (shaded). The bootstrap interval is the bar at the bottom. A flat curve is a phi the runs
+    do not determine.
+    """
+    prof = fit.profile
+    if prof is None:
+        raise ValueError("no profile of phi: fit with checks=True (or a bootstrap) on runs that identify phi")
+    lr = prof.lr
+    fig = _new_figure(6.0, 3.9)
+    ax = fig.add_subplot()
+    top = 6.0 * prof.cut
+    focus = prof.phi[lr <= top]
+    x_lo = min(0.0, float(focus.min()) if focus.size else 0.0) - 0.15
+    x_hi = max(1.0, float(focus.max()) if focus.size else 1.0) + 0.15
+    ax.plot(
+        prof.phi, np.minimum(lr, top * 1.5), color="#4c72b0", lw=1.6, marker=".", ms=3, label="profile (LR)"
+    )
+    ax.axhline(prof.cut, color="k", ls="--", lw=0.9, label=f"95% cut ({prof.cut:.2f})")
+    lo, hi = prof.interval
+    lo_s = f"{lo:.3f}" if lo is not None else "open"
+    hi_s = f"{hi:.3f}" if hi is not None else "open"
+    ax.axvspan(prof.phi.min() if lo is None else lo, prof.phi.max() if hi is None else hi, color="orange",
+               alpha=0.25, label=f"profile 95% CI [{lo_s}, {hi_s}]")  # fmt: skip
+    phi = fit.params.get("phi")
+    if phi is not None:
+        ax.axvline(phi, color="k", lw=1.2, label=f"estimate {phi:.3f}")
+    if "phi" in fit.ci:
+        b_lo, b_hi = fit.ci["phi"]
+        y = -0.06 * top
+        ax.plot([b_lo, b_hi], [y, y], color="#c44e52", lw=4, solid_capstyle="butt",
+                label=f"bootstrap 95% CI [{b_lo:.3f}, {b_hi:.3f}]")  # fmt: skip
+    for ref in (0.0, 1.0):
+        ax.axvline(ref, color="0.6", lw=0.8, ls=":")
+    ax.set_xlim(x_lo, x_hi)
+    ax.set_ylim(-0.12 * top, top)
+    ax.set_xlabel("phi (held fixed; every other parameter refitted)")
+    ax.set_ylabel("2 (f(phi) - f_min) / kappa")
+    ax.set_title("profile of the fit's objective over phi (flat = phi not determined)", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(True, alpha=0.25)
+    return _save(fig, path)
 
 
 def plot_loss_vs_flops(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path:
@@ -164,9 +291,19 @@ def plot_residuals(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path
 
 
 def plot_fit(fit: ScalingLawFit, out_dir: PathLike, runs: Any = None) -> list[Path]:
-    """All fit plots into ``out_dir`` (the phi histogram only when there is one); their paths."""
+    """All fit plots that apply into ``out_dir``; their paths.
+
+    Always: ``loss_vs_flops.png``, ``residuals.png``; with a ``budget`` column: ``isoflop.png``;
+    with a profile of phi: ``phi_profile.png``; with bootstrap draws of phi: ``phi_bootstrap.png``.
+    """
     out = Path(out_dir)
-    paths = [
+    data = _runs_of(fit, runs)
+    paths = []
+    if data.budget is not None:
+        paths.append(plot_isoflop(fit, out / "isoflop.png", runs))
+    if fit.profile is not None and fit.params.get("phi") is not None:
+        paths.append(plot_phi_profile(fit, out / "phi_profile.png"))
+    paths += [
         plot_loss_vs_flops(fit, out / "loss_vs_flops.png", runs),
         plot_residuals(fit, out / "residuals.png", runs),
     ]

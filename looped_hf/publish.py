@@ -194,7 +194,15 @@ def build_folder(
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         model = _save_model_and_tokenizer(run, tmp)
-        card = render_checkpoint_card(run.record, model, repo_id=repo_id, license=license, fit=fit_obj)
+        # The test-time scaling curve (`looped-hf test-time RUN_DIR`), when measured: its table is
+        # found by the card beside the checkpoint; the plot travels with the card.
+        plot = run.path / "test_time_scaling.png"
+        if plot.is_file():
+            shutil.copyfile(plot, tmp / plot.name)
+        card = render_checkpoint_card(
+            run.record, model, repo_id=repo_id, license=license, fit=fit_obj,
+            test_time_plot=plot.name if plot.is_file() else None,
+        )  # fmt: skip
         card.save(tmp / CARD_NAME)
         _check_output(tmp)
         if verify:

@@ -5,7 +5,8 @@
     accelerate launch -m looped_hf.train recipes/tiny.yaml        # many processes / GPUs
 
 The run is the vanilla `transformers.Trainer` plus `LoopedComputeCallback`; the optimizer is
-AdamW or the study's Muon + AdamW split, with the study's schedule (`looped_hf.optim`). The run's
+AdamW, Muon + AdamW, or the study's MuonH + AdamW groups with HyperP per-run lrs (`optimizer:
+muonh`), with the study's schedule (`looped_hf.optim`); the record keeps the peak lr of each group. The run's
 length is `max_steps`, `train_tokens` or `train_flops_budget` (FLOPs from the model's own
 `training_flops_per_token`). At the end the held-out loss is measured token-weighted (our own
 loop: Trainer's `eval_loss` is a mean of batch means) and the run directory (`output_dir`) gets:
@@ -49,6 +50,7 @@ from looped_hf.fileio import write_json_atomic, write_yaml_atomic
 RECORD_NAME = "run_record.json"
 RECIPE_NAME = "recipe.yaml"
 CHECKPOINTS_DIR = "checkpoints"
+PROGRESS_NAME = "progress.json"
 
 #: Keys of every run record, in order (the scaling fit's columns are the first six).
 RECORD_KEYS = (
@@ -57,6 +59,7 @@ RECORD_KEYS = (
     "effective_num_layers", "backprop_recurrences", "eval_perplexity", "eval_tokens",
     "train_loss", "train_runtime_s", "train_flops_per_token", "trainer_total_flos", "max_steps", "tokens_per_step",
     "seq_len", "num_processes", "config", "recipe", "versions", "wall_time_s", "run_id", "run_dir",
+    "learning_rates", "recurrence_sampling", "sampled_recurrences",
 )  # fmt: skip
 
 
@@ -83,6 +86,14 @@ def versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
     }
     out.update({name: importlib.import_module(name).__version__ for name in extra})
     return out
+
+
+def _has_accelerator() -> bool:
+    """Whether torch sees a GPU (or other accelerator) that pinned host memory could feed."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
 
 
 def resolve_max_steps(
@@ -133,14 +144,49 @@ class NonFiniteLossGuard(TrainerCallback):
             control.should_training_stop = True
 
 
+class ProgressFileCallback(TrainerCallback):
+    """Keeps `<run_dir>/progress.json` ({"step", "max_steps", "loss", "started", "time"}) current, so a sweep
+    runner can show every running run's step and latest loss whatever process trains it (in
+    process, a worker, `accelerate launch`, a submitit job). Advisory: replaced atomically (a
+    reader never sees half a file), not fsynced."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.path = Path(run_dir) / PROGRESS_NAME
+        self.loss: float | None = None
+        self.started = time.time()
+
+    def _write(self, state: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        data = {"step": state.global_step, "max_steps": state.max_steps, "loss": self.loss,
+                "started": self.started, "time": time.time()}  # fmt: skip
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.path)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.time()
+        self._write(state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if (logs or {}).get("loss") is not None:
+            self.loss = float(logs["loss"])
+        self._write(state)
+
+
 @torch.no_grad()
 def heldout_loss(
-    model: torch.nn.Module, dataset: Any, batch_size: int, accelerator: Any = None
+    model: torch.nn.Module,
+    dataset: Any,
+    batch_size: int,
+    accelerator: Any = None,
+    num_recurrences: int | None = None,
 ) -> tuple[float, int]:
     """Token-weighted mean next-token loss (nats/token) over `dataset`, and the tokens predicted.
 
     Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
-    across processes, so the mean is exact whatever the batch split.
+    across processes, so the mean is exact whatever the batch split. `num_recurrences` runs the
+    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.test_time`).
     """
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
@@ -153,7 +199,7 @@ def heldout_loss(
         rows = dataset[indices[start : start + batch_size]]["input_ids"]
         ids = torch.as_tensor(rows, dtype=torch.long, device=device)
         labels = ids.clone()
-        out = model(input_ids=ids, labels=labels)
+        out = model(input_ids=ids, labels=labels, num_recurrences=num_recurrences)
         # The model's loss is the mean over the shifted targets: B x (T - 1) of them.
         n = (labels[:, 1:] != -100).sum()
         total += torch.stack([out.loss.double() * n, n.double()])
@@ -170,6 +216,7 @@ def _empty_record(training_args: LoopedTrainingArguments, run_dir: Path) -> dict
         run_id=training_args.run_id or run_dir.name,
         run_dir=str(run_dir),
         variant=training_args.variant,
+        recurrence_sampling=training_args.recurrence_sampling,
         budget=training_args.train_flops_budget,
         seed=training_args.seed,
         status="failed",
@@ -192,7 +239,13 @@ def train(
     from looped_hf import LoopedForCausalLM
     from looped_hf.callback import LoopedComputeCallback
     from looped_hf.data import build_datasets, collator, load_tokenizer
-    from looped_hf.optim import build_optimizer_and_scheduler
+    from looped_hf.optim import (
+        build_optimizer_and_scheduler,
+        hyperp_learning_rates,
+        learning_rates,
+        lr_train_tokens,
+        muonh_parameter_groups,
+    )
 
     started = time.time()
     run_dir = Path(training_args.output_dir)
@@ -210,6 +263,20 @@ def train(
     )  # fmt: skip
     with torch.device("meta"):
         flops_per_token = LoopedForCausalLM(config).training_flops_per_token(seq_len)
+    sampling = training_args.recurrence_sampling
+    if sampling != "fixed":
+        # A budget in FLOPs buys tokens at the mean r (E[r] = num_recurrences); the record keeps the
+        # FLOPs of the r actually run.
+        if config.is_recurrence_locked:
+            raise RecipeError(
+                f"LoopedTrainingArguments.recurrence_sampling={sampling!r}: input_injection="
+                f"{config.input_injection!r} is r-locked (parameters indexed by recurrence step); use 'fixed'"
+            )
+        if config.num_recurrences < 2:
+            raise RecipeError(
+                f"ModelArguments.num_recurrences={config.num_recurrences}: recurrence_sampling={sampling!r} "
+                "needs a mean r >= 2"
+            )
     max_steps, step_tokens = resolve_max_steps(training_args, flops_per_token, seq_len)
     record.update(
         arch=training_args.arch or arch_name(config),
@@ -226,8 +293,25 @@ def train(
         num_processes=training_args.world_size,
         train_flops_per_token=flops_per_token,
     )
+    # muonh's per-run lrs (HyperP) from this run's batch, tokens and width, before any training:
+    # a bad lr setting is a recipe error. `lr_tokens` is T of the data scaling (the target tokens).
+    lr_tokens = lr_train_tokens(training_args, flops_per_token, max_steps, step_tokens)
+    lr_scaling = None
+    if training_args.optimizer == "muonh":
+        try:
+            lr_scaling = hyperp_learning_rates(
+                training_args, config, tokens_per_step=step_tokens, train_tokens=lr_tokens
+            ).to_dict()
+            with torch.device("meta"):
+                muonh_parameter_groups(LoopedForCausalLM(config))  # a parameter no group takes
+        except ValueError as err:
+            raise RecipeError(str(err)) from err
     training_args.max_steps = max_steps
     training_args.output_dir = str(run_dir / CHECKPOINTS_DIR)
+    if training_args.dataloader_pin_memory and not _has_accelerator():
+        # Pinned memory only speeds host-to-accelerator copies; without one, torch warns once per
+        # run that it is ignored. (After resolved_recipe: the recorded recipe stays as written.)
+        training_args.dataloader_pin_memory = False
     is_main = training_args.process_index == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -239,9 +323,24 @@ def train(
         model = LoopedForCausalLM(config)
         with training_args.main_process_first(desc="tokenize and pack"):
             train_ds, eval_ds = build_datasets(data_args, tokenizer)
-        optimizer, scheduler = build_optimizer_and_scheduler(model, training_args, max_steps)
+        optimizer, scheduler = build_optimizer_and_scheduler(
+            model, training_args, max_steps, tokens_per_step=step_tokens, train_tokens=lr_tokens
+        )
+        # The peak lr of every param group as built (Trainer's own AdamW: learning_rate), and for
+        # muonh how they were obtained (lr_scaling, the HyperP factors, B, T and D_REF).
+        used = learning_rates(optimizer) if optimizer is not None else {"adamw": training_args.learning_rate}
+        record["learning_rates"] = dict(used, scaling=lr_scaling) if lr_scaling else dict(used)
+        if is_main:
+            lr_text = ", ".join(f"{k} {v:.4g}" for k, v in used.items())
+            print(f"[train] {record['run_id']}: {max_steps:,} steps x {step_tokens:,} tokens; held-out "
+                  f"{len(eval_ds):,} blocks x {seq_len:,} = {len(eval_ds) * seq_len:,} tokens; peak lrs: {lr_text}")  # fmt: skip
         compute = LoopedComputeCallback(seq_len=seq_len)
         guard = NonFiniteLossGuard()
+        sampler = None
+        if sampling != "fixed":
+            from looped_hf.recurrence import RecurrenceSamplingCallback
+
+            sampler = RecurrenceSamplingCallback(seed=training_args.seed, scheme=sampling)
         trainer = Trainer(
             model=model,
             args=training_args,
@@ -249,7 +348,7 @@ def train(
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
-            callbacks=[compute, guard, *(callbacks or [])],
+            callbacks=[*([sampler] if sampler else []), compute, guard, ProgressFileCallback(run_dir), *(callbacks or [])],
             optimizers=(optimizer, scheduler),
         )
         resume = training_args.resume_from_checkpoint or last_checkpoint(training_args.output_dir)
@@ -270,7 +369,11 @@ def train(
             train_loss=output.metrics.get("train_loss"),
             train_runtime_s=output.metrics.get("train_runtime"),
             resumed_from=resume,
+            recurrence_sampling=sampling,
+            sampled_recurrences=sampler.summary(trainer.state.global_step) if sampler else None,
         )
+        if sampler is not None:  # the mean over the r actually run, not the planning value at mean r
+            record["train_flops_per_token"] = summary["train_flops_per_token"]
         if guard.error is not None:
             record["error"] = guard.error
         elif not math.isfinite(loss):

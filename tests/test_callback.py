@@ -46,8 +46,8 @@ def _model(backprop_recurrences: int | None, r: int = 4) -> LoopedForCausalLM:
 def _train(tmp_path, model, callbacks, **overrides) -> Trainer:
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        learning_rate=1e-3, use_cpu=True, dataloader_num_workers=0, **overrides,
+        max_steps=STEPS, logging_steps=1, report_to="none", disable_tqdm=True,
+        learning_rate=1e-3, use_cpu=True, dataloader_num_workers=0, **{"save_strategy": "no", **overrides},
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=_Blocks(64, 64), callbacks=callbacks)
     trainer.train()
@@ -95,3 +95,29 @@ def test_callback_added_after_init_still_reaches_reporters(tmp_path):
     trainer.train()
     assert all("train_flops" in logs for logs in reporter.received)
     assert trainer.state.log_history[-1]["train_tokens"] == 2 * BATCH * SEQ
+
+
+def test_resume_from_a_checkpoint_without_a_saved_flop_total_prices_it_at_the_configured_r(tmp_path):
+    import json
+
+    model = _model(None, r=2)
+    trainer = _train(tmp_path, model, [LoopedComputeCallback()], save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert (
+        state["stateful_callbacks"]["LoopedComputeCallback"]["attributes"]["_counted_tokens"]
+        == 2 * BATCH * ACCUM * SEQ
+    )
+    del state["stateful_callbacks"]["LoopedComputeCallback"]  # as written by looped_hf 0.1.0
+    state_file.write_text(json.dumps(state))
+    args = trainer.args
+    resumed = Trainer(
+        model=_model(None, r=2), args=args, train_dataset=_Blocks(64, 64), callbacks=[LoopedComputeCallback()]
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    tokens = STEPS * BATCH * ACCUM * SEQ
+    assert resumed.state.log_history[-1]["train_tokens"] == tokens
+    assert resumed.state.log_history[-1]["train_flops"] == pytest.approx(
+        model.training_flops_per_token(SEQ) * tokens
+    )

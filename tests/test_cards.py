@@ -204,7 +204,9 @@ def test_sweep_card_lists_every_run_and_the_reproducibility_block(sweep_card: Pa
 
 def test_sweep_card_plots_exist_and_are_referenced_relatively(sweep_card: Path):
     links = cards.card_image_links(sweep_card)
-    assert sorted(links) == ["plots/loss_vs_flops.png", "plots/phi_bootstrap.png", "plots/residuals.png"]
+    assert links[:2] == ["plots/isoflop.png", "plots/phi_profile.png"]  # the identifiability plots first
+    assert sorted(links) == ["plots/isoflop.png", "plots/loss_vs_flops.png", "plots/phi_bootstrap.png",
+                             "plots/phi_profile.png", "plots/residuals.png"]  # fmt: skip
     for link in links:
         target = sweep_card.parent / link
         assert target.is_file() and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -217,23 +219,45 @@ def test_sweep_card_renders_to_html_with_its_images_and_tables(sweep_card: Path)
 
     card = ModelCard.load(sweep_card)
     html = MarkdownIt("commonmark").enable("table").render(card.text)  # the body the Hub renders
-    assert html.count("<img ") == 3 and 'src="plots/phi_bootstrap.png"' in html
-    assert html.count("<table>") >= 4
+    assert html.count("<img ") == 5 and 'src="plots/phi_bootstrap.png"' in html
+    assert 'src="plots/isoflop.png"' in html and 'src="plots/phi_profile.png"' in html
+    assert html.count("<table>") >= 6  # fit, phi intervals, IsoFLOP placement, restricted, residuals, runs
     assert "{{" not in html and "{%" not in html  # no unrendered template code
 
 
-def test_phi_caveat_flags_intervals_at_the_bounds_or_wider_than_zero_to_one(sweep_and_fit):
+def test_phi_caveat_is_the_verdict_and_falls_back_to_the_interval_for_old_fits(sweep_and_fit):
     import dataclasses
 
     _, fit = sweep_and_fit
+    verdict = fit.diagnostics["verdict"]
+    ok = {**fit.diagnostics, "verdict": {**verdict, "identified": True}}
+    assert cards.phi_caveat(dataclasses.replace(fit, diagnostics=ok)) is None
+    bad = {**fit.diagnostics, "verdict": {**verdict, "identified": False, "line": "phi is NOT identified (x)"}}
+    assert cards.phi_caveat(dataclasses.replace(fit, diagnostics=bad)).startswith("phi is NOT identified (x)")
 
-    def with_ci(lo: float, hi: float):
-        return dataclasses.replace(fit, ci={**fit.ci, "phi": (lo, hi)})
+    def old_fit_with_ci(lo: float, hi: float):  # a fit.json from before the diagnosis
+        return dataclasses.replace(fit, ci={**fit.ci, "phi": (lo, hi)}, diagnostics={})
 
-    assert cards.phi_caveat(with_ci(0.41, 0.53)) is None
-    assert "search bounds" in cards.phi_caveat(with_ci(-3.0, 0.6))
-    assert "wider than the whole range" in cards.phi_caveat(with_ci(-0.4, 1.2))
-    assert "no bootstrap interval" in cards.phi_caveat(dataclasses.replace(fit, ci={}))
+    assert cards.phi_caveat(old_fit_with_ci(0.41, 0.53)) is None
+    assert "search bounds" in cards.phi_caveat(old_fit_with_ci(-3.0, 0.6))
+    assert "wider than the whole range" in cards.phi_caveat(old_fit_with_ci(-0.4, 1.2))
+    assert "no bootstrap interval" in cards.phi_caveat(dataclasses.replace(fit, ci={}, diagnostics={}))
+
+
+def test_sweep_card_says_whether_phi_is_identified_and_why(sweep_card: Path, sweep_and_fit):
+    _, fit = sweep_and_fit
+    text = ModelCard.load(sweep_card).text
+    d = fit.diagnostics
+    assert "### Is phi identified?" in text and f"**Verdict:** {d['verdict']['line']}" in text
+    lo, hi = d["profile"]["interval"]
+    assert "| profile likelihood" in text and f"[{lo:.3g}, {hi:.3g}]" in text
+    assert "| budget (FLOPs) | tokens / parameter | r | lowest loss | position |" in text
+    # This sweep has two widths per budget: phi is pinned by the law's form, but no IsoFLOP minimum
+    # can be located, and the card says so.
+    assert d["verdict"]["identified"] is True
+    assert "fewer than 3 widths per r" in d["verdict"]["line"] and "fewer than 3 widths per r" in text
+    assert "What would make the measurement sturdier:" in text
+    assert "| 1e15 | 67 - 1.5k | 1 | d=128 | **largest** |" in text
 
 
 def test_noisy_sweep_card_warns_that_phi_is_not_pinned_down(tmp_path: Path):

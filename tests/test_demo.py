@@ -83,21 +83,34 @@ def test_demo_with_a_missing_recipe_fails_clearly(tmp_path: Path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_demo_refuses_a_bad_jobs_count_naming_the_flag(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--recipe", str(MICRO), "--out", str(tmp_path / "o"), "--jobs", "-1"])
+    assert exit_info.value.code == 2 and "--jobs='-1': must be an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_micro_demo_end_to_end(small_corpus: Path, data_cache: Path, tmp_path: Path):
-    """The real thing on the micro recipe: 8 tiny runs trained, fitted, carded, published."""
+    """The real thing on the micro recipe: 8 tiny runs trained two at a time, fitted, carded,
+    published; the console shows the sweep's lines, not the runs' logs."""
     recipe = yaml.safe_load(MICRO.read_text())
     recipe.update(dataset=str(small_corpus), data_cache_dir=str(data_cache))
     recipe_path = tmp_path / "micro_sweep.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     out, card_dir = tmp_path / "sweep", tmp_path / "card"
     cmd = [PYTHON, "-m", "looped_hf", "demo", "--recipe", str(recipe_path), "--out", str(out),
-           "--card-dir", str(card_dir), "--bootstrap", "4"]  # fmt: skip
+           "--card-dir", str(card_dir), "--bootstrap", "4", "--jobs", "2"]  # fmt: skip
     # evaluate copies the metric script into HF_MODULES_CACHE: keep it out of the user's home.
     env = {**subprocess_env(), "HF_MODULES_CACHE": str(tmp_path / "modules")}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "[sweep] 8/8 runs done" in result.stdout
+    assert "2 at once in worker processes" in result.stdout
+    # Not a terminal: one line per finished run, and nothing of the runs' own logs.
+    assert result.stdout.count("runs done (") == 8
+    assert "{'loss'" not in result.stdout + result.stderr and "pin_memory" not in result.stdout + result.stderr
+    assert "{'loss'" in (out / "base-w32-b0" / "train.log").read_text()
     assert "phi = " in result.stdout and "95% CI" in result.stdout
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 8 and all(r["status"] == "ok" for r in records)

@@ -94,9 +94,14 @@ def _listing(folder: Path) -> set[str]:
 def test_published_folder_is_a_complete_hub_repository(published: Path):
     assert _listing(published) == HUB_FILES
     config = json.loads((published / "config.json").read_text())
+    # Every class of the model file, so the checkpoint loads into any head through remote code.
     assert config["auto_map"] == {
         "AutoConfig": "configuration_looped.LoopedConfig",
+        "AutoModel": "modeling_looped.LoopedModel",
         "AutoModelForCausalLM": "modeling_looped.LoopedForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_looped.LoopedForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_looped.LoopedForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_looped.LoopedForQuestionAnswering",
     }
     assert config["use_cache"] is True  # the run dir said false (as the Trainer saves it)
     # The shipped code is the installed package's current code, not a stale copy from the run.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 import yaml
 
 from looped_hf import LoopedForCausalLM
-from looped_hf.arguments import RecipeError, parse_recipe
+from looped_hf.arguments import RecipeError, load_yaml, parse_recipe
 from looped_hf.sweep import main as sweep_main
 from looped_hf.sweep import make_plan
 from looped_hf.train import train
@@ -18,6 +20,12 @@ from looped_hf.train import train
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@functools.cache
+def _plan(path: Path):
+    """make_plan of a shipped recipe, once per session (the paper grids take seconds to plan)."""
+    return make_plan(path)
 
 
 def _is_sweep(path: Path) -> bool:
@@ -44,7 +52,7 @@ def test_train_recipe_parses_and_builds_on_meta(path):
 
 @pytest.mark.parametrize("path", [p for p in RECIPES if _is_sweep(p)], ids=lambda p: p.name)
 def test_sweep_recipe_plans_iso_depth_runs_on_budget(path):
-    plan = make_plan(path)
+    plan = _plan(path)
     depth = plan.sweep.effective_depth
     assert {r.effective_num_layers for r in plan.runs} == {depth}
     for run in plan.runs:
@@ -66,7 +74,48 @@ def test_paper_dry_run_prints_the_116_run_grid(capsys):
     assert sweep_main([str(paper), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "116 runs (base 29, loop2 29, loop4 29, loop8 29)" in out
-    assert "loop4-w256-b0" in out and "4.64e+17" in out and "2.15e+19" in out
+    assert "loop4-w384-b0" in out and "4.64e+17" in out and "2.15e+19" in out
+    assert "lr_mat" in out and "held-out set: 34,560 blocks x 2,048 = 70,778,880 tokens" in out
+
+
+# The study's sizes s per budget (width 64 s), from its shells/scaling_laws/*.sh.
+PAPER_SIZES = {
+    "iso_depth_paper.yaml": [[6, 8, 10, 12], [6, 8, 10, 12, 14], [8, 10, 12, 14, 16], [10, 12, 14, 16, 18, 20],
+                             [12, 16, 18, 20, 24], [18, 24, 28, 34]],
+    "iso_depth_paper_truncated.yaml": [[6, 8, 10, 12], [6, 8, 10, 12, 14, 16], [8, 10, 12, 14, 16, 18],
+                                       [10, 12, 14, 16, 18, 20, 22], [12, 16, 18, 20, 24, 28], [18, 24, 28, 34, 40]],
+    "iso_depth_paper_hyperconnection.yaml": [[6, 8, 10, 12], [6, 8, 10, 12, 14], [8, 10, 12, 14, 16, 18],
+                                             [10, 12, 14, 16, 18, 20], [12, 16, 18, 20, 24], [18, 24, 28, 34]],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_SIZES))
+def test_paper_recipes_are_the_studys_grid_and_recipe(name):
+    plan = _plan(next(p for p in RECIPES if p.name == name))
+    assert plan.sweep.budgets == [4.64e17, 1e18, 2.15e18, 4.64e18, 1e19, 2.15e19]
+    assert plan.sweep.widths_for_all() == [[64 * s for s in sizes] for sizes in PAPER_SIZES[name]]
+    assert plan.sweep.head_dim == 128 and plan.sweep.effective_depth == 20
+    assert plan.tokens_per_step == 262_144 and plan.seq_len == 2048 and plan.eval_blocks == 34_560
+    # The probes reuse the base sweep's r = 1 runs, as the study's shells do.
+    assert sorted({r.num_recurrences for r in plan.runs}) == ([1, 2, 4, 8] if name == "iso_depth_paper.yaml" else [2, 4, 8])
+    gpu_only = ("bf16", "tf32")  # TrainingArguments refuses them on a machine without a GPU
+    _, _, training_args = parse_recipe({k: v for k, v in plan.runs[0].recipe.items() if k not in gpu_only})
+    assert training_args.optimizer == "muonh" and training_args.max_grad_norm == 0
+    assert training_args.lr_schedule == "study" and training_args.final_lr_ratio == 0.1
+    assert training_args.get_warmup_steps(100) == 0
+    for run in plan.runs:
+        model_args, _, _ = parse_recipe({k: v for k, v in run.recipe.items() if k not in gpu_only})
+        assert model_args.init_scheme == "study" and model_args.qk_norm == "after_rope"
+        lrs = run.learning_rates
+        # HyperP at B = B_REF: AdamW lrs carry only the width factor; the matrix lr the data factor.
+        assert lrs["batch_scale"] == 1.0
+        assert lrs["embedding"] == pytest.approx(0.3 * (run.hidden_size / 640) ** -0.5)
+        assert lrs["matrix"] == pytest.approx(0.014 * (int(run.target_tokens) / lrs["reference_tokens"]) ** -0.32)
+        assert run.recipe["muon_learning_rate"] == lrs["matrix"] and run.recipe["lr_scaling"] == "none"
+    if name == "iso_depth_paper_hyperconnection.yaml":
+        assert {r.input_injection for r in plan.runs} == {"hyperconnection"}
+        assert all(r.learning_rates["hyperconnection"] == pytest.approx(0.01 * (r.hidden_size / 640) ** -0.5)
+                   for r in plan.runs)  # fmt: skip
 
 
 def test_tiny_sweep_has_enough_runs_for_a_six_parameter_fit():
@@ -74,6 +123,24 @@ def test_tiny_sweep_has_enough_runs_for_a_six_parameter_fit():
     assert sorted({r.num_recurrences for r in plan.runs}) == [1, 2, 4, 8]
     assert len(plan.sweep.budgets) >= 3 and all(len(w) >= 3 for w in plan.sweep.widths_for_all())
     assert 30 <= len(plan.runs) <= 40
+
+
+def test_learning_rate_by_r_gives_each_architecture_its_lr():
+    recipe = load_yaml(Path(__file__).parent / "data" / "micro_sweep.yaml")
+    recipe["sweep"]["learning_rate_by_r"] = {1: 0.01, 2: 0.03}
+    plan = make_plan(recipe)
+    for run in plan.runs:
+        expected = 0.01 if run.num_recurrences == 1 else 0.03
+        assert run.recipe["learning_rate"] == expected
+        _, _, training_args = parse_recipe(run.recipe)
+        assert training_args.learning_rate == expected  # what the run trains at
+    assert "r = 1: 0.01, r = 2: 0.03" in plan.table()
+    recipe["sweep"]["learning_rate_by_r"] = {1: 0.01}
+    with pytest.raises(RecipeError, match=r"sweep.learning_rate_by_r=.*no learning rate for r = \[2\]"):
+        make_plan(recipe)
+    recipe["sweep"]["learning_rate_by_r"] = {1: 0.01, 2: -1}
+    with pytest.raises(RecipeError, match="sweep.learning_rate_by_r=.*positive"):
+        make_plan(recipe)
 
 
 # --- bad recipes ------------------------------------------------------------------------------
@@ -133,3 +200,26 @@ def test_unknown_sweep_field_and_run_fields_are_named(tiny_recipe):
         make_plan(dict(_sweep_recipe(tiny_recipe), num_recurrences=2))
     with pytest.raises(RecipeError, match="sweep.widths=.*multiple of head_dim=16"):
         make_plan(_sweep_recipe(tiny_recipe, widths=[40]))
+
+
+def test_scan_lr_trains_plan_cells_at_each_lr_and_resumes(small_corpus, data_cache, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scan_lr", Path(__file__).parent.parent / "scripts" / "scan_lr.py")
+    scan_lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scan_lr)
+    recipe = load_yaml(Path(__file__).parent / "data" / "micro_sweep.yaml")
+    recipe.update(dataset=str(small_corpus), data_cache_dir=str(data_cache))
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    argv = [str(path), "--budget", "0", "--widths", "32", "--recurrences", "2", "--lrs", "0.001", "0.01",
+            "--out", str(tmp_path / "scan")]  # fmt: skip
+    assert scan_lr.main(argv) == 0
+    lines = (tmp_path / "scan" / "scan.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    losses = {rec["learning_rate"]: rec["loss"] for rec in map(json.loads, lines)}
+    assert losses[0.001] != losses[0.01]  # the lr reached the run
+    table = capsys.readouterr().out
+    assert "0.001" in table and "0.01" in table and "*" in table
+    assert scan_lr.main(argv) == 0  # a rerun trains nothing new
+    assert len((tmp_path / "scan" / "scan.jsonl").read_text().splitlines()) == 2

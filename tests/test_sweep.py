@@ -1,11 +1,14 @@
-"""The sweep runner: atomic results, resume after SIGKILL, failures recorded, submitit executor."""
+"""The sweep runner: atomic results, resume after SIGKILL (one run or N at once), failures recorded,
+run locks, the console, submitit / accelerate executors."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -14,7 +17,8 @@ import yaml
 from conftest import PYTHON, REPO, subprocess_env
 
 from looped_hf import sweep as sweep_module
-from looped_hf.sweep import append_jsonl, make_plan, read_jsonl, run_sweep
+from looped_hf.fileio import write_json_atomic
+from looped_hf.sweep import append_jsonl, default_jobs, make_plan, read_jsonl, run_sweep
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,14 +55,25 @@ def test_plan_is_iso_depth_and_on_budget(tiny_recipe, tmp_path):
         assert run.budget <= run.flops < run.budget + run.flops_per_token * plan.tokens_per_step
 
 
-def test_sweep_killed_mid_run_resumes_and_records_each_run_once(tiny_recipe, tmp_path):
+def _locks_free(sweep_dir, timeout: float) -> bool:
+    """Whether every run lock of the sweep is free within `timeout` s (no process trains a run)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if all(sweep_module._read_lock_free(p) for p in sweep_dir.iterdir() if p.is_dir()):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_sweep_killed_mid_run_resumes_and_records_each_run_once(tiny_recipe, tmp_path, jobs):
     recipe = _sweep_recipe(tiny_recipe, tmp_path)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(recipe))
     sweep_dir = tmp_path / "sweep"
     results = sweep_dir / "results.jsonl"
-    proc = subprocess.Popen([PYTHON, "-m", "looped_hf.sweep", str(path)], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen([PYTHON, "-m", "looped_hf.sweep", str(path), "--jobs", str(jobs)], cwd=REPO,
+                            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     killed_in = None
     deadline = time.time() + 180
     try:
@@ -80,12 +95,14 @@ def test_sweep_killed_mid_run_resumes_and_records_each_run_once(tiny_recipe, tmp
             proc.kill()
         proc.wait()
     assert killed_in, "the sweep finished before it could be killed mid-run"
+    # Its workers (jobs=2) notice that the sweep is gone and exit, releasing their run locks.
+    assert _locks_free(sweep_dir, timeout=10), "a process still trains a run of the killed sweep"
     before = {r["run_id"] for r in read_jsonl(results)}
     assert killed_in not in before and len(before) < 4
     with open(results, "ab") as fh:
         fh.write(b'{"run_id": "torn')  # as if a writer had also died mid-line
 
-    records = run_sweep(path, log=lambda _: None)
+    records = run_sweep(path, log=lambda _: None, jobs=jobs)
     assert [r["run_id"] for r in records] == [r.run_id for r in make_plan(path).runs]
     lines = results.read_text().splitlines()
     ids = [json.loads(line)["run_id"] for line in lines]  # every line is valid JSON
@@ -95,16 +112,16 @@ def test_sweep_killed_mid_run_resumes_and_records_each_run_once(tiny_recipe, tmp
     assert resumed["resumed_from"] and "checkpoint-" in resumed["resumed_from"]
     assert resumed["tokens"] == resumed["max_steps"] * resumed["tokens_per_step"]
     # A third invocation has nothing left to do.
-    assert len(run_sweep(path, log=lambda _: None)) == 4 and len(results.read_text().splitlines()) == 4
+    assert len(run_sweep(path, log=lambda _: None, jobs=jobs)) == 4 and len(results.read_text().splitlines()) == 4
 
 
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tiny_recipe, tmp_path, monkeypatch):
     original = sweep_module._run_inprocess
 
-    def flaky(recipe_path):
+    def flaky(recipe_path, callbacks=None):
         if recipe_path.parent.name == "loop2-w32-b0":
             raise torch.OutOfMemoryError("simulated out of memory")
-        return original(recipe_path)
+        return original(recipe_path, callbacks)
 
     monkeypatch.setattr(sweep_module, "_run_inprocess", flaky)
     recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0)
@@ -143,3 +160,123 @@ def test_accelerate_executor_runs_each_run_on_two_processes(tiny_recipe, tmp_pat
     assert records[0]["num_processes"] == 2 and plan.tokens_per_step == 2 * 4 * 32
     assert records[0]["tokens"] == plan.runs[0].tokens  # the plan's steps, on both processes
     assert (tmp_path / "sweep" / "loop2-w32-b0" / "train.log").exists()
+
+
+@pytest.mark.slow
+def test_jobs_2_trains_in_workers_and_gives_the_same_records_as_jobs_1(tiny_recipe, tmp_path):
+    one = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0, output_dir=str(tmp_path / "one"))
+    two = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0, output_dir=str(tmp_path / "two"))
+    lines_one, lines_two = [], []
+    by_one = {r["run_id"]: r for r in run_sweep(one, log=lines_one.append, jobs=1)}
+    by_two = {r["run_id"]: r for r in run_sweep(two, log=lines_two.append, jobs=2)}
+    assert "1 at once" in lines_one[0] and "2 at once in worker processes" in lines_two[0]
+    # Two workers were started: the second only because the first was busy with a run.
+    assert (tmp_path / "two" / "worker-0.log").is_file() and (tmp_path / "two" / "worker-1.log").is_file()
+    assert set(by_one) == set(by_two) == {"base-w32-b0", "loop2-w32-b0"}
+    for run_id, record in by_one.items():
+        other = by_two[run_id]
+        assert record["status"] == other["status"] == "ok"
+        for key in ("loss", "tokens", "train_flops", "n_once", "n_rec", "max_steps"):
+            assert other[key] == record[key], (run_id, key)  # same seed, one thread: bit-identical
+    assert len(read_jsonl(tmp_path / "two" / "results.jsonl")) == 2
+
+
+def test_a_run_locked_by_another_process_is_waited_for_not_trained_twice(tiny_recipe, tmp_path):
+    recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0)
+    sweep_dir = tmp_path / "sweep"
+    held = make_plan(recipe, sweep_dir).runs[0]
+    run_dir = sweep_dir / held.run_id
+    lock = sweep_module._try_lock(run_dir)  # as if another sweep were training this run right now
+    assert lock is not None and sweep_module._try_lock(run_dir) is None
+
+    def the_other_process_finishes():
+        write_json_atomic(run_dir / "run_record.json", {"run_id": held.run_id, "status": "ok", "loss": 9.5})
+        sweep_module._unlock(lock)
+
+    timer = threading.Timer(2.0, the_other_process_finishes)
+    timer.start()
+    lines = []
+    try:
+        records = {r["run_id"]: r for r in run_sweep(recipe, log=lines.append, jobs=1)}
+    finally:
+        timer.cancel()
+    assert f"[sweep] {held.run_id} is being trained by another process (pid {os.getpid()})" in "\n".join(lines)
+    assert records[held.run_id]["loss"] == 9.5  # recorded from the other process, not retrained
+    assert not (run_dir / "model.safetensors").exists()
+    assert all(r["status"] == "ok" for r in records.values()) and len(records) == 2
+    assert len(read_jsonl(sweep_dir / "results.jsonl")) == 2
+
+
+def test_run_output_goes_to_train_log_and_one_line_per_run_to_the_console(tiny_recipe, tmp_path, capfd):
+    recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0)
+    lines = []
+    run_sweep(recipe, log=lines.append, jobs=1)
+    out, err = capfd.readouterr()
+    assert "'loss'" not in out + err and "pin_memory" not in out + err  # nothing of the runs on the console
+    assert len(lines) == 3 and lines[0].startswith("[sweep] ") and "each run's log: <run>/train.log" in lines[0]
+    assert lines[1].startswith("[sweep] 1/2 runs done (0 failed) | base-w32-b0: ok, loss ")
+    assert lines[2].startswith("[sweep] 2/2 runs done (0 failed) | loop2-w32-b0: ok, loss ") and "ETA" in lines[2]
+    log = (tmp_path / "sweep" / "base-w32-b0" / "train.log").read_text()
+    assert "{'loss': " in log  # the Trainer's log lines are kept, in the run directory
+    assert "pin_memory" not in log  # the cause is fixed: no pinned memory is asked for without a GPU
+    progress = json.loads((tmp_path / "sweep" / "base-w32-b0" / "progress.json").read_text())
+    assert progress["step"] == progress["max_steps"] > 0 and progress["loss"] > 0
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_one_live_line_and_verbose_brings_the_logs_back(tiny_recipe, tmp_path, monkeypatch):
+    terminal = _FakeTerminal()
+    monkeypatch.setattr(sweep_module, "_console_stream", lambda: (terminal, False))
+    monkeypatch.setenv("TERM", "xterm")
+    recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0)
+    run_sweep(recipe, jobs=1)
+    shown = terminal.getvalue()
+    assert shown.count("\n") == 2  # the header, and the live line's last state; ok runs get no line of their own
+    last = shown.rstrip("\n").split("\r")[-1]
+    assert last.startswith("[sweep] ████████████████ 100%  2/2 runs |") and "ETA 0m00s" in last
+    assert "loop2-w32-b0 0%" in shown  # the running run was named while it ran
+    assert "'loss'" not in shown
+
+    terminal = _FakeTerminal()
+    monkeypatch.setattr(sweep_module, "_console_stream", lambda: (terminal, False))
+    verbose = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0,
+                            output_dir=str(tmp_path / "verbose"))  # fmt: skip
+    run_sweep(verbose, jobs=1, verbose=True)
+    shown = terminal.getvalue()
+    assert "[base-w32-b0] {'loss': " in shown and "\r[sweep]" not in shown  # run logs, prefixed; no live line
+    assert "[sweep] 2/2 runs done" in shown
+    assert "{'loss': " in (tmp_path / "verbose" / "base-w32-b0" / "train.log").read_text()  # still logged
+
+
+def test_default_jobs_fills_the_cores_one_thread_per_run(tiny_recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep_module, "available_cores", lambda: 16)
+    plain = make_plan(_sweep_recipe(tiny_recipe, tmp_path))
+    assert default_jobs(plain) == 1  # torch would use every core in each run
+    assert default_jobs(make_plan(_sweep_recipe({**tiny_recipe, "torch_num_threads": 1}, tmp_path))) == 16
+    assert default_jobs(make_plan(_sweep_recipe({**tiny_recipe, "torch_num_threads": 3}, tmp_path))) == 5
+    monkeypatch.setattr(sweep_module, "available_cores", lambda: 2)
+    assert default_jobs(make_plan(_sweep_recipe({**tiny_recipe, "torch_num_threads": 4}, tmp_path))) == 1
+
+
+def test_bad_jobs_are_refused_naming_the_flag(tiny_recipe, tmp_path, capsys):
+    recipe = _sweep_recipe(tiny_recipe, tmp_path)
+    with pytest.raises(sweep_module.RecipeError, match=r"--jobs=0: must be an integer >= 1"):
+        run_sweep(recipe, jobs=0)
+    with pytest.raises(SystemExit) as exit_info:
+        sweep_module.main([str(tmp_path / "any.yaml"), "--jobs", "0"])
+    assert exit_info.value.code == 2 and "--jobs='0': must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_workers_get_one_gpu_each_round_robin_and_the_same_source(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    envs = [sweep_module._worker_env(2, i) for i in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3", "5", "3"]
+    assert all(e["OMP_NUM_THREADS"] == "2" for e in envs)
+    assert envs[0]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)  # the workers import this looped_hf
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # one GPU: every worker shares it
+    assert sweep_module._worker_env(2, 1)["CUDA_VISIBLE_DEVICES"] == "7"

@@ -4,18 +4,23 @@ numpy/scipy only (pandas optional): importing this package never imports torch o
 
 >>> from looped_hf.scaling import fit_scaling_law
 >>> fit = fit_scaling_law("sweep/results.jsonl", bootstrap=200, seed=0)  # doctest: +SKIP
->>> fit.params["phi"], fit.ci["phi"]  # doctest: +SKIP
+>>> fit.params["phi"], fit.ci["phi"], fit.profile.interval  # doctest: +SKIP
+>>> fit.diagnostics["verdict"]["line"]  # doctest: +SKIP
+'phi is identified: 0.46, 95% CI profile [0.42, 0.51], bootstrap [0.41, 0.53].'
 """
 
 from .data import Runs, load_chinchilla_svg, load_runs
-from .fit import FitComparison, ScalingLawFit, compare_fits, fit_scaling_law
+from .diagnose import diagnose
+from .fit import FitComparison, ScalingLawFit, compare_fits, fit_scaling_law, rebootstrap
 
 __all__ = [
     "FitComparison",
     "Runs",
     "ScalingLawFit",
     "compare_fits",
+    "diagnose",
     "fit_scaling_law",
     "load_chinchilla_svg",
     "load_runs",
+    "rebootstrap",
 ]

@@ -2,9 +2,10 @@
 
     looped-hf fit RESULTS [--bootstrap N] [--seed S] [--out fit.json] [--plots DIR]
                           [--compare PROBE_RESULTS] [--fix-phi X] [--variant NAME]
-                          [--bootstrap-method cell|run]
+                          [--bootstrap-method cell|run|residual]
 
-Prints the report. Bad input (a ValueError naming row and column) exits with status 2 and
+Prints the report, which ends its fit section with the identifiability verdict (is phi pinned
+down, and if not, what to add to the sweep). Bad input (a ValueError naming row and column) exits with status 2 and
 writes nothing; ``--out`` is written atomically (temp file + ``os.replace``) after the fit and
 plots succeeded.
 """
@@ -38,9 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default=None, metavar="NAME", help="fit only runs of this variant")
     p.add_argument(
         "--bootstrap-method",
-        choices=("cell", "run"),
+        choices=("cell", "run", "residual"),
         default="cell",
-        help="resample (budget, r) cells or runs",
+        help="resample (budget, r) cells, runs, or residuals on the fixed design (default cell)",
     )
     return p
 
@@ -80,7 +81,9 @@ def main(argv: list[str]) -> int:
         print(f"\ncomparison with {args.compare}:")
         print(comparison.report())
     if args.plots is not None:
-        for path in fit.plot(args.plots):
+        from looped_hf.plotting import plot_fit  # matplotlib only when plots are asked for
+
+        for path in plot_fit(fit, args.plots):
             print(f"wrote {path}")
     if args.out is not None:
         obj = fit.to_dict()

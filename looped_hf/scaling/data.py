@@ -5,9 +5,11 @@ row, a DataFrame row, a dict). Columns used:
 
 - ``loss`` (final held-out eval loss, nats/token), ``tokens`` (D);
 - looped: ``n_once``, ``n_rec``, ``num_recurrences`` (r); plain: ``params`` (N, Chinchilla form);
-- optional: ``budget`` (planned FLOPs, for the cell bootstrap and leave-one-budget-out),
-  ``train_flops`` (for plots), ``arch``, ``seed``, ``status`` (rows not ``"ok"`` are dropped with
-  a note), ``variant`` (a file mixing variants must be split with ``variant=``).
+- optional: ``budget`` (planned FLOPs, for the cell bootstrap, leave-one-budget-out and the
+  IsoFLOP diagnostics), ``train_flops`` (for plots and compute-optimal sizes), ``hidden_size``
+  (width, to name the models in the diagnostics), ``arch``, ``seed``, ``status`` (rows not
+  ``"ok"`` are dropped with a note), ``variant`` (a file mixing variants must be split with
+  ``variant=``).
 
 Every error is a ``ValueError`` that names the row (``line 7`` of a file, ``index 3`` of a
 DataFrame, ``row 3`` of a list) and the column, so a broken sweep can be fixed by hand.
@@ -44,6 +46,7 @@ class Runs:
     train_flops: np.ndarray | None = None
     arch: list[str] | None = None
     seed: np.ndarray | None = None
+    width: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
     source: str = "<memory>"
 
@@ -86,6 +89,7 @@ class Runs:
             train_flops=take(self.train_flops),
             arch=None if self.arch is None else [self.arch[i] for i in idx],
             seed=take(self.seed),
+            width=take(self.width),
             notes=list(self.notes),
             source=self.source,
         )
@@ -107,10 +111,11 @@ class Runs:
                 )
             else:
                 rec["params"] = float(self.n_once[i])
-            for name in ("budget", "train_flops", "seed"):
+            for name, key in (("budget", "budget"), ("train_flops", "train_flops"), ("seed", "seed"),
+                              ("width", "hidden_size")):  # fmt: skip
                 arr = getattr(self, name)
                 if arr is not None and np.isfinite(arr[i]):
-                    rec[name] = float(arr[i])
+                    rec[key] = float(arr[i])
             if self.arch is not None:
                 rec["arch"] = self.arch[i]
             out.append(rec)
@@ -271,6 +276,7 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
     loss, tokens = np.empty(n), np.empty(n)
     n_once, n_rec, reps = np.empty(n), np.zeros(n), np.ones(n)
     budget, flops, seed = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    width = np.full(n, np.nan)
     for i, (rec, label) in enumerate(zip(records, labels)):
         for col in ("loss", "tokens"):
             x = _number(rec, col, label, where)
@@ -295,6 +301,7 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
         budget[i] = _optional_number(rec, "budget", label, where)
         flops[i] = _optional_number(rec, "train_flops", label, where)
         seed[i] = _optional_number(rec, "seed", label, where)
+        width[i] = _optional_number(rec, "hidden_size", label, where)
 
     # 4. duplicates: the same model trained on the same tokens with the same seed, twice.
     key_cols = (*model_cols, "tokens", "seed")
@@ -327,6 +334,7 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
         train_flops=flops if np.any(np.isfinite(flops)) else None,
         arch=arch,
         seed=seed if np.any(np.isfinite(seed)) else None,
+        width=width if np.all(np.isfinite(width)) else None,
         notes=notes,
         source=src,
     )

@@ -1,22 +1,41 @@
-"""Fitting the looped scaling law: point estimate, bootstrap, restricted fits, comparison.
+"""Fitting the looped scaling law: point estimate, phi profile, bootstrap, diagnosis, comparison.
 
 ``fit_scaling_law`` returns a :class:`ScalingLawFit` in the style of lmfit's result objects
-(``.params``, ``.ci``, ``.report()``, ``.predict()``, ``.plot()``, JSON round trip).
+(``.params``, ``.ci``, ``.report()``, ``.predict()``, JSON round trip; plots are
+:func:`looped_hf.plotting.plot_fit`, which depends on this module, never the reverse).
 
-Uncertainty. Percentile intervals (95%) from a bootstrap:
+Uncertainty, two ways (both 95%), and a verdict that needs both:
 
-- ``bootstrap_method="cell"`` (the study's): resample (budget, r) cells with replacement; a
-  run's weight is the number of times its cell was drawn. Runs in one cell share the
-  width grid and the budget, so their errors are correlated; resampling whole cells keeps that.
-- ``bootstrap_method="run"``: resample runs with replacement (Besiroglu et al. 2024).
+- the profile-likelihood interval of phi (:mod:`.profile`): phi held on a grid, every other
+  parameter refitted, the drop in the objective put on the likelihood-ratio scale;
+- a percentile bootstrap (:mod:`.resample`). ``bootstrap_method="cell"`` (the default, the
+  study's) resamples (budget, r) cells: runs in one cell share a budget and a width grid, so
+  their errors are correlated (a learning rate that suits one width less, say) and resampling
+  whole cells keeps that. ``"run"`` resamples runs (Besiroglu et al. 2024), ``"residual"``
+  redraws the losses on the fixed design (right when errors are independent; too narrow when
+  they are not).
 
-A resample is a vector of integer weights on the summed objective (no data copied). Each
-resample is warm-started from the point estimate plus ``bootstrap_starts`` random starts
-(screened on the resample, then polished), so 200 resamples take seconds.
+What makes the bootstrap honest where the objective is flat (a weakly identified design):
+
+1. every resample is refitted with a real multistart (the point estimate, the profile's valley
+   floor at phi spread over the box, the point fit's other local optima and screened random
+   starts, all descended together), not warm-started from the point estimate: from there
+   L-BFGS-B stops on the first flat stretch and the interval comes out too narrow;
+2. percentile intervals: they stay inside the search box and follow any monotone
+   reparametrisation; the basic (reflected) interval ``2 phi_hat - q`` leaves the box when the
+   bootstrap distribution is skewed by a flat direction, and BCa's acceleration, estimated by
+   the jackknife, is unstable on such multi-modal distributions;
+3. resamples that end on a bound are kept (dropping them would narrow the interval exactly
+   when the data say least); their share is reported, and a percentile end on the box is an
+   open end: the verdict then says phi is not identified.
+
+The coverage of both intervals is validated on synthetic sweeps with random truth, for the
+study's design and for a weakly identified one, by ``scripts/validate_phi_coverage.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,10 +49,13 @@ import numpy as np
 from ..fileio import write_text_atomic
 from . import law
 from .data import Runs, load_runs
+from .diagnose import diagnose
 from .law import LawData
-from .optimize import chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
+from .optimize import Polished, chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
+from .profile import PhiProfile, profile_phi
+from .resample import RESAMPLE_METHODS, cell_groups, refit_many, resample_problems
 
-BootstrapMethod = Literal["cell", "run"]
+BootstrapMethod = Literal["cell", "run", "residual"]
 StartMethod = Literal["auto", "random", "grid"]
 
 NATURAL_NAMES: tuple[str, ...] = ("E", "A", "alpha", "B", "beta", "phi")
@@ -67,7 +89,8 @@ class ScalingLawFit:
     Attributes:
         params: ``E, A, alpha, B, beta, phi`` (``phi`` is ``None`` when the data cannot identify
             it, and the fixed value under ``fix_phi``).
-        ci: name -> (low, high), 95% percentile bootstrap intervals (empty without bootstrap).
+        ci: name -> (low, high), 95% percentile bootstrap intervals (empty without bootstrap);
+            phi's profile-likelihood interval is ``profile.interval``.
         r2: coefficient of determination of the loss (linear space) over the fitted runs.
         objective: summed Huber objective at the optimum.
         residuals: ``log L - log L_hat`` per run, in the order of ``runs``.
@@ -79,6 +102,10 @@ class ScalingLawFit:
         restricted: ``{"phi=0": {...}, "phi=1": {...}}`` with each restricted fit's ``r2``,
             ``objective`` and ``params``.
         holdout: leave-one-budget-out check (fit without the largest budget, error on it).
+        profile: the profile of the objective over phi and its interval (when phi is free and
+            the fit ran with ``checks`` or a bootstrap).
+        diagnostics: is phi identified? Per-budget IsoFLOP placement, parameters on bounds,
+            both intervals, the verdict line (:func:`looped_hf.scaling.diagnose.diagnose`).
         notes: what the fitter did that a reader should know (dropped rows, fallbacks).
         settings: the options used (seed, starts, bootstrap method, ...).
     """
@@ -95,6 +122,8 @@ class ScalingLawFit:
     bootstrap_samples: np.ndarray | None = None
     restricted: dict[str, dict[str, Any]] = field(default_factory=dict)
     holdout: dict[str, Any] | None = None
+    profile: PhiProfile | None = None
+    diagnostics: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -175,7 +204,9 @@ class ScalingLawFit:
             if r <= 1 or not m.any():
                 continue
             i = np.flatnonzero(m)[np.argmax(runs.params[m])]
-            out.append({"r": float(r), **self.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))})
+            out.append(
+                {"r": float(r), **self.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))}
+            )
         return out
 
     # ----------------------------------------------------------------------------- output
@@ -186,7 +217,9 @@ class ScalingLawFit:
         return render_report(self)
 
     def plot(self, out_dir: str | os.PathLike[str]) -> list[Path]:
-        """Write the fit plots (PNG) into ``out_dir``; returns their paths."""
+        """Every plot of this fit into ``out_dir`` (``looped_hf.plotting.plot_fit``): loss vs FLOPs,
+        IsoFLOP curves, the phi profile and bootstrap, residuals. Needs matplotlib; imported here,
+        on use, so the fit itself stays numpy/scipy only."""
         from looped_hf.plotting import plot_fit
 
         return plot_fit(self, out_dir)
@@ -205,6 +238,8 @@ class ScalingLawFit:
             "bootstrap_samples": None if self.bootstrap_samples is None else self.bootstrap_samples.tolist(),
             "restricted": self.restricted,
             "holdout": self.holdout,
+            "profile": None if self.profile is None else self.profile.to_dict(),
+            "diagnostics": self.diagnostics,
             "notes": self.notes,
             "settings": self.settings,
             "runs": None
@@ -246,6 +281,8 @@ class ScalingLawFit:
             bootstrap_samples=None if bs is None else np.asarray(bs, float).reshape(-1, len(NATURAL_NAMES)),
             restricted=obj.get("restricted", {}),
             holdout=obj.get("holdout"),
+            profile=PhiProfile.from_dict(obj["profile"]) if obj.get("profile") else None,
+            diagnostics=obj.get("diagnostics") or {},
             notes=list(obj.get("notes", [])),
             settings=obj.get("settings", {}),
         )
@@ -262,14 +299,6 @@ def _starts(
     if method == "grid" or (method == "auto" and kind == "plain"):
         return chinchilla_grid(fixed)
     return random_starts(rng, n_starts, fixed)
-
-
-def _bootstrap_weights(rng: np.random.Generator, groups: np.ndarray | None, n: int) -> np.ndarray:
-    if groups is None:
-        return rng.multinomial(n, np.full(n, 1.0 / n)).astype(float)
-    n_groups = int(groups.max()) + 1
-    counts = rng.multinomial(n_groups, np.full(n_groups, 1.0 / n_groups)).astype(float)
-    return counts[groups]
 
 
 def _refit(
@@ -300,6 +329,17 @@ def _refit(
     return best.theta
 
 
+def _distinct_optima(polished: list[Polished], limit: int) -> list[np.ndarray]:
+    """Up to ``limit`` polished points that differ from each other by more than 1e-3 somewhere."""
+    out: list[np.ndarray] = []
+    for p in polished:
+        if all(np.max(np.abs(p.theta - q)) > 1e-3 for q in out):
+            out.append(p.theta)
+        if len(out) == limit:
+            break
+    return out
+
+
 def _natural_row(theta: np.ndarray) -> np.ndarray:
     a, alpha, b, beta, e, phi = theta
     return np.array([math.exp(e), math.exp(a), alpha, math.exp(b), beta, phi])
@@ -315,7 +355,7 @@ def fit_scaling_law(
     starts: StartMethod = "auto",
     n_starts: int = 500,
     n_polish: int = 32,
-    bootstrap_starts: int = 2,
+    bootstrap_starts: int = 16,
     variant: str | None = None,
     checks: bool = True,
 ) -> ScalingLawFit:
@@ -329,16 +369,20 @@ def fit_scaling_law(
         seed: seeds the starts and the resamples; the same seed gives the same fit.
         fix_phi: hold phi at this value (e.g. 0 or 1) instead of fitting it.
         bootstrap_method: ``"cell"`` resamples (budget, r) cells (the study's; falls back to
-            ``"run"`` with a note when there is no ``budget`` column), ``"run"`` resamples runs.
+            ``"run"`` with a note when there is no ``budget`` column), ``"run"`` resamples runs,
+            ``"residual"`` redraws the losses on the fixed design (see the module docstring).
         starts: ``"random"`` (``n_starts`` uniform starts in :data:`law.BOUNDS`, the study's),
             ``"grid"`` (Chinchilla's 4500-point grid), ``"auto"`` (grid for plain runs, random
             for looped ones).
         n_starts: random starts screened with the batched objective.
         n_polish: best screened starts polished with L-BFGS-B (analytic gradient).
-        bootstrap_starts: random starts per resample in addition to the point estimate.
+        bootstrap_starts: starts descended per resample: the point estimate, the profile's
+            valley, the point fit's other optima, then screened random ones (1: the point
+            estimate alone, the old, too-narrow scheme).
         variant: keep only runs of this ``variant`` (required for files that mix variants).
-        checks: also run the phi = 0 / phi = 1 restricted fits and the leave-one-budget-out
-            check (used by :meth:`ScalingLawFit.report`).
+        checks: also run the phi = 0 / phi = 1 restricted fits, the leave-one-budget-out check
+            and the phi profile (used by :meth:`ScalingLawFit.report`); the profile also runs
+            whenever there is a bootstrap, which starts from its valley.
 
     Returns:
         A :class:`ScalingLawFit`.
@@ -346,8 +390,10 @@ def fit_scaling_law(
     Raises:
         ValueError: bad input (naming row and column), or fewer runs than free parameters.
     """
-    if bootstrap_method not in ("cell", "run"):
-        raise ValueError(f"bootstrap_method must be 'cell' or 'run', got {bootstrap_method!r}")
+    if bootstrap_method not in RESAMPLE_METHODS:
+        raise ValueError(f"bootstrap_method must be one of {RESAMPLE_METHODS}, got {bootstrap_method!r}")
+    if bootstrap_starts < 1:
+        raise ValueError(f"bootstrap_starts must be >= 1, got {bootstrap_starts}")
     if starts not in ("auto", "random", "grid"):
         raise ValueError(f"starts must be 'auto', 'random' or 'grid', got {starts!r}")
     if bootstrap < 0:
@@ -414,33 +460,48 @@ def _fit(
     rng = np.random.default_rng(seed)
 
     start_pts = _starts(rng, starts, data_runs.kind, n_starts, fixed)
-    best, ordered = multistart(data, start_pts, free, n_polish=n_polish)
+    best, ordered, polished = multistart(data, start_pts, free, n_polish=n_polish)
     theta = best.theta
+    fun = best.fun
+    optima = _distinct_optima(polished[1:], limit=3)
+
+    # The profile over phi (also the valley of starts for the bootstrap, see below).
+    profile: PhiProfile | None = None
+    if phi_free and (checks or bootstrap > 0):
+        prng = np.random.default_rng([seed, 2])
+        residuals = data.log_l - law.predict_log_loss(theta, data)[0]
+        profile = profile_phi(data, theta, residuals, prng, extra=optima)
+        if profile.f_min < fun * (1 - 1e-7):  # (not mere polishing noise)
+            # A profile point beat the multistart: the point fit missed the global optimum.
+            # Free phi again from the best profile point and redo the profile around it.
+            p = polish(profile.thetas[int(np.argmin(profile.objective))], data, None, free)
+            if p.fun < fun:
+                notes.append(
+                    f"the phi profile found a lower objective ({p.fun:.6g}) than the {len(start_pts)}-start "
+                    f"multistart ({fun:.6g}); the point estimate is the profile's"
+                )
+                optima = [theta, *optima][:3]
+                theta, fun = p.theta, p.fun
+                residuals = data.log_l - law.predict_log_loss(theta, data)[0]
+                profile = profile_phi(data, theta, residuals, prng, extra=optima)
+
     pred = law.predict_log_loss(theta, data)[0]
     residuals = data.log_l - pred
     params = law.to_natural(theta, phi_identifiable=identifiable)
     if fix_phi is not None and identifiable:
         params["phi"] = float(fix_phi)
-    at_bound = [
-        law.PARAM_NAMES[i]
-        for i in np.flatnonzero(free)
-        if min(abs(theta[i] - law.BOUNDS[i][0]), abs(theta[i] - law.BOUNDS[i][1])) < 1e-6
-    ]
-    if at_bound:
-        notes.append(
-            f"parameter(s) {at_bound} sit on the bounds of the search box {law.BOUNDS}: treat with care"
-        )
 
     fit = ScalingLawFit(
         params=params,
         ci={},
         r2=_r2(data_runs.loss, np.exp(pred)),
-        objective=best.fun,
+        objective=fun,
         residuals=residuals,
         kind=data_runs.kind,
         phi_identifiable=identifiable,
         fixed_phi=None if fix_phi is None else float(fix_phi),
         runs=data_runs,
+        profile=profile,
         notes=notes,
         settings={
             "seed": seed,
@@ -458,29 +519,7 @@ def _fit(
     warm = [theta] + [ordered[i] for i in range(min(2, len(ordered)))]
 
     if bootstrap > 0:
-        groups = None
-        method = bootstrap_method
-        if method == "cell":
-            if data_runs.budget is None:
-                notes.append("no 'budget' column: bootstrap resamples runs instead of (budget, r) cells")
-                method = "run"
-            else:
-                cells = np.stack([data_runs.budget, data_runs.num_recurrences], axis=1)
-                _, groups = np.unique(cells, axis=0, return_inverse=True)
-                groups = groups.ravel()
-        fit.settings["bootstrap_method_used"] = method
-        brng = np.random.default_rng([seed, 1])  # separate stream: bootstrap draws do not move with n_starts
-        samples = []
-        for _ in range(bootstrap):
-            w = _bootstrap_weights(brng, groups, len(data_runs))
-            th = _refit(data, [theta], free, fixed, brng, w, bootstrap_starts)
-            samples.append(_natural_row(th))
-        fit.bootstrap_samples = np.array(samples)
-        lo, hi = np.percentile(fit.bootstrap_samples, [2.5, 97.5], axis=0)
-        for j, name in enumerate(NATURAL_NAMES):
-            if name == "phi" and not phi_free:
-                continue
-            fit.ci[name] = (float(lo[j]), float(hi[j]))
+        _bootstrap(fit, data, free, bootstrap_method, bootstrap, seed, bootstrap_starts, optima)
 
     if checks and data_runs.kind == "looped" and identifiable:
         for value in (0.0, 1.0):
@@ -497,7 +536,74 @@ def _fit(
             }
     if checks and data_runs.budget is not None and len(np.unique(data_runs.budget)) >= 3:
         fit.holdout = _leave_largest_budget_out(data_runs, data, warm, free, fixed, rng)
+    fit.diagnostics = diagnose(fit)
     return fit
+
+
+def _bootstrap(
+    fit: ScalingLawFit,
+    data: LawData,
+    free: np.ndarray,
+    method: BootstrapMethod,
+    n_resamples: int,
+    seed: int,
+    n_starts: int,
+    optima: list[np.ndarray],
+) -> None:
+    """Resample, refit every resample with a multistart, set ``fit.bootstrap_samples`` and ``fit.ci``."""
+    runs = fit.runs
+    assert runs is not None
+    theta = fit.theta
+    groups = cell_groups(runs.budget, runs.num_recurrences) if method == "cell" else None
+    if method == "cell" and groups is None:
+        fit.notes.append("no 'budget' column: bootstrap resamples runs instead of (budget, r) cells")
+        method = "run"
+    fit.settings.update(bootstrap=n_resamples, bootstrap_method_used=method, bootstrap_starts=n_starts)
+    brng = np.random.default_rng([seed, 1])  # separate stream: bootstrap draws do not move with n_starts
+    problems = resample_problems(method, n_resamples, brng, data, theta, groups, int(free.sum()))
+    # Starts of every resample: the point estimate, the profile's valley floor at phi spread over
+    # the box, the point fit's other local optima, then screened random starts.
+    extra = (fit.profile.valley() if fit.profile is not None else []) + optima
+    thetas, _ = refit_many(data, problems, theta, free, brng, n_starts=n_starts, extra=extra)
+    fit.bootstrap_samples = np.array([_natural_row(th) for th in thetas])
+    lo, hi = np.percentile(fit.bootstrap_samples, [2.5, 97.5], axis=0)
+    fit.ci = {}
+    for j, name in enumerate(NATURAL_NAMES):
+        if name == "phi" and not free[5]:
+            continue
+        fit.ci[name] = (float(lo[j]), float(hi[j]))
+
+
+def rebootstrap(
+    fit: ScalingLawFit,
+    bootstrap: int = 200,
+    *,
+    bootstrap_method: BootstrapMethod = "cell",
+    seed: int | None = None,
+    bootstrap_starts: int = 16,
+) -> ScalingLawFit:
+    """A copy of ``fit`` with a new bootstrap (another method, more resamples), same point fit.
+
+    The intervals, bootstrap draws, settings and diagnostics of the copy are replaced; the point
+    estimate, profile, restricted fits and hold-out check are kept. Needs the fit's runs.
+    """
+    if fit.runs is None:
+        raise ValueError("rebootstrap needs the fit's runs (fit.runs is None)")
+    if bootstrap_method not in RESAMPLE_METHODS:
+        raise ValueError(f"bootstrap_method must be one of {RESAMPLE_METHODS}, got {bootstrap_method!r}")
+    if bootstrap < 1:
+        raise ValueError(f"bootstrap must be >= 1, got {bootstrap}")
+    if bootstrap_starts < 1:
+        raise ValueError(f"bootstrap_starts must be >= 1, got {bootstrap_starts}")
+    out = dataclasses.replace(fit, ci={}, notes=list(fit.notes), settings=dict(fit.settings))
+    out.settings["bootstrap_method"] = bootstrap_method
+    phi_free = fit.phi_identifiable and fit.fixed_phi is None and fit.kind == "looped"
+    data = _law_data(fit.runs, fit.phi_identifiable)
+    with single_threaded_blas():
+        _bootstrap(out, data, _free_mask(phi_free), bootstrap_method, bootstrap,
+                   int(fit.settings.get("seed", 0)) if seed is None else seed, bootstrap_starts, [])  # fmt: skip
+    out.diagnostics = diagnose(out)
+    return out
 
 
 def _leave_largest_budget_out(

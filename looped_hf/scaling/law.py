@@ -73,7 +73,8 @@ class LawData:
 
     @property
     def n(self) -> int:
-        return int(self.log_l.shape[0])
+        """Number of runs (``log_l`` may carry one row of losses per problem: ``(S, n)``)."""
+        return int(self.log_l.shape[-1])
 
 
 def log_n_eff(data: LawData, phi: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:

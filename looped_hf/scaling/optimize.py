@@ -16,12 +16,12 @@ import itertools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import minimize
 
-from .law import BOUNDS, LawData, objective, objective_single
+from .law import BOUNDS, HUBER_DELTA, LawData, objective, objective_single
 
 # Tight tolerances: the objective is ~1e-3 at the optimum and A, B are weakly identified, so
 # scipy's defaults (gtol 1e-5) stop visibly early.
@@ -155,20 +155,138 @@ def multistart(
     free: np.ndarray,
     weights: np.ndarray | None = None,
     n_polish: int = 64,
-) -> tuple[Polished, np.ndarray]:
+) -> tuple[Polished, np.ndarray, list[Polished]]:
     """Screen all ``starts`` with the batched objective, polish the ``n_polish`` best.
 
-    Returns the best polished point and the screened order of starts (best first) so that
-    callers (the bootstrap) can reuse good starts.
+    Returns the best polished point, the screened order of starts (best first) and every
+    polished point (best first), so that callers (the bootstrap) can reuse the local optima.
     """
     f0 = objective(starts, data, weights)[0]
     f0 = np.where(np.isfinite(f0), f0, np.inf)
     order = np.argsort(f0, kind="stable")
-    best: Polished | None = None
-    for i in order[: max(1, n_polish)]:
-        p = polish(starts[i], data, weights, free)
-        if np.isfinite(p.fun) and (best is None or p.fun < best.fun):
-            best = p
-    if best is None:
+    polished = [polish(starts[i], data, weights, free) for i in order[: max(1, n_polish)]]
+    polished = sorted((p for p in polished if np.isfinite(p.fun)), key=lambda p: p.fun)
+    if not polished:
         raise RuntimeError("no start converged to a finite objective")
-    return best, starts[order]
+    return polished[0], starts[order], polished
+
+
+_LO = np.array([b[0] for b in BOUNDS])
+_HI = np.array([b[1] for b in BOUNDS])
+
+
+def _residuals_and_jacobian(theta: np.ndarray, data: LawData) -> tuple[np.ndarray, np.ndarray]:
+    """Residuals ``rho = log L - log L_hat`` ``(S, n)`` and ``d rho / d theta`` ``(S, n, 6)``."""
+    a, alpha, b, beta, e, phi = (theta[:, [k]] for k in range(6))
+    r_phi_rec = np.exp(phi * data.log_r) * data.n_rec
+    n_eff = data.n_once + r_phi_rec
+    lne = np.log(n_eff)
+    u1 = a - alpha * lne
+    u2 = b - beta * data.log_d
+    m = np.maximum(np.maximum(u1, u2), e)
+    e1, e2, e3 = np.exp(u1 - m), np.exp(u2 - m), np.exp(e - m)
+    tot = e1 + e2 + e3
+    rho = data.log_l - m - np.log(tot)
+    s1, s2, s3 = e1 / tot, e2 / tot, e3 / tot
+    jac = np.stack(
+        (-s1, s1 * lne, -s2, s2 * data.log_d, -s3, alpha * s1 * data.log_r * r_phi_rec / n_eff), axis=-1
+    )
+    return rho, jac
+
+
+def _huber(rho: np.ndarray, weights: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """Summed weighted Huber objective ``(S,)`` and ``psi(rho) = clip(rho, -delta, delta)``."""
+    c = np.clip(rho, -delta, delta)
+    return (weights * c * (rho - 0.5 * c)).sum(axis=1), c
+
+
+def batched_descent(
+    data: LawData,
+    starts: np.ndarray,
+    free: np.ndarray,
+    weights: np.ndarray | None = None,
+    *,
+    max_iter: int = 200,
+    rtol: float = 1e-10,
+    delta: float = HUBER_DELTA,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Descend many starts of many problems at once; returns ``(theta (S, 6), objective (S,))``.
+
+    Why: the bootstrap and the phi profile each solve hundreds of small fits, and a one-at-a-time
+    L-BFGS-B costs ~90 us per evaluation, mostly interpreter overhead, ~300 evaluations per start.
+    Here every start is one row of a batch and each iteration is a handful of numpy calls on
+    ``(S, n)`` arrays, so thousands of starts descend together in about a second.
+
+    Method: Levenberg-Marquardt on the Huber objective by iteratively reweighted least squares
+    (Huber's IRLS weights ``min(1, delta / |rho|)`` make the quadratic model a majoriser of the
+    Huber loss), Marquardt's diagonal scaling (the parameters' scales differ by 100x), a step
+    accepted only when it lowers the objective (so every row decreases monotonically). Bounds
+    (:data:`BOUNDS`): a coordinate on its bound whose gradient points outward is frozen for the
+    step, and steps are clipped into the box. Coordinates with ``free`` false never move.
+
+    The result is an approximate optimum per row; callers polish the rows they keep with
+    :func:`polish` (L-BFGS-B), which is what the reported numbers come from.
+
+    Args:
+        data: the runs.
+        starts: ``(S, 6)`` start vectors (fixed coordinates already set).
+        free: ``(6,)`` mask of the coordinates that move.
+        weights: ``(S, n)`` per-row run weights (bootstrap counts), ``(n,)`` shared, or ``None``.
+        max_iter: iterations at most.
+        rtol: a row stops when an accepted step lowers its objective by less than ``rtol`` times it.
+        delta: Huber threshold.
+    """
+    theta = np.clip(np.array(starts, dtype=float, copy=True), _LO, _HI)
+    s = theta.shape[0]
+    w = np.ones((s, data.n)) if weights is None else np.broadcast_to(np.asarray(weights, float), (s, data.n))
+    free = np.asarray(free, bool)
+    rho, jac = _residuals_and_jacobian(theta, data)
+    f, psi = _huber(rho, w, delta)
+    f = np.where(np.isfinite(f), f, np.inf)
+    lam = np.full(s, 1e-3)
+    running = np.isfinite(f)
+    eye = np.eye(6)
+    for _ in range(max_iter):
+        idx = np.flatnonzero(running)
+        if idx.size == 0:
+            break
+        th, wr, r_, j_ = theta[idx], w[idx], rho[idx], jac[idx]
+        jt = j_.transpose(0, 2, 1)  # (S, 6, n): batched matmuls beat einsum here by ~10x
+        grad = (jt @ (wr * psi[idx])[..., None])[..., 0]
+        irls = wr * np.where(np.abs(r_) <= delta, 1.0, delta / np.maximum(np.abs(r_), delta))
+        hess = (jt * irls[:, None, :]) @ j_
+        blocked = (~free)[None, :] | ((th <= _LO + 1e-12) & (grad > 0)) | ((th >= _HI - 1e-12) & (grad < 0))
+        diag = np.diagonal(hess, axis1=1, axis2=2)
+        damped = hess + lam[idx, None, None] * (
+            np.maximum(diag, 1e-12 * (1.0 + diag.max(axis=1, keepdims=True)))[:, :, None] * eye
+        )
+        keep = ~blocked
+        # Frozen coordinates: identity rows/columns and a zero right-hand side give a zero step.
+        damped = damped * (keep[:, :, None] & keep[:, None, :]) + blocked[:, :, None] * eye
+        rhs = np.where(keep, -grad, 0.0)
+        try:
+            step = np.linalg.solve(damped, rhs[..., None])[..., 0]
+        except np.linalg.LinAlgError:
+            step = (
+                np.linalg.lstsq(damped[0], rhs[0], rcond=None)[0][None]
+                if idx.size == 1
+                else np.zeros_like(rhs)
+            )
+        cand = np.clip(th + step, _LO, _HI)
+        rho_c, jac_c = _residuals_and_jacobian(
+            cand, data if data.log_l.ndim == 1 else replace(data, log_l=data.log_l[idx])
+        )
+        f_c, psi_c = _huber(rho_c, wr, delta)
+        better = np.isfinite(f_c) & (f_c < f[idx])
+        acc = idx[better]
+        gain = f[acc] - f_c[better]
+        theta[acc], rho[acc], jac[acc], psi[acc] = cand[better], rho_c[better], jac_c[better], psi_c[better]
+        f_old = f[acc].copy()
+        f[acc] = f_c[better]
+        lam[acc] = np.maximum(lam[acc] * 0.3, 1e-9)
+        rej = idx[~better]
+        lam[rej] *= 10.0
+        done_acc = acc[gain <= rtol * np.maximum(f_old, 1e-300)]
+        running[done_acc] = False
+        running[rej[lam[rej] > 1e10]] = False
+    return theta, f

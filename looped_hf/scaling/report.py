@@ -23,6 +23,71 @@ def _num(x: float | None) -> str:
     return f"{x:.4g}" if abs(x) >= 1e-3 else f"{x:.3e}"
 
 
+def _interval(lo: float | None, hi: float | None) -> str:
+    return f"[{'open (box)' if lo is None else f'{lo:.3f}'}, {'open (box)' if hi is None else f'{hi:.3f}'}]"
+
+
+def _diagnosis_lines(fit: ScalingLawFit) -> list[str]:
+    """Identifiability: phi's two intervals, parameters on bounds, IsoFLOP placement, verdict."""
+    d = fit.diagnostics
+    if not d:
+        return []
+    lines: list[str] = []
+    prof, boot = d.get("profile"), d.get("bootstrap")
+    if prof is not None:
+        lr0, lr1 = prof.get("lr_phi0"), prof.get("lr_phi1")
+        tests = ", ".join(
+            f"at phi = {v}: {x:.3g} ({'excluded' if x > prof['cut'] else 'inside'})"
+            for v, x in (("0", lr0), ("1", lr1))
+            if x is not None
+        )
+        lines.append(f"phi 95% profile-likelihood interval {_interval(*prof['interval'])}")
+        lines.append(f"  (LR statistic, cut {prof['cut']:.3g}; {tests})")
+    if "phi" in fit.ci:
+        lo, hi = fit.ci["phi"]
+        lines.append(f"phi 95% bootstrap interval          [{lo:.3f}, {hi:.3f}] (percentile)")
+    if boot is not None and boot.get("at_bound_by_param"):
+        shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in boot["at_bound_by_param"].items())
+        lines.append(f"  resamples with a parameter on a bound of the search box: {shares}")
+    for b in d.get("at_bound", []):
+        lines.append(f"on a bound: {b['text']}")
+    if lines:
+        lines.append("")
+    budgets = d.get("budgets") or []
+    if budgets:
+        lines.append(
+            "IsoFLOP placement: per budget, tokens per unique parameter across its widths; for each r the"
+        )
+        lines.append(
+            "width with the lowest loss (interior = an IsoFLOP minimum) and the law's compute-optimal size"
+        )
+        lines.append(
+            f"  {'budget':<9} {'tokens/param':<13} {'r':>3}  {'lowest loss':<12} {'position':<9} law's optimum"
+        )
+        for row in budgets:
+            tpp = f"{_si(row['tokens_per_param'][0])}-{_si(row['tokens_per_param'][1])}"
+            for k, p in enumerate(row["per_r"]):
+                opt = f"{_si(p['optimal_params'])} ({p['optimal_tokens_per_param']:.3g} tok/param, "
+                opt += (
+                    {"below": "below the widths", "above": "above the widths", "inside": "inside"}[
+                        p["optimal_vs_widths"]
+                    ]
+                    + (", beyond the search range" if p.get("optimal_edge") else "")
+                    + ")"
+                )
+                budget = f"{row['budget']:.3g}".replace("e+", "e")
+                head = f"{budget:<9} {tpp:<13}" if k == 0 else " " * 23
+                lines.append(f"  {head} {p['r']:>3g}  {p['best']:<12} {p['position']:<9} {opt}")
+        lines.append("")
+    v = d.get("verdict")
+    if v:
+        lines.append(f"verdict: {v['line']}")
+        if not v.get("identified"):
+            lines += [f"  - {reason}" for reason in v.get("reasons", [])]
+        lines.append("")
+    return lines
+
+
 def render_report(fit: ScalingLawFit) -> str:
     runs = fit.runs
     lines: list[str] = []
@@ -63,6 +128,7 @@ def render_report(fit: ScalingLawFit) -> str:
         lines.append(f"{name:<8} {_num(val):>12}      {ci_s}")
     lines.append(f"R^2 (loss) = {fit.r2:.4f}   objective = {fit.objective:.6g}")
     lines.append("")
+    lines += _diagnosis_lines(fit)
 
     # Restricted fits.
     if fit.restricted:

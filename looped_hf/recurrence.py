@@ -1,0 +1,192 @@
+"""Training with a sampled number of recurrences (Huginn's scheme), through the vanilla Trainer.
+
+A model trained at one r tends to degrade at others; Huginn (Geiping et al. 2025) trains with a
+new r drawn every optimizer step so that the loop learns to be run for as long as the user wants.
+Its draw (seal-rg/recurrent-pretraining, `randomized_iteration_sampler`, scheme
+"poisson-lognormal-filling") is a Poisson-lognormal count shifted by one:
+
+    lambda ~ LogNormal(mu, sigma = 1/2),   r = 1 + Poisson(lambda),
+
+with backprop through the last min(k, r) recurrences only (their ``k = min(s, p)``, ``n = p - k``
+steps without gradient), k = ``backprop_recurrences`` here: the model's own truncated backprop.
+
+One deliberate difference: Huginn sets mu = log(r_mean) - sigma^2/2, so E[lambda] = r_mean and
+E[r] = r_mean + 1 (its "mean_recurrence = 32" trains at 33 on average). A recipe here says
+``num_recurrences: 4`` and means the average r actually run, so ``poisson_lognormal`` uses
+mu = log(r_mean - 1) - sigma^2/2 and E[r] = r_mean exactly (r_mean >= 2).
+
+Reproducibility: r is a pure function of (run seed, optimizer step) (`sample_num_recurrences`),
+as Huginn's lock-step draw seeded from the step number. So every data-parallel rank and every
+micro-batch of one optimizer step run the same r, a resumed run draws the same sequence as an
+uninterrupted one, and the global RNG (dropout, data order) is untouched.
+
+Use it with any `Trainer`:
+
+    Trainer(model, args, ..., callbacks=[RecurrenceSamplingCallback(seed=args.seed),
+                                         LoopedComputeCallback()])
+
+`LoopedComputeCallback` then counts the FLOPs of the r each step actually ran.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+#: Values of the recipe field ``recurrence_sampling``.
+RECURRENCE_SAMPLINGS = ("fixed", "poisson_lognormal")
+#: Huginn's lognormal sigma (raven_modeling_minimal.py / model_dynamic.py: ``sigma = 0.5``).
+HUGINN_SIGMA = 0.5
+#: Mixed into the seed so that this stream never coincides with another (seed, step) stream.
+_STREAM_SALT = 0x10095
+
+
+def sample_num_recurrences(
+    mean: int, step: int, seed: int, scheme: str = "poisson_lognormal", sigma: float = HUGINN_SIGMA
+) -> int:
+    """The r of optimizer step ``step`` of a run with seed ``seed``: a pure function of its arguments.
+
+    ``fixed`` returns ``mean``. ``poisson_lognormal`` returns 1 + Poisson(lambda) with
+    lambda ~ LogNormal(log(mean - 1) - sigma^2 / 2, sigma), so E[r] = mean and r >= 1 (see the
+    module docstring for how this relates to Huginn's draw). Raises ``ValueError`` naming the
+    argument for a scheme it does not know, mean < 2 (sampling needs room below the mean),
+    a negative step or seed, or sigma <= 0.
+    """
+    if scheme not in RECURRENCE_SAMPLINGS:
+        raise ValueError(f"recurrence_sampling={scheme!r}: must be one of {RECURRENCE_SAMPLINGS}")
+    if scheme == "fixed":
+        return int(mean)
+    if int(mean) != mean or mean < 2:
+        raise ValueError(
+            f"num_recurrences={mean!r}: recurrence_sampling={scheme!r} needs an integer mean r >= 2 "
+            "(r = 1 + Poisson(lambda) has mean 1 only when it is always 1)"
+        )
+    if step < 0 or seed < 0:
+        raise ValueError(f"step={step}, seed={seed}: both must be >= 0")
+    if not sigma > 0:
+        raise ValueError(f"sigma={sigma!r}: must be > 0")
+    # A fresh generator per (seed, step): no state to save in checkpoints, identical on every rank.
+    rng = np.random.default_rng([_STREAM_SALT, int(seed), int(step)])
+    mu = math.log(mean - 1) - sigma**2 / 2
+    rate = rng.lognormal(mean=mu, sigma=sigma)
+    return 1 + int(rng.poisson(rate))
+
+
+def sampled_recurrences_summary(
+    mean: int, steps: int, seed: int, scheme: str = "poisson_lognormal"
+) -> dict[str, Any]:
+    """What a run of ``steps`` optimizer steps ran: mean, min, max of r and how often each r came up.
+
+    Computed from the sampler itself (r is a function of the step), so it covers the steps
+    trained before a resume too.
+    """
+    draws = [sample_num_recurrences(mean, step, seed, scheme) for step in range(steps)]
+    if not draws:
+        return {"scheme": scheme, "steps": 0}
+    values, counts = np.unique(draws, return_counts=True)
+    return {
+        "scheme": scheme,
+        "steps": steps,
+        "mean": float(np.mean(draws)),
+        "min": int(values[0]),
+        "max": int(values[-1]),
+        "counts": {str(int(v)): int(c) for v, c in zip(values, counts)},
+    }
+
+
+class RecurrenceSamplingCallback(TrainerCallback):
+    """Runs every training forward at the r of the current optimizer step (see the module docstring).
+
+    A forward pre-hook on the model sets ``num_recurrences=`` in the call's keyword arguments for
+    training-mode forwards that do not set it themselves; evaluation (eval mode) runs at the
+    model's configured r. The hook is placed first among the model's pre-hooks, so hooks that
+    read the call (``LoopedComputeCallback``'s FLOP count) see the r that runs.
+
+    Args:
+        seed: the run seed (use ``TrainingArguments.seed``); with the step it fixes r.
+        scheme: ``poisson_lognormal`` (default) or ``fixed`` (a no-op, for symmetric code).
+        mean: the mean r; ``None`` = the model's ``config.num_recurrences``.
+    """
+
+    def __init__(self, seed: int = 0, scheme: str = "poisson_lognormal", mean: int | None = None) -> None:
+        if scheme not in RECURRENCE_SAMPLINGS:
+            raise ValueError(f"recurrence_sampling={scheme!r}: must be one of {RECURRENCE_SAMPLINGS}")
+        self.seed = int(seed)
+        self.scheme = scheme
+        self.mean = mean
+        self._state: TrainerState | None = None
+        self._hook: Any = None
+        self._model: torch.nn.Module | None = None
+        #: r of every optimizer step trained in this process (step -> r), for logs and tests.
+        self.history: dict[int, int] = {}
+
+    def num_recurrences_at(self, step: int) -> int:
+        """The r that optimizer step ``step`` runs."""
+        if self.mean is None:
+            raise RuntimeError(
+                "RecurrenceSamplingCallback: mean r unknown before training starts (pass mean=)"
+            )
+        return sample_num_recurrences(self.mean, step, self.seed, self.scheme)
+
+    def _hook_fn(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not module.training or self._state is None or kwargs.get("num_recurrences") is not None:
+            return None
+        # global_step counts finished optimizer steps: constant over the micro-batches of a step.
+        step = int(self._state.global_step)
+        r = self.num_recurrences_at(step)
+        self.history[step] = r
+        kwargs["num_recurrences"] = r
+        return args, kwargs
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs
+    ):
+        # The Trainer replaces its TrainerState when it resumes, before this event: keep this one.
+        self._state = state
+        if model is None or model is self._model:
+            return
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "num_recurrences"):
+            raise TypeError(
+                f"RecurrenceSamplingCallback needs a looped model (config.num_recurrences); got {type(model).__name__}"
+            )
+        if getattr(config, "is_recurrence_locked", False) and self.scheme != "fixed":
+            raise ValueError(
+                f"recurrence_sampling={self.scheme!r}: this model uses input_injection="
+                f"{config.input_injection!r}, whose parameters are indexed by recurrence step; it can only "
+                f"train at num_recurrences={config.num_recurrences}"
+            )
+        if self.mean is None:
+            self.mean = int(config.num_recurrences)
+        self.num_recurrences_at(0)  # a bad mean fails here, before the first step
+        self._remove_hook()
+        self._model = model
+        self._hook = model.register_forward_pre_hook(self._hook_fn, with_kwargs=True, prepend=True)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._remove_hook()
+        self._model = None
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        """`sampled_recurrences_summary` of the first ``steps`` optimizer steps of this run."""
+        if self.mean is None:
+            raise RuntimeError("RecurrenceSamplingCallback.summary: mean r unknown (training never started)")
+        return sampled_recurrences_summary(self.mean, steps, self.seed, self.scheme)
+
+
+__all__ = [
+    "HUGINN_SIGMA",
+    "RECURRENCE_SAMPLINGS",
+    "RecurrenceSamplingCallback",
+    "sample_num_recurrences",
+    "sampled_recurrences_summary",
+]

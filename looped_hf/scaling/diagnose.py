@@ -1,0 +1,402 @@
+"""Is phi identified by these runs? The diagnosis behind ``fit.report()``'s verdict line.
+
+phi is read off the gap between the r levels at equal compute, so it is only as good as the
+sweep's placement and the objective's curvature. :func:`diagnose` collects what a reader needs
+to judge that, all JSON-safe:
+
+- ``budgets``: per compute budget, the tokens per (unique, non-embedding) parameter across its
+  widths; for each r the width with the lowest loss and whether that minimum is *interior* (an
+  IsoFLOP minimum: the widths straddle the compute-optimal size) or at an *edge*; and the
+  compute-optimal size the fitted law puts at that budget (:func:`compute_optimal`);
+- ``at_bound``: fitted parameters on a bound of the search box (the box is not a prior: a
+  parameter there is not estimated, it is clipped);
+- ``profile``: the profile-likelihood interval of phi and the LR statistic at phi = 0 and 1
+  (:mod:`.profile`);
+- ``bootstrap``: the share of resamples with phi (or any parameter) on a bound;
+- ``verdict``: identified or not, and the reasons in words a user can act on (an identified
+  phi can still carry placement advice: widths on one side of the optimum make the law
+  extrapolate there).
+
+phi counts as identified when both 95% intervals (profile, and bootstrap if run) are closed
+inside the search box and no wider than :data:`PHI_WIDTH_IDENTIFIED`, and no fitted parameter
+sits on a bound. The width limit is half the distance between the two readings that matter
+(phi = 0: looping adds nothing; phi = 1: a recurrence is worth a unique block).
+
+:class:`SizeFamily` describes the sweep's models at one r as functions of their size, so that
+the law can be evaluated off the sweep's grid (compute-optimal sizes here, IsoFLOP curves in
+``looped_hf.plotting``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from scipy.optimize import nnls
+
+from .law import BOUNDS, PARAM_NAMES
+
+if TYPE_CHECKING:
+    from .data import Runs
+    from .fit import ScalingLawFit
+
+#: A phi interval at most this wide counts as a measurement.
+PHI_WIDTH_IDENTIFIED = 0.5
+#: Compute-optimal sizes are searched this factor below the smallest and above the largest model.
+SEARCH_FACTOR = 100.0
+_NATURAL = {"a": "A", "alpha": "alpha", "b": "B", "beta": "beta", "e": "E", "phi": "phi"}
+
+
+@dataclass(frozen=True)
+class SizeFamily:
+    """The sweep's models at one r as functions of unique parameters ``N = N_once + N_rec``.
+
+    Iso-depth sweeps scale every part of the model with the width, so ``N_once / N`` is about
+    constant (its median over the runs at r), and the training FLOPs per token are
+    ``c_N N + c_d sqrt(N)``: 6 per applied parameter (``c_N``) plus the head and attention,
+    which grow with the width ``d ~ sqrt(N)`` (``c_d``); both fitted to the runs at r by
+    non-negative least squares (so the family reproduces the runs' own FLOP counts).
+    """
+
+    r: float
+    frac_once: float
+    c_n: float
+    c_d: float
+
+    def split(self, n: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """``(N_once, N_rec)`` of the family's model with ``n`` unique parameters."""
+        n = np.asarray(n, float)
+        return self.frac_once * n, (1.0 - self.frac_once) * n
+
+    def flops_per_token(self, n: np.ndarray | float) -> np.ndarray:
+        n = np.asarray(n, float)
+        return self.c_n * n + self.c_d * np.sqrt(n)
+
+    def tokens(self, budget: float | np.ndarray, n: np.ndarray | float) -> np.ndarray:
+        """Tokens a model of ``n`` parameters trains on with ``budget`` FLOPs."""
+        return np.asarray(budget, float) / self.flops_per_token(n)
+
+
+def size_family(runs: Runs, r: float) -> SizeFamily:
+    """The :class:`SizeFamily` of the runs at recurrence ``r``."""
+    m = runs.num_recurrences == r
+    if not m.any():
+        raise ValueError(f"no runs with num_recurrences = {r:g}")
+    n = runs.params[m]
+    fpt = runs.flops[m] / runs.tokens[m]
+    frac_once = float(np.median(runs.n_once[m] / n))
+    if len(np.unique(n)) >= 2:
+        (c_n, c_d), _ = nnls(np.stack([n, np.sqrt(n)], axis=1) / fpt[:, None], np.ones_like(fpt))
+    else:  # one size: all FLOPs proportional to N
+        c_n, c_d = float(np.median(fpt / n)), 0.0
+    if c_n <= 0 and c_d <= 0:
+        c_n = float(np.median(fpt / n))
+    return SizeFamily(float(r), frac_once, float(c_n), float(c_d))
+
+
+def law_loss(params: dict[str, Any], family: SizeFamily, budget: float, n: np.ndarray) -> np.ndarray:
+    """The law's loss for the family's models of size ``n`` trained with ``budget`` FLOPs."""
+    n_once, n_rec = family.split(n)
+    phi = params.get("phi")
+    n_eff = n_once + n_rec * (family.r**phi if phi is not None else 1.0)
+    tokens = family.tokens(budget, n)
+    return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
+
+
+def compute_optimal(
+    params: dict[str, Any], family: SizeFamily, budget: float, lo: float, hi: float, points: int = 600
+) -> dict[str, Any]:
+    """The size with the lowest law loss at ``budget`` among the family's models in ``[lo, hi]``.
+
+    Returns ``n`` (unique parameters), ``n_eff``, ``tokens``, ``loss`` and ``edge`` (``"low"`` /
+    ``"high"`` when the minimum is at the end of the search range, i.e. beyond it; else ``None``).
+    """
+    sizes = np.geomspace(lo, hi, points)
+    loss = law_loss(params, family, budget, sizes)
+    i = int(np.argmin(loss))
+    n_once, n_rec = family.split(sizes[i])
+    phi = params.get("phi")
+    n_eff = float(n_once + n_rec * (family.r**phi if phi is not None else 1.0))
+    return {
+        "n": float(sizes[i]),
+        "n_eff": n_eff,
+        "tokens": float(family.tokens(budget, sizes[i])),
+        "loss": float(loss[i]),
+        "edge": "low" if i == 0 else ("high" if i == points - 1 else None),
+    }
+
+
+def _fmt_budget(x: float) -> str:
+    return f"{x:.3g}".replace("e+", "e")
+
+
+def _fmt_count(x: float) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _model_name(runs: Runs, i: int) -> str:
+    if runs.width is not None:
+        return f"d={runs.width[i]:g}"
+    return f"N={_fmt_count(float(runs.params[i]))}"
+
+
+def budget_table(fit: ScalingLawFit) -> list[dict[str, Any]]:
+    """Per budget: tokens per parameter, the best width for each r, where it sits, the law's
+    compute-optimal size (see the module docstring). Empty without a ``budget`` column."""
+    runs = fit.runs
+    if runs is None or runs.budget is None:
+        return []
+    n_all = runs.params
+    families = {float(r): size_family(runs, r) for r in np.unique(runs.num_recurrences)}
+    lo, hi = float(n_all.min()) / SEARCH_FACTOR, float(n_all.max()) * SEARCH_FACTOR
+    out = []
+    for budget in np.unique(runs.budget):
+        mb = runs.budget == budget
+        tpp = runs.tokens[mb] / runs.params[mb]
+        per_r = []
+        for r in np.unique(runs.num_recurrences[mb]):
+            idx = np.flatnonzero(mb & (runs.num_recurrences == r))
+            idx = idx[np.argsort(runs.params[idx], kind="stable")]
+            best = int(np.argmin(runs.loss[idx]))
+            k = len(idx)
+            position = (
+                "single width"
+                if k == 1
+                else ("smallest" if best == 0 else ("largest" if best == k - 1 else "interior"))
+            )
+            opt = compute_optimal(fit.params, families[float(r)], float(budget), lo, hi)
+            smallest, largest = float(runs.params[idx[0]]), float(runs.params[idx[-1]])
+            law_side = "below" if opt["n"] < smallest else ("above" if opt["n"] > largest else "inside")
+            per_r.append({
+                "r": float(r),
+                "widths": [_model_name(runs, int(i)) for i in idx],
+                "losses": [float(runs.loss[i]) for i in idx],
+                "best": _model_name(runs, int(idx[best])),
+                "best_params": float(runs.params[idx[best]]),
+                "position": position,
+                "tokens_per_param": [float(runs.tokens[i] / runs.params[i]) for i in idx],
+                "optimal_params": opt["n"],
+                "optimal_tokens_per_param": opt["tokens"] / opt["n"],
+                "optimal_edge": opt["edge"],
+                "optimal_vs_widths": law_side,
+            })  # fmt: skip
+        out.append({
+            "budget": float(budget),
+            "n_runs": int(mb.sum()),
+            "tokens_per_param": [float(tpp.min()), float(tpp.max())],
+            "per_r": per_r,
+        })  # fmt: skip
+    return out
+
+
+def _budget_finding(row: dict[str, Any]) -> tuple[str | None, str | None]:
+    """``(kind, sentence)`` for one budget: kind ``"above"`` / ``"below"`` / ``"few"`` / None."""
+    per_r = row["per_r"]
+    b = _fmt_budget(row["budget"])
+    if all(p["position"] == "single width" for p in per_r) or max(len(p["widths"]) for p in per_r) < 3:
+        return "few", (
+            f"budget {b} has fewer than 3 widths per r: no IsoFLOP minimum can be located there; "
+            "use at least 3 widths that straddle the compute-optimal size"
+        )
+    n = len(per_r)
+    small = sum(p["position"] == "smallest" for p in per_r)
+    large = sum(p["position"] == "largest" for p in per_r)
+    base = next((p for p in per_r if p["r"] == 1), per_r[0])
+    law_note = (
+        f" (the fitted law puts the r = {base['r']:g} optimum at {_fmt_count(base['optimal_params'])} parameters, "
+        f"{base['optimal_tokens_per_param']:.3g} tokens per parameter; these widths train on "
+        f"{row['tokens_per_param'][0]:.2g}-{row['tokens_per_param'][1]:.2g})"
+    )
+    if 2 * small >= n and small > large:
+        return "above", (
+            f"the widths of budget {b} are all above the compute-optimal size (the smallest has the lowest loss "
+            f"for {small} of {n} values of r): add smaller widths{law_note}"
+        )
+    if 2 * large >= n and large > small:
+        return "below", (
+            f"the widths of budget {b} are all below the compute-optimal size (the largest has the lowest loss "
+            f"for {large} of {n} values of r): add larger widths{law_note}"
+        )
+    return None, None
+
+
+def parameters_at_bound(
+    theta: np.ndarray, free: np.ndarray | None = None, tol: float = 1e-6
+) -> list[dict[str, Any]]:
+    """The fitted coordinates of ``theta`` on a bound of :data:`~.law.BOUNDS`."""
+    out = []
+    for i, (name, (lo, hi)) in enumerate(zip(PARAM_NAMES, BOUNDS)):
+        if free is not None and not free[i]:
+            continue
+        side = "lower" if abs(theta[i] - lo) < tol else ("upper" if abs(theta[i] - hi) < tol else None)
+        if side is None:
+            continue
+        natural = _NATURAL[name]
+        value = math.exp(theta[i]) if name in ("a", "b", "e") else float(theta[i])
+        coord = (
+            f"log {natural} = {theta[i]:.3g}" if name in ("a", "b", "e") else f"{natural} = {theta[i]:.3g}"
+        )
+        out.append({"name": natural, "side": side, "value": value, "bound": lo if side == "lower" else hi,
+                    "text": f"{natural} = {value:.4g} sits on its {side} bound ({coord})"})  # fmt: skip
+    return out
+
+
+_E_LOW = (
+    "the runs cannot separate the irreducible loss E from the data term: the sweep needs models near "
+    "their compute-optimal size and a wider compute range"
+)
+_ALPHA_LOW = "the loss does not fall with model size: the capacity term (and with it phi) is not measured"
+_BOUND_ADVICE = {
+    ("E", "lower"): _E_LOW,
+    ("E", "upper"): "the law puts almost all of the loss in E: the runs barely improve with size or data",
+    ("alpha", "lower"): _ALPHA_LOW,
+    ("beta", "lower"): "the loss does not fall with tokens: the data term is not measured",
+}
+
+
+def _profile_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
+    prof = fit.profile
+    if prof is None:
+        return None
+    lr = prof.lr
+
+    def at(x: float) -> float | None:
+        if not (prof.phi.min() <= x <= prof.phi.max()):
+            return None
+        return float(np.interp(x, prof.phi, lr))
+
+    lo, hi = (None if x is None else float(x) for x in prof.interval)
+    return {
+        "interval": [lo, hi],
+        "cut": prof.cut,
+        "lr_phi0": at(0.0),
+        "lr_phi1": at(1.0),
+        "width": None if lo is None or hi is None else hi - lo,
+    }
+
+
+def _bootstrap_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
+    boot = fit.bootstrap_samples
+    if boot is None or not len(boot):
+        return None
+    # Back to the internal coordinates (log A, alpha, log B, beta, log E, phi) to test the bounds.
+    theta = np.stack(
+        [np.log(boot[:, 1]), boot[:, 2], np.log(boot[:, 3]), boot[:, 4], np.log(boot[:, 0]), boot[:, 5]], 1
+    )
+    lo = np.array([b[0] for b in BOUNDS])
+    hi = np.array([b[1] for b in BOUNDS])
+    on = (np.abs(theta - lo) < 1e-6) | (np.abs(theta - hi) < 1e-6)
+    if fit.params.get("phi") is None or fit.fixed_phi is not None:
+        on[:, 5] = False
+    return {
+        "n": int(len(boot)),
+        "method": fit.settings.get("bootstrap_method_used", fit.settings.get("bootstrap_method")),
+        "phi_at_bound": float(on[:, 5].mean()),
+        "any_at_bound": float(on.any(axis=1).mean()),
+        "at_bound_by_param": {
+            _NATURAL[n]: float(on[:, i].mean()) for i, n in enumerate(PARAM_NAMES) if on[:, i].any()
+        },
+    }
+
+
+def _fmt_interval(ci: Any) -> str:
+    lo, hi = ci
+    return f"[{'box' if lo is None else f'{lo:.3g}'}, {'box' if hi is None else f'{hi:.3g}'}]"
+
+
+def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[dict[str, Any]],
+            profile: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """Identified or not, the reasons (most actionable first) and one line that says it."""
+    if fit.kind != "looped" or not fit.phi_identifiable or fit.params.get("phi") is None:
+        reason = "no run has r > 1 and N_rec > 0: add looped runs"
+        return {"identified": False, "reasons": [reason], "line": f"phi is NOT identified: {reason}."}
+    if fit.fixed_phi is not None:
+        return {
+            "identified": None,
+            "reasons": [],
+            "line": f"phi is held at {fit.fixed_phi:g} (not measured).",
+        }
+    phi = float(fit.params["phi"])
+    reasons: list[str] = []
+    short: list[str] = []  # the same findings, briefly, for the one-line verdict
+    placement: dict[str, list[str]] = {"above": [], "below": [], "few": []}
+    for row in budgets:
+        kind, sentence = _budget_finding(row)
+        if kind is not None and sentence is not None:
+            reasons.append(sentence)
+            placement[kind].append(_fmt_budget(row["budget"]))
+    for kind, advice in (("above", "are all above the compute-optimal size: add smaller widths"),
+                         ("below", "are all below the compute-optimal size: add larger widths"),
+                         ("few", "have fewer than 3 widths per r: add widths around the optimum")):  # fmt: skip
+        if placement[kind]:
+            which = placement[kind]
+            names = which[0] if len(which) == 1 else ", ".join(which[:-1]) + " and " + which[-1]
+            short.append(f"the widths of budget{'s' if len(which) > 1 else ''} {names} {advice}")
+    for b in at_bound:
+        advice = _BOUND_ADVICE.get((b["name"], b["side"]))
+        reasons.append(b["text"] + (f": {advice}" if advice else ""))
+        short.append(f"{b['name']} sits on its {b['side']} bound")
+    ok = not at_bound
+    lo_b, hi_b = BOUNDS[5]
+    intervals = []
+    if profile is not None:
+        intervals.append(("profile", tuple(profile["interval"])))
+    ci = fit.ci.get("phi")
+    if ci is not None:
+        # A percentile end on the search box is an open end: the box clipped it, nothing measured it.
+        intervals.append(
+            ("bootstrap", (None if ci[0] <= lo_b + 1e-3 else ci[0], None if ci[1] >= hi_b - 1e-3 else ci[1]))
+        )
+    if not intervals:
+        ok = False
+        reasons.append("no interval for phi: fit with checks (profile) or a bootstrap")
+        short.append("no interval for phi")
+    for name, (lo, hi) in intervals:
+        if lo is None or hi is None:
+            ok = False
+            side = " and ".join(s for s, e in (("below", lo), ("above", hi)) if e is None)
+            reasons.append(f"the {name} interval is open {side}: the runs do not bound phi within the search box "
+                           f"[{lo_b:g}, {hi_b:g}]")  # fmt: skip
+            short.append(f"the {name} interval is open {side}")
+        elif hi - lo > PHI_WIDTH_IDENTIFIED:
+            ok = False
+            reasons.append(f"the {name} 95% interval {_fmt_interval((lo, hi))} is {hi - lo:.2g} wide "
+                           f"(a measurement needs <= {PHI_WIDTH_IDENTIFIED:g})")  # fmt: skip
+            short.append(f"the {name} interval is {hi - lo:.2g} wide")
+    if not ok and not any(placement.values()):
+        rms = float(np.sqrt(np.mean(fit.residuals**2)))
+        advice = (f"the widths straddle the optimum, so phi is loose for want of data: add runs (more budgets, "
+                  f"widths or seeds; the residual RMS is {100 * rms:.2g}%)")  # fmt: skip
+        reasons.append(advice)
+        short.append(advice)
+    shown = ", ".join(f"{n} {_fmt_interval(iv)}" for n, iv in intervals)
+    if ok:
+        # Narrow, closed intervals: phi is measured. Widths on one side of the optimum still mean
+        # the law extrapolates there (a precise phi need not be an accurate one): say so.
+        line = f"phi is identified: {phi:.3f}, 95% CI {shown}" + (f"; but {short[0]}." if short else ".")
+    else:
+        line = f"phi is NOT identified ({phi:.3f}, 95% CI {shown}): " + "; ".join(short[:2]) + "."
+    return {"identified": ok, "reasons": reasons, "line": line}
+
+
+def diagnose(fit: ScalingLawFit) -> dict[str, Any]:
+    """The identifiability diagnosis of ``fit`` (JSON-safe; see the module docstring)."""
+    theta = fit.theta
+    free = np.ones(len(BOUNDS), bool)
+    if fit.params.get("phi") is None or fit.fixed_phi is not None:
+        free[5] = False
+    at_bound = parameters_at_bound(theta, free)
+    budgets = budget_table(fit) if fit.kind == "looped" or fit.runs is not None else []
+    profile = _profile_summary(fit)
+    return {
+        "budgets": budgets,
+        "at_bound": at_bound,
+        "profile": profile,
+        "bootstrap": _bootstrap_summary(fit),
+        "verdict": verdict(fit, budgets, at_bound, profile),
+    }
