@@ -1,5 +1,5 @@
 # The main job and the tests, one command each.
-#   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~15 min, 2 CPU cores)
+#   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~10 min, 2 CPU cores)
 #   make test    install, then the test suite (offline, CPU)
 # Re-running `make demo` resumes the sweep where it stopped.
 

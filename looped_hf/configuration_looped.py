@@ -98,6 +98,15 @@ class LoopedConfig(PreTrainedConfig):
         study's config does: the per-step gains of the detached steps would never train.
     recurrence_norm:
         RMSNorm (one shared weight) at the end of every recurrence.
+    kv_budget:
+        ``None`` (default): every recurrence keeps its own KV-cache slots (P + r*K + C slots).
+        ``k``: only k recurrence slots, the study's engine (nanochat/gpt.py ``_get_kv_layer_idx``):
+        recurrence i's block layer j uses slot P + (i mod k)*K + j, prelude and coda keep theirs,
+        so the cache has P + min(k, r)*K + C slots. A slot holds the KV of its latest writer, so a
+        later token attends, at recurrence i, to the past tokens' KV of the last recurrence
+        congruent to i mod k (with k = 1: always the last recurrence's). The current tokens always
+        attend to their own fresh KV. ``k >= r`` is exactly the default. ``forward`` and
+        ``generate`` accept ``kv_budget=`` per call. Memory only: compute stays P + r*K + C.
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
         ``"learnable_before_rope"`` (OLMo-2 / Qwen3: a learnable per-head scale, before RoPE) or
@@ -157,6 +166,7 @@ class LoopedConfig(PreTrainedConfig):
     state_init_std: float = 1.0
     backprop_recurrences: int | None = None
     recurrence_norm: bool = True
+    kv_budget: int | None = None
     num_hidden_layers: int | None = None
     looped_format: int = LOOPED_FORMAT
 
@@ -240,6 +250,12 @@ class LoopedConfig(PreTrainedConfig):
                     f"hyperconnections need full backprop (None or {self.num_recurrences}): the per-step "
                     "lane parameters of the detached recurrences would never train",
                 )
+        budget = self.kv_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            # Hyperconnection models are accepted: the budget only chooses which recurrence's KV
+            # the past tokens offer (the study's engine applies it to hyperconnect runs too); the
+            # lane parameters, and so the r the model is locked to, are untouched.
+            raise bad("kv_budget", "must be None (every recurrence keeps its KV cache) or an integer >= 1")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise bad("logit_softcap", "must be None or > 0")
         if self.state_init_std < 0:
@@ -279,6 +295,14 @@ class LoopedConfig(PreTrainedConfig):
         """Layer applications per token, P + r*K + C, at ``num_recurrences`` (default: r)."""
         r = self.num_recurrences if num_recurrences is None else num_recurrences
         return self.num_prelude_layers + r * self.num_recurrent_layers + self.num_coda_layers
+
+    def num_kv_slots(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> int:
+        """KV-cache slots a call needs: P + min(k, r)*K + C, k the KV budget (default: the config's;
+        none means every recurrence keeps its slots, k = r). See ``kv_budget``."""
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        k = self.kv_budget if kv_budget is None else kv_budget
+        k = r if k is None else min(k, r)
+        return self.num_prelude_layers + k * self.num_recurrent_layers + self.num_coda_layers
 
     @property
     def effective_num_layers(self) -> int:

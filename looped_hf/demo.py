@@ -1,6 +1,6 @@
 """The main job, one command: a tiny iso-depth sweep -> the fit of phi -> the cards.
 
-    looped-hf demo                                     # recipes/iso_depth_tiny.yaml, ~20 min on 2 CPU cores
+    looped-hf demo                                     # recipes/iso_depth_tiny.yaml, ~10 min on 2 CPU cores
     looped-hf demo --recipe tests/data/micro_sweep.yaml --out /tmp/micro --card-dir /tmp/micro/card --bootstrap 20
 
 1. trains every run of the sweep recipe on the embedded corpus through the sweep runner

@@ -11,7 +11,10 @@ QK-norm placement, initialisation, parameter groups. ``config.looped_format == 1
 of looped_hf 0.1.0 for checkpoints saved by it. Every *application* of a layer (P + r*K + C per
 token) owns one KV-cache slot, so the cache is the flat stack a looped model unrolls into;
 ``config.num_hidden_layers`` is that depth at the default r and a dynamic cache grows when a call
-asks for more recurrences.
+asks for more recurrences. A KV budget k (``config.kv_budget`` or ``kv_budget=`` per call, the
+study's engine) keeps only k recurrence slots: recurrence i's block layer j uses slot
+P + (i mod k)*K + j and the coda's slots follow at P + k*K, so the cache has P + k*K + C slots; a
+slot keeps the KV of the last recurrence that wrote it (see ``LoopedConfig.kv_budget``).
 
 It behaves like transformers 5.24's Llama wherever a looped model can: ``cache=`` (the old
 ``past_key_values=`` is mapped with Llama's deprecation warning), ``return_dict=False`` gives a
@@ -30,7 +33,7 @@ Llama. A block layer's output is recorded before the recurrence norm and the nex
 normed state after every recurrence is ``recurrent_states``). ``output_hidden_states=[i, ...]``
 selects by these indices, negative ones counted from the end at the call's r. Attentions (eager
 attention only) have the same order without the leading input: ``attentions[a]`` is application
-a, the one that also owns cache slot a.
+a, the one that also owns cache slot a (without a KV budget).
 
 This module is the one owner of parameter and FLOP accounting (``num_scaling_params``,
 ``training_flops_per_token``, ``inference_flops_per_token``); training, planning and model cards
@@ -464,9 +467,16 @@ class LoopedPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
-def _grow_cache(cache: Cache, num_slots: int) -> None:
+def _grow_cache(cache: Cache, num_slots: int, shrink: bool = False) -> None:
     """``generate()`` sizes its cache from ``num_hidden_layers`` (the default r); more recurrences
-    per call need more slots. Dynamic caches grow; fixed-size ones must be built big enough."""
+    per call need more slots. Dynamic caches grow; fixed-size ones must be built big enough.
+
+    ``shrink`` (a KV budget is in force): trailing slots that were never written are dropped, so
+    the cache has exactly the P + k*K + C slots the budget allows. A static layer allocates its
+    buffers on its first write, so a dropped one never held memory."""
+    if shrink and len(cache.layers) > num_slots:
+        if not any(getattr(layer, "is_initialized", True) for layer in cache.layers[num_slots:]):
+            del cache.layers[num_slots:]
     if len(cache.layers) >= num_slots:
         return
     if not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
@@ -478,24 +488,35 @@ def _grow_cache(cache: Cache, num_slots: int) -> None:
         cache.layers.append(DynamicLayer())
 
 
-def _check_cache_recurrences(cache: Cache, r: int) -> None:
-    """Refuse a cache filled at another r: slot a holds application a, and which layer (and which
-    recurrence) application a is depends on r, so mixing two r's attends to the wrong keys.
+def _check_cache_recurrences(cache: Cache, r: int, kv_budget: int | None = None) -> None:
+    """Refuse a cache filled at another r or KV budget: slot a holds application a, and which layer
+    (and which recurrence) application a is depends on r, so mixing two r's attends to the wrong
+    keys. ``kv_budget`` is the call's effective budget, min(k, r) (``None``: r, no budget); it
+    maps recurrences to slots, so it must stay fixed for the life of a cache too.
 
     The r a cache was filled at is a Python attribute on the cache, so at a fixed r this is a
     constant check that ``torch.compile`` guards on, never a read of the cache's length. Only
     when r changes is the length read, so that an emptied cache (``reset()``, as ``generate``
     does before reusing its static cache) can be reused at a new r.
     """
+    k = r if kv_budget is None else kv_budget
     filled_r = getattr(cache, "looped_num_recurrences", None)
-    if filled_r == r:
+    # A cache recorded before KV budgets existed was filled with one slot set per recurrence.
+    filled_k = getattr(cache, "looped_kv_budget", filled_r)
+    if filled_r == r and filled_k == k:
         return
     if filled_r is not None and (torch.compiler.is_compiling() or cache.get_seq_length() > 0):
+        if filled_r != r:
+            raise ValueError(
+                f"num_recurrences={r}, but this cache was filled at num_recurrences={filled_r}: every "
+                "recurrence has its own cache slot, so r must stay fixed for the life of a cache"
+            )
         raise ValueError(
-            f"num_recurrences={r}, but this cache was filled at num_recurrences={filled_r}: every "
-            "recurrence has its own cache slot, so r must stay fixed for the life of a cache"
+            f"kv_budget={k}, but this cache was filled at kv_budget={filled_k} (num_recurrences={r}): the "
+            "budget maps recurrences to cache slots, so it must stay fixed for the life of a cache"
         )
     cache.looped_num_recurrences = r
+    cache.looped_kv_budget = k
 
 
 class LoopedModel(LoopedPreTrainedModel):
@@ -595,6 +616,16 @@ class LoopedModel(LoopedPreTrainedModel):
             )
         return r
 
+    def _resolve_kv_budget(self, kv_budget: int | None, r: int) -> int:
+        """The call's effective KV budget, min(k, r): ``kv_budget`` (else ``config.kv_budget``,
+        else r, every recurrence keeping its slots). A budget of r or more is the default."""
+        k = self.config.kv_budget if kv_budget is None else kv_budget
+        if k is None:
+            return r
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"kv_budget={k!r}: must be None (every recurrence keeps its KV cache) or an integer >= 1")
+        return min(k, r)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @_select_hidden_states_at_r
     @merge_with_config_defaults
@@ -609,17 +640,21 @@ class LoopedModel(LoopedPreTrainedModel):
         use_cache: bool | None = None,
         num_recurrences: int | None = None,
         output_recurrent_states: bool = False,
+        kv_budget: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedModelOutputWithPast:
         r"""The decoder. ``num_recurrences`` overrides r for this call; ``output_recurrent_states``
-        returns the state after every recurrence. ``output_hidden_states`` / ``output_attentions``
-        are collected per layer application (see the module docstring); ``return_dict=False``
-        returns a tuple. Unknown keywords raise ``TypeError``."""
+        returns the state after every recurrence; ``kv_budget`` overrides ``config.kv_budget`` (the
+        KV-cache slots kept per block layer, see ``LoopedConfig.kv_budget``).
+        ``output_hidden_states`` / ``output_attentions`` are collected per layer application (see
+        the module docstring); ``return_dict=False`` returns a tuple. Unknown keywords raise
+        ``TypeError``."""
         config = self.config
         kwargs = _checked_kwargs(self, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         r = self._resolve_num_recurrences(num_recurrences)
+        budget = self._resolve_kv_budget(kv_budget, r)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -627,8 +662,15 @@ class LoopedModel(LoopedPreTrainedModel):
             cache = DynamicCache(config=config)
         if cache is not None:
             # Grow (or refuse) first, so a refused call leaves the cache's recorded r unchanged.
-            _grow_cache(cache, config.num_layer_applications(r))
-            _check_cache_recurrences(cache, r)
+            _grow_cache(cache, config.num_kv_slots(r, budget), shrink=budget < r)
+            _check_cache_recurrences(cache, r, budget)
+            if budget < r and not all(getattr(layer, "is_croppable", False) for layer in cache.layers):
+                # An overwritten slot is written then cropped back (below); a cache layer that
+                # cannot crop (quantised) cannot take a second write of the same positions.
+                raise ValueError(
+                    f"kv_budget={budget} < num_recurrences={r} needs a cache whose layers can be cropped "
+                    f"(DynamicCache or StaticCache); got {type(cache).__name__}"
+                )
 
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
@@ -664,15 +706,27 @@ class LoopedModel(LoopedPreTrainedModel):
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
         split = self._injection_split(e, legacy) if config.input_injection == "linear" else None
         K = len(self.recurrent_layers)
+        num_new_tokens = inputs_embeds.shape[1]
+
+        def block_layer(layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
+            """Block layer j at recurrence ``step``, in cache slot P + (step mod k)*K + j (the
+            study's nanochat/gpt.py ``_get_kv_layer_idx``). The study writes a slot at every
+            recurrence, so the slot ends up holding its last writer's KV, while each writer's own
+            tokens attend to their fresh KV. Same here: an earlier writer (step < r - k, a later
+            recurrence reuses its slot) writes, attends, then crops its tokens back out."""
+            slot = len(self.prelude_layers) + (step % budget) * K + j
+            x = layer(x, cache_index=slot, **layer_kwargs)[0]
+            if cache is not None and step < r - budget:
+                cache.layers[slot].crop(-num_new_tokens)
+            return x
 
         def recurrence(step: int, h: torch.Tensor, lanes: torch.Tensor | None) -> tuple:
             """One pass through the block; returns (h, lanes, the state after it)."""
-            app = len(self.prelude_layers) + step * K
             if hc is not None:
                 x = hc.read(lanes, step)
                 y = x
                 for j, layer in enumerate(self.recurrent_layers):
-                    y = layer(y, cache_index=app + j, **layer_kwargs)[0]
+                    y = block_layer(layer, y, step, j)
                 if legacy:
                     lanes = hc.write(lanes, step, y - x)
                     if self.recurrence_norm is not None:
@@ -682,7 +736,7 @@ class LoopedModel(LoopedPreTrainedModel):
                 return h, lanes, lanes.sum(0)
             h = self._inject(h, e, legacy, split)
             for j, layer in enumerate(self.recurrent_layers):
-                h = layer(h, cache_index=app + j, **layer_kwargs)[0]
+                h = block_layer(layer, h, step, j)
             if self.recurrence_norm is not None:
                 h = self.recurrence_norm(h)
             return h, lanes, h
@@ -702,7 +756,7 @@ class LoopedModel(LoopedPreTrainedModel):
                 recurrent_states.append(state)
         if hc is not None:
             h = lanes.sum(0)  # lanes are summed before the coda
-        app = len(self.prelude_layers) + r * K
+        app = len(self.prelude_layers) + budget * K  # the coda's slots follow the k recurrence slots
         for layer in self.coda_layers:
             h = layer(h, cache_index=app, **layer_kwargs)[0]
             app += 1
@@ -780,11 +834,13 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         num_recurrences: int | None = None,
         output_recurrent_states: bool = False,
+        kv_budget: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedCausalLMOutputWithPast:
         r"""Causal-LM forward. ``num_recurrences`` overrides r for this call (``generate`` passes it
-        through); ``output_recurrent_states`` returns the state after every recurrence; ``labels``
-        are NOT shifted by the caller (the loss shifts them; -100 is ignored). ``ignore_index`` and
+        through, as it does ``kv_budget``, the KV-cache budget of ``LoopedConfig.kv_budget``);
+        ``output_recurrent_states`` returns the state after every recurrence; ``labels`` are NOT
+        shifted by the caller (the loss shifts them; -100 is ignored). ``ignore_index`` and
         ``shift_labels`` go to the loss (a loss is computed when either labels or shift_labels is
         given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``."""
         loss_kwargs = {key: kwargs.pop(key) for key in _LOSS_KWARGS if key in kwargs}
@@ -798,6 +854,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             num_recurrences=num_recurrences,
             output_recurrent_states=output_recurrent_states,
+            kv_budget=kv_budget,
             return_dict=True,  # the tuple, if asked for, is made here (config.return_dict=False too)
             **kwargs,
         )
