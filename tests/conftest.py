@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,3 +123,17 @@ def run_without_looped_hf(script: str, tmp_path: Path) -> str:
     result = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+class RandomBlocks(torch.utils.data.Dataset):
+    """``n`` seeded random token blocks of ``seq_len`` with labels = inputs: data for Trainer tests
+    that count tokens and FLOPs, where the text does not matter."""
+
+    def __init__(self, n: int, vocab: int, seq_len: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

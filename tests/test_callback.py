@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import RandomBlocks
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from looped_hf import LoopedComputeCallback, LoopedConfig, LoopedForCausalLM
@@ -11,17 +12,6 @@ from looped_hf import LoopedComputeCallback, LoopedConfig, LoopedForCausalLM
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SEQ, BATCH, ACCUM, STEPS = 16, 2, 2, 4
-
-
-class _Blocks(torch.utils.data.Dataset):
-    def __init__(self, n: int, vocab: int) -> None:
-        self.ids = torch.randint(0, vocab, (n, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class _Reporter(TrainerCallback):
@@ -49,7 +39,7 @@ def _train(tmp_path, model, callbacks, **overrides) -> Trainer:
         max_steps=STEPS, logging_steps=1, report_to="none", disable_tqdm=True,
         learning_rate=1e-3, use_cpu=True, dataloader_num_workers=0, **{"save_strategy": "no", **overrides},
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=_Blocks(64, 64), callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=RandomBlocks(64, 64, SEQ), callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -90,7 +80,7 @@ def test_callback_added_after_init_still_reaches_reporters(tmp_path):
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, max_steps=2, logging_steps=1,
         save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=_Blocks(16, 64), callbacks=[reporter])
+    trainer = Trainer(model=model, args=args, train_dataset=RandomBlocks(16, 64, SEQ), callbacks=[reporter])
     trainer.add_callback(LoopedComputeCallback())
     trainer.train()
     assert all("train_flops" in logs for logs in reporter.received)
@@ -113,7 +103,7 @@ def test_resume_from_a_checkpoint_without_a_saved_flop_total_prices_it_at_the_co
     state_file.write_text(json.dumps(state))
     args = trainer.args
     resumed = Trainer(
-        model=_model(None, r=2), args=args, train_dataset=_Blocks(64, 64), callbacks=[LoopedComputeCallback()]
+        model=_model(None, r=2), args=args, train_dataset=RandomBlocks(64, 64, SEQ), callbacks=[LoopedComputeCallback()]
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
     tokens = STEPS * BATCH * ACCUM * SEQ

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import RandomBlocks
 from transformers import Trainer, TrainingArguments
 
 from looped_hf import LoopedComputeCallback, LoopedConfig, LoopedForCausalLM
@@ -67,17 +68,6 @@ def test_summary_counts_every_step():
 
 
 # --- with the Trainer ------------------------------------------------------------------------
-class _Blocks(torch.utils.data.Dataset):
-    def __init__(self, n: int, vocab: int) -> None:
-        self.ids = torch.randint(0, vocab, (n, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _model(backprop_recurrences: int | None = 2, r: int = 4, injection: str = "linear") -> LoopedForCausalLM:
     torch.manual_seed(0)
     config = LoopedConfig(
@@ -94,7 +84,7 @@ def _trainer(tmp_path, model, callbacks, max_steps: int, **overrides) -> Trainer
         max_steps=max_steps, logging_steps=1, report_to="none", disable_tqdm=True, learning_rate=1e-3,
         use_cpu=True, dataloader_num_workers=0, seed=5, **{"save_strategy": "no", **overrides},
     )  # fmt: skip
-    return Trainer(model=model, args=args, train_dataset=_Blocks(64, 64), callbacks=callbacks)
+    return Trainer(model=model, args=args, train_dataset=RandomBlocks(64, 64, SEQ), callbacks=callbacks)
 
 
 def test_every_micro_batch_of_a_step_runs_that_steps_sampled_r_and_flops_follow_it(tmp_path):
