@@ -137,3 +137,34 @@ class RandomBlocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+TINY_VOCAB = 97
+
+
+def tiny_looped_config(**overrides):
+    """A looped config small enough for exact tests in milliseconds: d 32, GQA 4/2 heads,
+    prelude 1 + block 2 x r 3 + coda 1; any field can be overridden."""
+    from looped_hf import LoopedConfig
+
+    kwargs = dict(
+        vocab_size=TINY_VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_prelude_layers=1, num_recurrent_layers=2, num_coda_layers=1, num_recurrences=3,
+        max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return LoopedConfig(**kwargs)
+
+
+def tiny_looped_model(seed: int = 0, noise: float = 0.1, **overrides):
+    """``tiny_looped_config`` in eval mode, with random (not identity) injection and lane gains
+    (``noise`` x N(0, 1) added), so every recurrence differs and tests exercise every path."""
+    from looped_hf import LoopedForCausalLM
+
+    torch.manual_seed(seed)
+    model = LoopedForCausalLM(tiny_looped_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "injection" in name or "hyperconnection" in name:
+                p.add_(noise * torch.randn_like(p))
+    return model

@@ -9,34 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
 from transformers import DynamicCache, StaticCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
 
-VOCAB = 97
+VOCAB = TINY_VOCAB
 P, K, C, R = 1, 2, 1, 4
 
 
 def tiny_config(**overrides) -> LoopedConfig:
-    kwargs = dict(
-        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        num_prelude_layers=P, num_recurrent_layers=K, num_coda_layers=C, num_recurrences=R,
-        max_position_embeddings=128, pad_token_id=0, eos_token_id=None, bos_token_id=2,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return LoopedConfig(**kwargs)
+    return tiny_looped_config(**{"num_recurrences": R, "eos_token_id": None, **overrides})
 
 
 def tiny_model(seed: int = 0, **overrides) -> LoopedForCausalLM:
-    torch.manual_seed(seed)
-    model = LoopedForCausalLM(tiny_config(**overrides)).eval()
-    # Random (not identity) injection and lane gains: every recurrence then differs, so a slot
-    # holding the wrong recurrence's KV changes the logits.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "injection" in name or "hyperconnection" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return model
+    # Larger injection / lane noise than elsewhere: a slot holding the wrong recurrence's KV must
+    # change the logits visibly.
+    return tiny_looped_model(seed, noise=0.3, **{"num_recurrences": R, "eos_token_id": None, **overrides})
 
 
 def prompts(batch: int = 2, length: int = 6, seed: int = 1) -> torch.Tensor:

@@ -8,34 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_without_looped_hf
+from conftest import TINY_VOCAB, run_without_looped_hf, tiny_looped_config, tiny_looped_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import looped_hf
 from looped_hf import LoopedConfig, LoopedForCausalLM
 
-VOCAB = 97
-
-
-def tiny_config(**overrides) -> LoopedConfig:
-    kwargs = dict(
-        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        num_prelude_layers=1, num_recurrent_layers=2, num_coda_layers=1, num_recurrences=3,
-        max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return LoopedConfig(**kwargs)
-
-
-def tiny_model(seed: int = 0, **overrides) -> LoopedForCausalLM:
-    torch.manual_seed(seed)
-    model = LoopedForCausalLM(tiny_config(**overrides)).eval()
-    # Random (not identity) injection and gains, so the tests exercise every path.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "injection" in name or "hyperconnection" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+VOCAB = TINY_VOCAB
+tiny_config = tiny_looped_config
+tiny_model = tiny_looped_model
 
 
 def prompts(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:

@@ -145,24 +145,34 @@ def objective_single(
     Uses ``H(rho) = c (rho - c/2)`` with ``c = clip(rho, -delta, delta)``, which equals both
     branches of the Huber loss, and one matrix-vector product for the six gradient sums.
     """
-    a, alpha, b, beta, e, phi = (float(x) for x in theta)
-    r_phi_rec = np.exp(phi * data.log_r) * data.n_rec
-    n_eff = data.n_once + r_phi_rec
-    lne = np.log(n_eff)
-    u1 = a - alpha * lne
-    u2 = b - beta * data.log_d
-    m = np.maximum(np.maximum(u1, u2), e)
-    e1, e2, e3 = np.exp(u1 - m), np.exp(u2 - m), np.exp(e - m)
-    tot = e1 + e2 + e3
-    rho = data.log_l - m - np.log(tot)
+    alpha = float(theta[1])
+    lne, dlne, e1, e2, e3, tot, rho = lse_terms(*(float(x) for x in theta), data)
     c = np.clip(rho, -delta, delta)
     h = c * (rho - 0.5 * c)
     g = -c / tot
     if weights is not None:
         h = h * weights
         g = g * weights
-    rows = np.stack((e1, -e1 * lne, e2, -e2 * data.log_d, e3, -alpha * e1 * data.log_r * r_phi_rec / n_eff))
+    rows = np.stack((e1, -e1 * lne, e2, -e2 * data.log_d, e3, -alpha * e1 * dlne))
     return float(h.sum()), rows @ g
+
+
+def lse_terms(a, alpha, b, beta, e, phi, data: LawData) -> tuple[np.ndarray, ...]:
+    """The law's forward pass, shared by the objectives and the batched Jacobian.
+
+    ``a .. phi`` are floats (one parameter vector) or ``(S, 1)`` columns (S vectors at once).
+    Returns ``log N_eff``, ``d log N_eff / d phi``, the three max-shifted LSE terms ``e1, e2, e3``
+    (model, data, irreducible), their sum ``tot`` and the residual ``rho = log L - log L_hat``.
+    """
+    r_phi_rec = np.exp(phi * data.log_r) * data.n_rec  # r^phi * N_rec
+    n_eff = data.n_once + r_phi_rec
+    lne = np.log(n_eff)
+    u1 = a - alpha * lne
+    u2 = b - beta * data.log_d
+    m = np.maximum(np.maximum(u1, u2), e)  # stable LSE: subtract the running max
+    e1, e2, e3 = np.exp(u1 - m), np.exp(u2 - m), np.exp(e - m)
+    tot = e1 + e2 + e3
+    return lne, data.log_r * r_phi_rec / n_eff, e1, e2, e3, tot, data.log_l - m - np.log(tot)
 
 
 def objective_value(theta: np.ndarray, data: LawData, weights: np.ndarray | None = None) -> np.ndarray:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import minimize
 
-from .law import BOUNDS, HUBER_DELTA, LawData, objective, objective_single
+from .law import BOUNDS, HUBER_DELTA, LawData, lse_terms, objective, objective_single
 
 # Tight tolerances: the objective is ~1e-3 at the optimum and A, B are weakly identified, so
 # scipy's defaults (gtol 1e-5) stop visibly early.
@@ -177,20 +177,10 @@ _HI = np.array([b[1] for b in BOUNDS])
 
 def _residuals_and_jacobian(theta: np.ndarray, data: LawData) -> tuple[np.ndarray, np.ndarray]:
     """Residuals ``rho = log L - log L_hat`` ``(S, n)`` and ``d rho / d theta`` ``(S, n, 6)``."""
-    a, alpha, b, beta, e, phi = (theta[:, [k]] for k in range(6))
-    r_phi_rec = np.exp(phi * data.log_r) * data.n_rec
-    n_eff = data.n_once + r_phi_rec
-    lne = np.log(n_eff)
-    u1 = a - alpha * lne
-    u2 = b - beta * data.log_d
-    m = np.maximum(np.maximum(u1, u2), e)
-    e1, e2, e3 = np.exp(u1 - m), np.exp(u2 - m), np.exp(e - m)
-    tot = e1 + e2 + e3
-    rho = data.log_l - m - np.log(tot)
+    alpha = theta[:, [1]]
+    lne, dlne, e1, e2, e3, tot, rho = lse_terms(*(theta[:, [k]] for k in range(6)), data)
     s1, s2, s3 = e1 / tot, e2 / tot, e3 / tot
-    jac = np.stack(
-        (-s1, s1 * lne, -s2, s2 * data.log_d, -s3, alpha * s1 * data.log_r * r_phi_rec / n_eff), axis=-1
-    )
+    jac = np.stack((-s1, s1 * lne, -s2, s2 * data.log_d, -s3, alpha * s1 * dlne), axis=-1)
     return rho, jac
 
 
