@@ -38,6 +38,12 @@ LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module 
 STATE_INITS = ("prelude", "zeros", "noise")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
+# Per-token adaptive exit (Huginn, seal-rg/recurrent-pretraining raven_modeling_minimal.py
+# ``generate_with_adaptive_compute``): after each recurrence a token compares its new step with the
+# previous one and stops once the change falls below the threshold. Each criterion's default
+# threshold is Huginn's "auto" value (``cosine`` is ours: 1 - cos of successive states).
+EXIT_CRITERIA = ("kl", "cosine", "latent_diff", "entropy_diff", "argmax_stability")
+EXIT_DEFAULT_THRESHOLDS = {"kl": 5e-4, "cosine": 1e-3, "latent_diff": 0.03, "entropy_diff": 1e-3, "argmax_stability": 5}
 # The Auto class -> model class pairs modeling_looped.py provides (written to every ``auto_map``).
 AUTO_CLASSES = {
     "AutoModel": "LoopedModel",
@@ -107,6 +113,21 @@ class LoopedConfig(PreTrainedConfig):
         congruent to i mod k (with k = 1: always the last recurrence's). The current tokens always
         attend to their own fresh KV. ``k >= r`` is exactly the default. ``forward`` and
         ``generate`` accept ``kv_budget=`` per call. Memory only: compute stays P + r*K + C.
+    exit_criterion, exit_threshold, min_recurrences:
+        Per-token adaptive exit (Huginn's, per token instead of per sequence). ``None`` (default):
+        every token runs all r recurrences. Otherwise, after recurrence c >= ``min_recurrences``
+        a token whose criterion falls below ``exit_threshold`` (``argmax_stability``: reaches it)
+        stops; r stays the cap. Criteria compare recurrence c with c - 1 (c = 1 with the state
+        before the loop, or the uniform distribution): ``"kl"`` KL(p_(c-1) || p_c) of the
+        next-token distributions (the state through coda, norm and head, as Huginn; needs the LM
+        head), ``"entropy_diff"`` |H(p_c) - H(p_(c-1))|, ``"argmax_stability"`` recurrences the
+        arg-max token has not changed, ``"cosine"`` 1 - cos(s_c, s_(c-1)) and ``"latent_diff"``
+        ||s_c - s_(c-1)|| / ||s_c|| of the states (no head pass). ``exit_threshold=None`` is the
+        criterion's default (``EXIT_DEFAULT_THRESHOLDS``). An exited token's state is frozen and,
+        at every later recurrence, it offers the KV of its last computed recurrence (Huginn's
+        "latest" lookup), in the cache and to the tokens of the same call. ``forward`` and
+        ``generate`` accept all three per call (``exit_criterion="none"`` turns a configured one
+        off); outputs carry ``recurrences_used`` per token.
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
         ``"learnable_before_rope"`` (OLMo-2 / Qwen3: a learnable per-head scale, before RoPE) or
@@ -167,6 +188,9 @@ class LoopedConfig(PreTrainedConfig):
     backprop_recurrences: int | None = None
     recurrence_norm: bool = True
     kv_budget: int | None = None
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    min_recurrences: int = 1
     num_hidden_layers: int | None = None
     looped_format: int = LOOPED_FORMAT
 
@@ -256,6 +280,12 @@ class LoopedConfig(PreTrainedConfig):
             # the past tokens offer (the study's engine applies it to hyperconnect runs too); the
             # lane parameters, and so the r the model is locked to, are untouched.
             raise bad("kv_budget", "must be None (every recurrence keeps its KV cache) or an integer >= 1")
+        try:
+            rule = self.exit_settings()
+        except ValueError as err:
+            raise ValueError(f"LoopedConfig.{err}") from None
+        if rule is not None and rule[2] > self.num_recurrences:
+            raise bad("min_recurrences", f"exceeds num_recurrences={self.num_recurrences}, the cap on recurrences per token")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise bad("logit_softcap", "must be None or > 0")
         if self.state_init_std < 0:
@@ -304,6 +334,27 @@ class LoopedConfig(PreTrainedConfig):
         k = r if k is None else min(k, r)
         return self.num_prelude_layers + k * self.num_recurrent_layers + self.num_coda_layers
 
+    def exit_settings(
+        self, criterion: str | None = None, threshold: float | None = None, min_recurrences: int | None = None
+    ) -> tuple[str, float, int] | None:
+        """The adaptive-exit rule of a call, (criterion, threshold, min_recurrences), each argument
+        overriding the config's; ``None`` when there is no criterion (every token runs r). Raises
+        ``ValueError`` naming the field and the value."""
+        criterion = self.exit_criterion if criterion is None else criterion
+        threshold = self.exit_threshold if threshold is None else threshold
+        minimum = self.min_recurrences if min_recurrences is None else min_recurrences
+        if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 1:
+            raise ValueError(f"min_recurrences={minimum!r}: must be an integer >= 1")
+        if criterion is None or criterion == "none":
+            return None
+        if criterion not in EXIT_CRITERIA:
+            raise ValueError(f"exit_criterion={criterion!r}: must be None or one of {EXIT_CRITERIA}")
+        if threshold is None:
+            threshold = EXIT_DEFAULT_THRESHOLDS[criterion]
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
+            raise ValueError(f"exit_threshold={threshold!r}: must be a number (or None for the criterion's default)")
+        return criterion, float(threshold), minimum
+
     @property
     def effective_num_layers(self) -> int:
         """Effective depth at the default r: the one number FLOPs, cards and fits all read."""
@@ -319,4 +370,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

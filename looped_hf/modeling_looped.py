@@ -16,6 +16,13 @@ study's engine) keeps only k recurrence slots: recurrence i's block layer j uses
 P + (i mod k)*K + j and the coda's slots follow at P + k*K, so the cache has P + k*K + C slots; a
 slot keeps the KV of the last recurrence that wrote it (see ``LoopedConfig.kv_budget``).
 
+Test-time compute per token: with an exit criterion (``config.exit_criterion`` or
+``exit_criterion=`` per call) each token stops recurring once its criterion fires; its state
+freezes and, at later recurrences, it offers the KV of its last computed one (``_ExitKV``,
+Huginn's "latest"). ``generate(..., draft_num_recurrences=k)`` decodes self-speculatively: the
+same weights at k recurrences draft, r verifies, through transformers' assisted decoding (two
+``generate`` hooks at the end of ``LoopedForCausalLM``, no decoding loop of our own).
+
 It behaves like transformers 5.24's Llama wherever a looped model can: ``cache=`` (the old
 ``past_key_values=`` is mapped with Llama's deprecation warning), ``return_dict=False`` gives a
 tuple, a keyword the model does not know raises ``TypeError`` instead of vanishing into
@@ -43,9 +50,11 @@ and ``.configuration_looped``.
 
 from __future__ import annotations
 
+import copy
+import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import wraps
 
 import torch
@@ -54,7 +63,8 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, GenerationMixin
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -320,20 +330,146 @@ class LoopedHyperConnection(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# Adaptive exit (test-time compute): which tokens stop, and the KV they offer once stopped
+# ---------------------------------------------------------------------------------------------
+
+# Criteria that read the next-token distribution, so need the coda, final norm and LM head.
+_HEAD_CRITERIA = ("kl", "entropy_diff", "argmax_stability")
+
+
+class _ExitKV:
+    """The block layers' view of the cache under adaptive exit.
+
+    A token that exited at recurrence s offers, at every later recurrence, the KV its block
+    layers computed at s (Huginn's "latest" cache lookup), both to the other tokens of the same
+    call and, through the cache, to later tokens. ``update`` is the cache's: the block's
+    attention calls it with its fresh KV, and the exited positions are swapped for their latest.
+    """
+
+    def __init__(self, cache: Cache | None, first_slot: int, num_layers: int) -> None:
+        self.cache = cache
+        self.first_slot = first_slot
+        self.num_layers = num_layers
+        self.exited: torch.Tensor | None = None  # (batch, tokens) bool, None while no token exited
+        self.latest: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = (slot - self.first_slot) % self.num_layers
+        if self.exited is not None:
+            stopped = self.exited[:, None, :, None]  # key/value: (batch, kv heads, tokens, head_dim)
+            key = torch.where(stopped, self.latest[j][0], key)
+            value = torch.where(stopped, self.latest[j][1], value)
+        self.latest[j] = (key, value)
+        return (key, value) if self.cache is None else self.cache.update(key, value, slot)
+
+    def refill(self, slot: int) -> None:
+        """Write the latest KV into ``slot`` for a recurrence that no token of the call runs."""
+        if self.cache is not None:
+            self.cache.update(*self.latest[(slot - self.first_slot) % self.num_layers], slot)
+
+
+class _AdaptiveExit:
+    """Per-token exit decisions for one forward: the criterion's memory, who stopped, and when.
+
+    After recurrence c (1-based), ``step`` freezes the tokens that stopped earlier (their state
+    keeps its value, their KV its latest, see ``_ExitKV``) and stops the running tokens whose
+    criterion fires, from c = ``min_recurrences`` on. Distribution criteria decode the state
+    (``predict``: coda, norm, head) from c = min_recurrences - 1 on, so their memory is ready.
+    """
+
+    def __init__(
+        self, rule: tuple[str, float, int], num_recurrences: int, state0: torch.Tensor,
+        kv: _ExitKV, predict: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        self.criterion, self.threshold, self.minimum = rule
+        self.kv = kv
+        self.predict = predict
+        batch_shape, device = state0.shape[:-1], state0.device
+        self.exited = torch.zeros(batch_shape, dtype=torch.bool, device=device)
+        self.used = torch.full(batch_shape, num_recurrences, dtype=torch.long, device=device)
+        self.prev_state = state0
+        self.prev_logp: torch.Tensor | None = None  # None: the uniform distribution (Huginn's start)
+        self.prev_entropy: torch.Tensor | None = None
+        self.prev_argmax: torch.Tensor | None = None
+        self.stable = torch.zeros(batch_shape, dtype=torch.long, device=device)
+        self.any_exited = self.all_exited = False  # Python bools, refreshed only when a token stops
+
+    def _record(self, c: int, fires: torch.Tensor) -> None:
+        """Stop the running tokens in ``fires`` at recurrence c. One host sync (``any``) per
+        recurrence, as Huginn's loop; under torch.compile there is none (every recurrence runs,
+        stopped tokens stay frozen), so the graph has no data-dependent branch."""
+        stops = fires & ~self.exited if self.any_exited else fires
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not bool(stops.any()):
+            return
+        self.used = self.used.masked_fill(stops, c)
+        self.exited = self.exited | stops
+        self.kv.exited = self.exited
+        self.any_exited = True
+        self.all_exited = not compiling and bool(self.exited.all())
+
+    def _fires(self, c: int, state: torch.Tensor) -> torch.Tensor | None:
+        """Update the criterion's memory with recurrence c's state; which tokens may stop now."""
+        if self.criterion in ("cosine", "latent_diff"):
+            prev, self.prev_state = self.prev_state.float(), state
+            cur = state.float()
+            if self.criterion == "cosine":
+                value = (1 - F.cosine_similarity(cur, prev, dim=-1, eps=1e-12)).clamp_min(0)
+            else:
+                value = (cur - prev).norm(dim=-1) / cur.norm(dim=-1).clamp_min(torch.finfo(cur.dtype).tiny)
+            return value < self.threshold if c >= self.minimum else None
+        if c < self.minimum - 1:
+            return None
+        logp = F.log_softmax(self.predict(state).float(), dim=-1)
+        vocab = logp.shape[-1]
+        if self.criterion == "kl":
+            # KL(p_(c-1) || p_c), Huginn's F.kl_div(log p_c, log p_(c-1), log_target=True).
+            prev = torch.full_like(logp, -math.log(vocab)) if self.prev_logp is None else self.prev_logp
+            value = (prev.exp() * (prev - logp)).sum(-1).clamp_min(0)
+            self.prev_logp = logp
+        elif self.criterion == "entropy_diff":
+            entropy = -(logp.exp() * logp).sum(-1)
+            prev = torch.full_like(entropy, math.log(vocab)) if self.prev_entropy is None else self.prev_entropy
+            value = (entropy - prev).abs()
+            self.prev_entropy = entropy
+        else:  # argmax_stability: recurrences in a row with the same arg-max token
+            argmax = logp.argmax(-1)
+            same = argmax == self.prev_argmax if self.prev_argmax is not None else torch.zeros_like(self.exited)
+            self.stable = torch.where(same, self.stable + 1, torch.zeros_like(self.stable))
+            self.prev_argmax = argmax
+            return self.stable >= self.threshold if c >= self.minimum else None
+        return value < self.threshold if c >= self.minimum else None
+
+    def step(self, c: int, old: tuple, new: tuple) -> tuple:
+        """(h, lanes, state) after recurrence c: frozen where a token had stopped before it."""
+        if self.any_exited:
+            keep = self.exited[..., None]
+            new = tuple(None if n is None else torch.where(keep, o, n) for o, n in zip(old, new))
+        with torch.no_grad():  # exit decisions are not differentiable; no graph for them
+            fires = self._fires(c, new[2])
+        if fires is not None:
+            self._record(c, fires)
+        return new
+
+
+# ---------------------------------------------------------------------------------------------
 # Outputs
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class LoopedModelOutputWithPast(BaseModelOutputWithPast):
-    """``recurrent_states[i]``: the state after recurrence i+1 (before the coda), for logit lens."""
+    """``recurrent_states[i]``: the state after recurrence i+1 (before the coda), for logit lens.
+    ``recurrences_used``: (batch, tokens) recurrences each token ran, with adaptive exit only."""
 
     recurrent_states: tuple[torch.Tensor, ...] | None = None
+    recurrences_used: torch.LongTensor | None = None
 
 
 @dataclass
 class LoopedCausalLMOutputWithPast(CausalLMOutputWithPast):
     recurrent_states: tuple[torch.Tensor, ...] | None = None
+    recurrences_used: torch.LongTensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -641,11 +777,18 @@ class LoopedModel(LoopedPreTrainedModel):
         num_recurrences: int | None = None,
         output_recurrent_states: bool = False,
         kv_budget: int | None = None,
+        exit_criterion: str | None = None,
+        exit_threshold: float | None = None,
+        min_recurrences: int | None = None,
+        exit_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedModelOutputWithPast:
         r"""The decoder. ``num_recurrences`` overrides r for this call; ``output_recurrent_states``
         returns the state after every recurrence; ``kv_budget`` overrides ``config.kv_budget`` (the
-        KV-cache slots kept per block layer, see ``LoopedConfig.kv_budget``).
+        KV-cache slots kept per block layer, see ``LoopedConfig.kv_budget``). ``exit_criterion``,
+        ``exit_threshold`` and ``min_recurrences`` override the config's adaptive exit (see
+        ``LoopedConfig``); ``exit_head`` maps a final-normed state to logits for the criteria that
+        read the next-token distribution (``LoopedForCausalLM`` passes its head).
         ``output_hidden_states`` / ``output_attentions`` are collected per layer application (see
         the module docstring); ``return_dict=False`` returns a tuple. Unknown keywords raise
         ``TypeError``."""
@@ -655,6 +798,7 @@ class LoopedModel(LoopedPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         r = self._resolve_num_recurrences(num_recurrences)
         budget = self._resolve_kv_budget(kv_budget, r)
+        exit_rule = self._resolve_exit(exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -715,7 +859,7 @@ class LoopedModel(LoopedPreTrainedModel):
             tokens attend to their fresh KV. Same here: an earlier writer (step < r - k, a later
             recurrence reuses its slot) writes, attends, then crops its tokens back out."""
             slot = len(self.prelude_layers) + (step % budget) * K + j
-            x = layer(x, cache_index=slot, **layer_kwargs)[0]
+            x = layer(x, cache_index=slot, **block_kwargs)[0]
             if cache is not None and step < r - budget:
                 cache.layers[slot].crop(-num_new_tokens)
             return x
@@ -746,17 +890,42 @@ class LoopedModel(LoopedPreTrainedModel):
         k = config.backprop_recurrences
         no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
         recurrent_states: list[torch.Tensor] = []
+        state = lanes.sum(0) if hc is not None else h
+        coda_start = len(self.prelude_layers) + budget * K  # the coda's slots follow the k recurrence slots
+        exit_, block_kwargs = None, layer_kwargs  # adaptive exit gives the block its own cache view
+        if exit_rule is not None:
+            exit_kv = _ExitKV(cache, len(self.prelude_layers), K)
+            block_kwargs = {**layer_kwargs, "cache": exit_kv}
+
+            def predict(x: torch.Tensor) -> torch.Tensor:
+                """The next-token logits of a state, leaving the cache's coda slots as they were."""
+                for i, layer in enumerate(self.coda_layers):
+                    x = layer(x, cache_index=coda_start + i, **layer_kwargs)[0]
+                    if cache is not None:
+                        cache.layers[coda_start + i].crop(-num_new_tokens)
+                return exit_head(self.norm(x))
+
+            exit_ = _AdaptiveExit(exit_rule, r, state, exit_kv, predict if exit_head is not None else None)
         for step in range(r):
-            if step < no_grad_steps:
-                with torch.no_grad():
-                    h, lanes, state = recurrence(step, h, lanes)
+            if exit_ is not None and exit_.all_exited:
+                # Every token has stopped: nothing runs; later tokens will read the latest KV.
+                if cache is not None and step >= r - budget:
+                    for j in range(K):
+                        exit_kv.refill(len(self.prelude_layers) + (step % budget) * K + j)
             else:
-                h, lanes, state = recurrence(step, h, lanes)
+                old = (h, lanes, state)
+                if step < no_grad_steps:
+                    with torch.no_grad():
+                        h, lanes, state = recurrence(step, h, lanes)
+                else:
+                    h, lanes, state = recurrence(step, h, lanes)
+                if exit_ is not None:
+                    h, lanes, state = exit_.step(step + 1, old, (h, lanes, state))
             if output_recurrent_states:
                 recurrent_states.append(state)
         if hc is not None:
             h = lanes.sum(0)  # lanes are summed before the coda
-        app = len(self.prelude_layers) + budget * K  # the coda's slots follow the k recurrence slots
+        app = coda_start
         for layer in self.coda_layers:
             h = layer(h, cache_index=app, **layer_kwargs)[0]
             app += 1
@@ -766,7 +935,108 @@ class LoopedModel(LoopedPreTrainedModel):
             last_hidden_state=h,
             cache=cache if use_cache else None,
             recurrent_states=tuple(recurrent_states) if output_recurrent_states else None,
+            recurrences_used=exit_.used if exit_ is not None else None,
         )
+
+    def _resolve_exit(
+        self, criterion: str | None, threshold: float | None, min_recurrences: int | None, r: int,
+        head: Callable | None, cache: Cache | None, kwargs: dict,
+    ) -> tuple[str, float, int] | None:
+        """The call's adaptive-exit rule (``LoopedConfig.exit_settings``), checked against the call."""
+        rule = self.config.exit_settings(criterion, threshold, min_recurrences)
+        if rule is None:
+            return None
+        name, _, minimum = rule
+        if minimum > r:
+            raise ValueError(f"min_recurrences={minimum} exceeds num_recurrences={r} (the cap on recurrences per token)")
+        if name in _HEAD_CRITERIA and head is None:
+            raise ValueError(
+                f"exit_criterion={name!r} reads the next-token distribution, so it needs the LM head: call "
+                f"LoopedForCausalLM (or pass exit_head=), or use a state criterion ('cosine', 'latent_diff')"
+            )
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # Checkpointed layers drop the cache argument, which carries the stopped tokens' KV, and
+            # their replay in backward would see the final exit mask instead of the step's.
+            raise ValueError(f"exit_criterion={name!r} cannot be used while training with gradient checkpointing")
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+            # Recurrences no token runs record nothing, and the criterion's coda passes would record.
+            raise ValueError(
+                f"exit_criterion={name!r} cannot be combined with output_hidden_states / output_attentions: use "
+                "output_recurrent_states=True (one frozen state per recurrence) and recurrences_used"
+            )
+        if cache is not None and name in _HEAD_CRITERIA and not all(getattr(layer, "is_croppable", False) for layer in cache.layers):
+            raise ValueError(
+                f"exit_criterion={name!r} decodes intermediate states through the coda and crops its KV back out, "
+                f"so it needs a cache whose layers can be cropped (DynamicCache or StaticCache); got {type(cache).__name__}"
+            )
+        return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# generate(): what a looped model adds (recurrences per token, self-speculative drafting)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopedGenerateOutput(GenerateDecoderOnlyOutput):
+    """``generate(..., return_dict_in_generate=True)`` with the looped extras.
+
+    ``recurrences_used``: (batch, new tokens), with adaptive exit, the recurrences run by the
+    position whose logits chose each new token. ``num_draft_tokens`` /
+    ``num_accepted_draft_tokens``: with ``draft_num_recurrences``, the tokens drafted and the
+    tokens of them the model at r accepted (their ratio is the acceptance rate).
+    """
+
+    recurrences_used: torch.LongTensor | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_draft_tokens: int | None = None
+
+
+class RecurrenceDraftCandidateGenerator(AssistedCandidateGenerator):
+    """Self-speculative decoding: the same weights at k recurrences draft, the model at r verifies.
+
+    This is transformers' assisted decoding with the model as its own assistant, run at
+    ``num_recurrences=k``: the draft proposes up to ``num_assistant_tokens`` tokens, the model at r
+    scores them in one forward, greedy keeps the longest prefix it would itself have chosen (so the
+    output is plain greedy at r) and sampling keeps r's distribution (speculative sampling). No
+    weights are copied; the draft has its own cache, since a cache is filled at one r.
+    """
+
+    def __init__(
+        self, model: LoopedForCausalLM, draft_num_recurrences: int, generation_config: GenerationConfig, **kwargs
+    ) -> None:
+        super().__init__(assistant_model=model, generation_config=generation_config, **kwargs)
+        self.assistant_kwargs["num_recurrences"] = draft_num_recurrences
+        # The assistant's settings come from the assistant model's generation config; the assistant
+        # is this model, so the call's own (num_assistant_tokens=, ... passed to generate) apply.
+        self.num_assistant_tokens = generation_config.num_assistant_tokens
+        self.assistant_generation_config.num_assistant_tokens_schedule = generation_config.num_assistant_tokens_schedule
+        threshold = generation_config.assistant_confidence_threshold
+        self.assistant_confidence_threshold = self.generation_config.assistant_confidence_threshold = threshold
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+        self.generation_config.use_cache = self.assistant_kwargs.pop("use_cache", True)
+
+    def _prepare_generation_args(self, input_ids: torch.LongTensor, min_new_tokens: int, max_new_tokens: int) -> dict:
+        # The draft's lengths go into (a shallow copy of) its generation config rather than beside
+        # it: generate() deprecates mixing the two.
+        config = copy.copy(self.generation_config)
+        config.min_new_tokens, config.max_new_tokens = min_new_tokens, max_new_tokens
+        return {self.input_ids_key: input_ids, "generation_config": config, "logits_processor": self.logits_processor}
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        super().update_candidate_strategy(input_ids, scores, num_matches)
+        self.num_draft_tokens += scores.shape[1] - 1  # scores: the candidates + the bonus position
+        self.num_accepted_draft_tokens += int(num_matches)
+
+
+@dataclass
+class _GenerationRun:
+    """What one ``generate`` call collects besides tokens (calls nest: the draft calls generate)."""
+
+    draft_num_recurrences: int | None = None
+    recurrences_used: list[torch.Tensor] = field(default_factory=list)
+    drafter: RecurrenceDraftCandidateGenerator | None = None
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
@@ -820,6 +1090,101 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             out.append(self.logits_from_hidden(base.norm(h)))
         return out
 
+    # -----------------------------------------------------------------------------------------
+    # generate(): transformers' loop, with two hooks (no second decoding loop)
+    # -----------------------------------------------------------------------------------------
+    def generate(self, *args, draft_num_recurrences: int | None = None, **kwargs):
+        """transformers' ``generate``, plus the looped model's test-time compute.
+
+        Model keywords go to every forward, as for any model: ``num_recurrences``, ``kv_budget``,
+        ``exit_criterion`` / ``exit_threshold`` / ``min_recurrences``. With
+        ``return_dict_in_generate=True`` the output is a ``LoopedGenerateOutput``, whose
+        ``recurrences_used`` says how many recurrences chose each new token under adaptive exit.
+        ``draft_num_recurrences=k`` decodes self-speculatively (``RecurrenceDraftCandidateGenerator``):
+        the same model at k recurrences drafts ``num_assistant_tokens`` tokens per round, the model
+        at r verifies them; greedy output is the greedy output at r. It needs batch size 1 (as
+        assisted decoding), and is refused with adaptive exit or a KV budget below r, whose
+        multi-token verification would not reproduce token-by-token decoding.
+        """
+        run = _GenerationRun(draft_num_recurrences=draft_num_recurrences)
+        if draft_num_recurrences is not None:
+            self._check_draft(draft_num_recurrences, kwargs)
+            kwargs["assistant_model"] = self
+        outer = self.__dict__.get("_looped_generation")
+        self.__dict__["_looped_generation"] = run
+        try:
+            out = super().generate(*args, **kwargs)
+        finally:
+            self.__dict__["_looped_generation"] = outer
+        if isinstance(out, GenerateDecoderOnlyOutput) and (run.recurrences_used or run.drafter is not None):
+            extras = {}
+            if run.recurrences_used:
+                # One column per forward of the loop, so one per new token; trim any step the loop
+                # ran past a stop and undid. (From inputs_embeds, sequences hold only new tokens.)
+                prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+                num_new = out.sequences.shape[1] - (prompt.shape[1] if isinstance(prompt, torch.Tensor) else 0)
+                extras["recurrences_used"] = torch.cat(run.recurrences_used, dim=1)[:, :num_new]
+            if run.drafter is not None:
+                extras["num_draft_tokens"] = run.drafter.num_draft_tokens
+                extras["num_accepted_draft_tokens"] = run.drafter.num_accepted_draft_tokens
+            out = LoopedGenerateOutput(**out, **extras)
+        return out
+
+    def _check_draft(self, k: int, kwargs: dict) -> None:
+        """Refuse a ``draft_num_recurrences`` that cannot give the model's own output at r."""
+        config = self.config
+        r = kwargs.get("num_recurrences")
+        r = config.num_recurrences if r is None else r
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= r:
+            raise ValueError(f"draft_num_recurrences={k!r}: must be an integer in [1, num_recurrences={r}]")
+        if kwargs.get("assistant_model") is not None:
+            raise ValueError("draft_num_recurrences drafts with the model itself; do not pass assistant_model too")
+        if config.is_recurrence_locked and k != r:
+            raise ValueError(
+                f"draft_num_recurrences={k}: a hyperconnection model runs only at its trained num_recurrences={r}"
+            )
+        budget = kwargs.get("kv_budget", config.kv_budget)
+        if budget is not None and budget < r:
+            raise ValueError(
+                f"draft_num_recurrences={k} with kv_budget={budget} < num_recurrences={r}: verifying several drafted "
+                "tokens in one forward lets them read each other's fresh KV, which token-by-token decoding under a KV "
+                "budget does not, so the output would not be the model's own"
+            )
+        rule = config.exit_settings(kwargs.get("exit_criterion"), kwargs.get("exit_threshold"), kwargs.get("min_recurrences"))
+        if rule is not None:
+            raise ValueError(
+                f"draft_num_recurrences={k} with exit_criterion={rule[0]!r}: a token's exit depends on whether it is "
+                "decoded alone or verified with others, so drafting would change the output; use one or the other"
+            )
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):  # fmt: skip
+        # Hook: transformers' assisted decoding asks for its drafter here.
+        run = self.__dict__.get("_looped_generation")
+        if run is None or run.draft_num_recurrences is None or assistant_model is not self:
+            return super()._get_candidate_generator(
+                generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                assistant_model=assistant_model, target_tokenizer=target_tokenizer,
+                assistant_tokenizer=assistant_tokenizer,
+            )
+        run.drafter = RecurrenceDraftCandidateGenerator(
+            self, run.draft_num_recurrences, input_ids=input_ids, generation_config=generation_config,
+            model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor,
+        )
+        return run.drafter
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False,
+                                            num_new_tokens: int = 1) -> dict:  # fmt: skip
+        # Hook: called after every forward of the decoding loop; records the recurrences run by the
+        # positions whose logits choose the new tokens.
+        run = self.__dict__.get("_looped_generation")
+        used = getattr(outputs, "recurrences_used", None)
+        if run is not None and used is not None:
+            run.recurrences_used.append(used[:, -num_new_tokens:])
+        return super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
+        )
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
@@ -835,11 +1200,16 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         num_recurrences: int | None = None,
         output_recurrent_states: bool = False,
         kv_budget: int | None = None,
+        exit_criterion: str | None = None,
+        exit_threshold: float | None = None,
+        min_recurrences: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedCausalLMOutputWithPast:
         r"""Causal-LM forward. ``num_recurrences`` overrides r for this call (``generate`` passes it
         through, as it does ``kv_budget``, the KV-cache budget of ``LoopedConfig.kv_budget``);
-        ``output_recurrent_states`` returns the state after every recurrence; ``labels`` are NOT
+        ``output_recurrent_states`` returns the state after every recurrence; ``exit_criterion``,
+        ``exit_threshold`` and ``min_recurrences`` set per-token adaptive exit (``LoopedConfig``;
+        ``recurrences_used`` in the output says how many recurrences each token ran); ``labels`` are NOT
         shifted by the caller (the loss shifts them; -100 is ignored). ``ignore_index`` and
         ``shift_labels`` go to the loss (a loss is computed when either labels or shift_labels is
         given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``."""
@@ -855,6 +1225,10 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             num_recurrences=num_recurrences,
             output_recurrent_states=output_recurrent_states,
             kv_budget=kv_budget,
+            exit_criterion=exit_criterion,
+            exit_threshold=exit_threshold,
+            min_recurrences=min_recurrences,
+            exit_head=self.logits_from_hidden,
             return_dict=True,  # the tuple, if asked for, is made here (config.return_dict=False too)
             **kwargs,
         )
@@ -873,6 +1247,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             recurrent_states=outputs.recurrent_states,
+            recurrences_used=outputs.recurrences_used,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -1014,6 +1389,8 @@ __all__ = [
     "LoopedPreTrainedModel",
     "LoopedModel",
     "LoopedForCausalLM",
+    "LoopedGenerateOutput",
+    "RecurrenceDraftCandidateGenerator",
     "LoopedForSequenceClassification",
     "LoopedForTokenClassification",
     "LoopedForQuestionAnswering",

@@ -17,6 +17,10 @@ directory:
     test_time_scaling.md      the same as a markdown table
     test_time_scaling.png     the plot (`plot_test_time_scaling`)
 
+``decoding_heldout_loss`` measures the held-out loss as decoding sees it (one token at a time
+through a cache), for the settings that act only there: a KV budget and adaptive exit
+(`benchmarks/bench_test_time.py`).
+
 The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
 next to the checkpoint. Models whose parameters are indexed by recurrence step (hyperconnections)
 run only at their trained r and are refused.
@@ -115,6 +119,60 @@ def heldout_curve(
     return rows
 
 
+def load_run(run_dir: PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(model in eval mode, tokenizer, held-out split, run record) of a finished run directory.
+
+    The held-out split is rebuilt from the run's recipe (as ``looped-hf publish --verify`` does),
+    so it is the split the run record's ``loss`` was measured on."""
+    from transformers import AutoTokenizer
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.data import DataArguments, build_datasets
+
+    path = Path(run_dir)
+    record = _read_record(path)
+    model = LoopedForCausalLM.from_pretrained(path).eval()
+    recipe = record.get("recipe") or {}
+    names = {f.name for f in dataclasses.fields(DataArguments) if f.init}
+    data_args = DataArguments(**{k: v for k, v in recipe.items() if k in names})
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    _, heldout = build_datasets(data_args, tokenizer)
+    return model, tokenizer, heldout, record
+
+
+def decoding_heldout_loss(
+    model: Any, dataset: Any, batch_size: int, max_blocks: int | None = None, **call_kwargs: Any
+) -> dict[str, float]:
+    """Held-out loss as decoding sees it: every block is fed one token at a time through a cache.
+
+    A plain forward over a block is what training sees; settings that act through the cache (a
+    KV budget) or on each token as it is decoded (adaptive exit) are measured this way instead.
+    ``call_kwargs`` go to every forward (``num_recurrences``, ``kv_budget``, ``exit_criterion``,
+    ...). Returns ``loss`` (nats/token, token-weighted), ``eval_tokens``, and
+    ``mean_recurrences`` (per predicting position; the call's r when there is no adaptive exit).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    rows = dataset[: len(dataset) if max_blocks is None else int(max_blocks)]["input_ids"]
+    device = next(model.parameters()).device
+    r = call_kwargs.get("num_recurrences") or model.config.num_recurrences
+    nll, tokens, recurrences = 0.0, 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            ids = torch.as_tensor(rows[start : start + batch_size], dtype=torch.long, device=device)
+            cache = DynamicCache(config=model.config)
+            for t in range(ids.shape[1] - 1):
+                out = model(ids[:, t : t + 1], cache=cache, use_cache=True, **call_kwargs)
+                logp = torch.log_softmax(out.logits[:, -1].double(), dim=-1)
+                nll -= float(logp.gather(1, ids[:, t + 1 : t + 2]).sum())
+                used = out.recurrences_used
+                recurrences += float(used.sum()) if used is not None else r * ids.shape[0]
+                tokens += ids.shape[0]
+    loss = nll / max(tokens, 1)
+    return {"loss": loss, "eval_tokens": tokens, "mean_recurrences": recurrences / max(tokens, 1)}
+
+
 def evaluate_recurrences(
     run_dir: PathLike,
     *,
@@ -138,16 +196,12 @@ def evaluate_recurrences(
         TestTimeError: not a finished run, an r-locked or loop-less model, bad ``recurrences``.
     """
     import torch
-    from transformers import AutoTokenizer
 
-    from looped_hf import LoopedForCausalLM
     from looped_hf.cards import sha256_file
-    from looped_hf.data import DataArguments, build_datasets
     from looped_hf.train import versions
 
     path = Path(run_dir)
-    record = _read_record(path)
-    model = LoopedForCausalLM.from_pretrained(path).eval()
+    model, _, heldout, record = load_run(path)
     config = model.config
     _check_r_free(config)
     trained = int(config.num_recurrences)
@@ -158,10 +212,6 @@ def evaluate_recurrences(
         if not grid or grid[0] < 1:
             raise TestTimeError(f"recurrences={list(recurrences)!r}: need at least one r, each >= 1")
     recipe = record.get("recipe") or {}
-    names = {f.name for f in dataclasses.fields(DataArguments) if f.init}
-    data_args = DataArguments(**{k: v for k, v in recipe.items() if k in names})
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    _, heldout = build_datasets(data_args, tokenizer)
     batch = int(batch_size or recipe.get("per_device_eval_batch_size") or 8)
     if batch < 1:
         raise TestTimeError(f"batch_size={batch}: must be >= 1")
@@ -363,8 +413,10 @@ __all__ = [
     "CURVE_PNG",
     "TestTimeError",
     "evaluate_recurrences",
+    "decoding_heldout_loss",
     "heldout_curve",
     "load_curve",
+    "load_run",
     "markdown_table",
     "plot_test_time_scaling",
     "recurrence_grid",

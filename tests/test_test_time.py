@@ -17,7 +17,10 @@ from looped_hf.test_time import (
     CURVE_MD,
     CURVE_PNG,
     TestTimeError,
+    decoding_heldout_loss,
     evaluate_recurrences,
+    heldout_curve,
+    load_run,
     plot_test_time_scaling,
     recurrence_grid,
     write_curve,
@@ -52,6 +55,22 @@ def test_cli_writes_the_curve_and_the_trained_r_reproduces_the_recorded_loss(run
     assert "| **2** (trained) |" in table and f"{losses[3]:.4f}" in table
     assert (out / CURVE_PNG).stat().st_size > 1000 and (tmp_path / "both.png").stat().st_size > 1000
     assert "lowest held-out loss" in capsys.readouterr().out
+
+
+def test_decoding_loss_is_the_forward_loss_and_sees_the_kv_budget_and_exit(run_dir):
+    """Token-by-token decoding through a cache gives the plain forward's held-out loss; a KV budget
+    and adaptive exit, which act only there, change it (and exit lowers the mean recurrences)."""
+    model, _, heldout, record = load_run(run_dir)
+    plain = heldout_curve(model, heldout, [4], batch_size=8)[0]
+    decoded = decoding_heldout_loss(model, heldout, batch_size=8, num_recurrences=4)
+    assert decoded["loss"] == pytest.approx(plain["loss"], abs=1e-5)
+    assert decoded["eval_tokens"] == plain["eval_tokens"] and decoded["mean_recurrences"] == 4
+    budget = decoding_heldout_loss(model, heldout, batch_size=8, max_blocks=4, num_recurrences=4, kv_budget=1)
+    assert budget["eval_tokens"] == 4 * (len(heldout[0]["input_ids"]) - 1)
+    assert budget["loss"] != decoding_heldout_loss(model, heldout, batch_size=8, max_blocks=4, num_recurrences=4)["loss"]
+    stop = decoding_heldout_loss(model, heldout, batch_size=8, max_blocks=4, num_recurrences=4,
+                                 exit_criterion="cosine", exit_threshold=float("inf"), min_recurrences=2)  # fmt: skip
+    assert stop["mean_recurrences"] == 2
 
 
 def test_checkpoint_card_shows_the_curve_measured_on_its_weights(run_dir):

@@ -1,0 +1,130 @@
+"""Self-speculative decoding (issue 11, item 3): the model at k recurrences drafts, at r verifies.
+
+``generate(..., draft_num_recurrences=k)`` must give exactly plain greedy at r, with the same
+weights (one model object, called at both r's), and report what it drafted and accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_looped_model
+
+from looped_hf import LoopedForCausalLM
+
+R = 4
+
+
+def model_(seed: int = 0, **overrides) -> LoopedForCausalLM:
+    return tiny_looped_model(seed, noise=0.3, **{"num_recurrences": R, "eos_token_id": None, **overrides})
+
+
+def prompt(length: int = 5, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, TINY_VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model: LoopedForCausalLM, x: torch.Tensor, **kwargs):
+    return model.generate(x, max_new_tokens=16, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, R])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_with_a_draft_at_k_recurrences_is_plain_greedy_at_r(k: int, seed: int) -> None:
+    model, x = model_(seed), prompt(seed=seed + 1)
+    plain = greedy(model, x)
+    out = greedy(model, x, draft_num_recurrences=k, num_assistant_tokens=4, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert 0 <= out.num_accepted_draft_tokens <= out.num_draft_tokens
+    if k == R:  # the draft is the model itself: everything it proposes is accepted
+        assert out.num_accepted_draft_tokens == out.num_draft_tokens > 0
+
+
+def test_a_weaker_draft_is_rejected_sometimes_and_the_output_is_still_greedy_at_r() -> None:
+    """Across prompts, the draft at r = 1 must disagree with r somewhere: the rejection path runs."""
+    model = model_()
+    drafted = accepted = 0
+    for seed in range(4):
+        x = prompt(seed=seed)
+        out = greedy(model, x, draft_num_recurrences=1, num_assistant_tokens=6, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, greedy(model, x))
+        drafted += out.num_draft_tokens
+        accepted += out.num_accepted_draft_tokens
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize(("length", "drafted"), [(1, 8), (3, 12)])
+def test_the_calls_draft_length_is_honoured(length: int, drafted: int) -> None:
+    """A draft at k = r is always accepted: each round drafts ``num_assistant_tokens`` and gains one
+    more from the verification, so 16 new tokens take 16 / (length + 1) rounds."""
+    model, x = model_(), prompt()
+    out = greedy(model, x, draft_num_recurrences=R, num_assistant_tokens=length, assistant_confidence_threshold=0.0,
+                 return_dict_in_generate=True)  # fmt: skip
+    assert out.num_draft_tokens == out.num_accepted_draft_tokens == drafted
+
+
+def test_drafting_uses_the_same_model_at_both_recurrence_counts() -> None:
+    model, x = model_(), prompt()
+    seen: list[int | None] = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("num_recurrences")), with_kwargs=True
+    )
+    try:
+        greedy(model, x, draft_num_recurrences=2, num_assistant_tokens=3)
+    finally:
+        handle.remove()
+    assert 2 in seen, "the draft runs the same module at k recurrences"
+    assert None in seen or R in seen, "the verification runs it at r"
+
+
+def test_drafting_at_an_explicit_r_and_with_a_budget_that_keeps_every_recurrence() -> None:
+    model, x = model_(), prompt()
+    plain = greedy(model, x, num_recurrences=6)
+    assert torch.equal(greedy(model, x, num_recurrences=6, draft_num_recurrences=2), plain)
+    assert torch.equal(greedy(model, x, kv_budget=R, draft_num_recurrences=2), greedy(model, x))
+
+
+def test_sampling_with_a_draft_runs_and_is_reproducible() -> None:
+    model, x = model_(), prompt()
+
+    def sample() -> torch.Tensor:
+        torch.manual_seed(0)
+        return model.generate(x, max_new_tokens=12, do_sample=True, pad_token_id=0, draft_num_recurrences=2)
+
+    first = sample()
+    assert first.shape == (1, x.shape[1] + 12)
+    assert torch.equal(first, sample())
+
+
+def test_without_a_draft_generate_returns_what_transformers_returns() -> None:
+    model, x = model_(), prompt()
+    out = greedy(model, x, return_dict_in_generate=True)
+    assert type(out).__name__ == "GenerateDecoderOnlyOutput"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"draft_num_recurrences": 0}, r"draft_num_recurrences=0: must be an integer in \[1, num_recurrences=4\]"),
+        ({"draft_num_recurrences": R + 1}, "draft_num_recurrences=5"),
+        ({"draft_num_recurrences": 2.0}, "draft_num_recurrences=2.0"),
+        ({"draft_num_recurrences": 2, "kv_budget": 1}, "kv_budget=1 < num_recurrences=4"),
+        ({"draft_num_recurrences": 2, "exit_criterion": "kl"}, "exit_criterion='kl'"),
+    ],
+)
+def test_a_draft_that_cannot_reproduce_greedy_at_r_is_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        greedy(model_(), prompt(), **kwargs)
+
+
+def test_a_draft_with_another_assistant_or_a_batch_is_refused() -> None:
+    model = model_()
+    with pytest.raises(ValueError, match="do not pass assistant_model"):
+        greedy(model, prompt(), draft_num_recurrences=2, assistant_model=model)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        greedy(model, torch.cat([prompt(), prompt(seed=2)]), draft_num_recurrences=2)
+
+
+def test_a_hyperconnection_model_cannot_draft_at_another_r() -> None:
+    model = model_(input_injection="hyperconnection")
+    with pytest.raises(ValueError, match="hyperconnection model runs only at its trained num_recurrences=4"):
+        greedy(model, prompt(), draft_num_recurrences=2)
