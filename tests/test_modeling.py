@@ -64,7 +64,12 @@ def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
     ckpt = tmp_path / "ckpt"
     model.save_pretrained(ckpt)
     ids = prompts()
-    torch.save({"ids": ids, "logits": model(ids).logits, "gen": greedy(model, ids, num_recurrences=5)}, tmp_path / "ref.pt")
+    exit_kwargs = dict(exit_criterion="kl", exit_threshold=1e-3)
+    exit_out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                              **exit_kwargs)  # fmt: skip
+    torch.save({"ids": ids, "logits": model(ids).logits, "gen": greedy(model, ids, num_recurrences=5),
+                "exit": exit_out.sequences, "used": exit_out.recurrences_used,
+                "gen1": greedy(model, ids[:1], num_recurrences=5)}, tmp_path / "ref.pt")  # fmt: skip
     script = f"""
         import torch
         from transformers import AutoModelForCausalLM
@@ -75,6 +80,13 @@ def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
         gen = model.generate(ref["ids"], max_new_tokens=6, do_sample=False, pad_token_id=0, num_recurrences=5)
         assert torch.equal(gen, ref["gen"])
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        # the test-time features live in the shipped file too
+        out = model.generate(ref["ids"], max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True, exit_criterion="kl", exit_threshold=1e-3)
+        assert torch.equal(out.sequences, ref["exit"]) and torch.equal(out.recurrences_used, ref["used"])
+        draft = model.generate(ref["ids"][:1], max_new_tokens=6, do_sample=False, pad_token_id=0, num_recurrences=5,
+                               draft_num_recurrences=1)
+        assert torch.equal(draft, ref["gen1"])
         print("REMOTE-OK")
         """
     assert "REMOTE-OK" in run_without_looped_hf(script, tmp_path)
