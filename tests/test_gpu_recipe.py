@@ -54,9 +54,9 @@ def test_dry_run_prints_the_plan_on_a_cpu_machine(capsys):
 
 
 def test_default_jobs_share_a_16_core_gpu_machine_four_ways(plan, monkeypatch):
-    from looped_hf import sweep as sweep_module
+    from looped_hf.sweep import runner as sweep_runner
 
-    monkeypatch.setattr(sweep_module, "available_cores", lambda: 16)
+    monkeypatch.setattr(sweep_runner, "available_cores", lambda: 16)
     assert default_jobs(plan) == 4
 
 

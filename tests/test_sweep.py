@@ -19,6 +19,8 @@ from conftest import PYTHON, REPO, subprocess_env
 from looped_hf import sweep as sweep_module
 from looped_hf.fileio import write_json_atomic
 from looped_hf.sweep import append_jsonl, default_jobs, make_plan, read_jsonl, run_sweep
+from looped_hf.sweep import console as sweep_console
+from looped_hf.sweep import runner as sweep_runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -129,7 +131,7 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tiny_recipe, tmp_path, m
             raise torch.OutOfMemoryError("simulated out of memory")
         return original(recipe_path, callbacks)
 
-    monkeypatch.setattr(sweep_module, "_run_inprocess", flaky)
+    monkeypatch.setattr(sweep_runner, "_run_inprocess", flaky)
     recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0)
     records = run_sweep(recipe, log=lambda _: None)
     by_id = {r["run_id"]: r for r in records}
@@ -236,7 +238,7 @@ class _FakeTerminal(io.StringIO):
 
 def test_a_terminal_gets_one_live_line_and_verbose_brings_the_logs_back(tiny_recipe, tmp_path, monkeypatch):
     terminal = _FakeTerminal()
-    monkeypatch.setattr(sweep_module, "_console_stream", lambda: (terminal, False))
+    monkeypatch.setattr(sweep_console, "_console_stream", lambda: (terminal, False))
     monkeypatch.setenv("TERM", "xterm")
     recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0)
     run_sweep(recipe, jobs=1)
@@ -248,7 +250,7 @@ def test_a_terminal_gets_one_live_line_and_verbose_brings_the_logs_back(tiny_rec
     assert "'loss'" not in shown
 
     terminal = _FakeTerminal()
-    monkeypatch.setattr(sweep_module, "_console_stream", lambda: (terminal, False))
+    monkeypatch.setattr(sweep_console, "_console_stream", lambda: (terminal, False))
     verbose = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8], checkpoints_per_run=0,
                             output_dir=str(tmp_path / "verbose"))  # fmt: skip
     run_sweep(verbose, jobs=1, verbose=True)
@@ -259,12 +261,12 @@ def test_a_terminal_gets_one_live_line_and_verbose_brings_the_logs_back(tiny_rec
 
 
 def test_default_jobs_fills_the_cores_one_thread_per_run(tiny_recipe, tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep_module, "available_cores", lambda: 16)
+    monkeypatch.setattr(sweep_runner, "available_cores", lambda: 16)
     plain = make_plan(_sweep_recipe(tiny_recipe, tmp_path))
     assert default_jobs(plain) == 1  # torch would use every core in each run
     assert default_jobs(make_plan(_sweep_recipe({**tiny_recipe, "torch_num_threads": 1}, tmp_path))) == 16
     assert default_jobs(make_plan(_sweep_recipe({**tiny_recipe, "torch_num_threads": 3}, tmp_path))) == 5
-    monkeypatch.setattr(sweep_module, "available_cores", lambda: 2)
+    monkeypatch.setattr(sweep_runner, "available_cores", lambda: 2)
     assert default_jobs(make_plan(_sweep_recipe({**tiny_recipe, "torch_num_threads": 4}, tmp_path))) == 1
 
 

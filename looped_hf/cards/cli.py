@@ -1,0 +1,66 @@
+"""``looped-hf card SWEEP_DIR``: fit (or read a fit) and write the sweep's card."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import FIT_NAME, PLOTS_DIR, _ci
+from .sweep import best_run, write_sweep_card
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="looped-hf card", description="Write a sweep's model card: phi with its CI, plots, runs."
+    )
+    p.add_argument("sweep_dir", help="sweep directory (holds results.jsonl and sweep.yaml)")
+    p.add_argument(
+        "--fit", default=None, metavar="FIT_JSON", help="a fit from `looped-hf fit --out` (default: fit now)"
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=200,
+        metavar="N",
+        help="bootstrap resamples when fitting here (default 200)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed when fitting here (default 0)")
+    p.add_argument("--out", default=None, metavar="DIR", help="card folder (default: SWEEP_DIR/card)")
+    p.add_argument(
+        "--license", default="apache-2.0", help="license id in the card metadata (default apache-2.0)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``looped-hf card``; returns 0, or 2 on bad input (message names the file)."""
+    args = _parser().parse_args(argv)
+    from looped_hf.scaling import ScalingLawFit, fit_scaling_law
+    from looped_hf.sweep import RESULTS_NAME, read_jsonl
+
+    sweep = Path(args.sweep_dir)
+    try:
+        if args.fit is not None:
+            if not Path(args.fit).is_file():
+                raise FileNotFoundError(f"--fit {args.fit}: no such file")
+            fit = ScalingLawFit.from_json(args.fit)
+        else:
+            print(
+                f"[card] fitting {sweep / RESULTS_NAME} with {args.bootstrap} bootstrap resamples ...",
+                flush=True,
+            )
+            fit = fit_scaling_law(sweep / RESULTS_NAME, bootstrap=args.bootstrap, seed=args.seed)
+        out = Path(args.out) if args.out else sweep / "card"
+        best = best_run(read_jsonl(sweep / RESULTS_NAME))
+        where = (f"Publish it with `looped-hf publish {sweep / str(best['run_id'])} --repo-id ORG/NAME`."
+                 if best is not None else "")  # fmt: skip
+        path = write_sweep_card(sweep, fit, out, best=best, best_where=where, license=args.license)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"looped-hf card: error: {err}", file=sys.stderr)
+        return 2
+    print(f"[card] wrote {path} (+ {PLOTS_DIR}/, {FIT_NAME})")
+    phi = fit.params.get("phi")
+    if phi is not None:
+        print(f"phi = {phi:.3f}" + (f"  95% CI {_ci(fit.ci['phi'])}" if fit.ci.get("phi") else ""))
+    return 0

@@ -1,0 +1,145 @@
+"""What both cards share: number formatting, the template lookup, the held-out numbers, phi's caveat.
+
+The file names and the template folder are here too, so the checkpoint card, the sweep card and
+the CLI read one definition of each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from looped_hf.scaling import ScalingLawFit
+
+PathLike = str | os.PathLike[str]
+
+#: Where the templates live: ``model_cards/templates`` in a source checkout. An installed wheel
+#: has no ``model_cards/``; ``LOOPED_HF_CARD_TEMPLATES`` points elsewhere if needed.
+TEMPLATES_DIR = Path(
+    os.environ.get(
+        "LOOPED_HF_CARD_TEMPLATES", Path(__file__).resolve().parents[2] / "model_cards" / "templates"
+    )
+)
+CHECKPOINT_TEMPLATE = "checkpoint.md"
+SWEEP_TEMPLATE = "sweep.md"
+#: Project URL for the cards' links; empty (no link, plain "looped_hf") until the project has one.
+LOOPED_HF_URL = os.environ.get("LOOPED_HF_URL", "")
+CARD_NAME = "README.md"
+FIT_NAME = "fit.json"
+PLOTS_DIR = "plots"
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting helpers
+# --------------------------------------------------------------------------------------------
+def si(x: float | None, digits: int = 3) -> str:
+    """``12.3M``-style number; ``-`` for missing values."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    for div, unit in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.{digits}g}{unit}"
+    return f"{x:.{digits}g}"
+
+
+def _num(x: float | None, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-" if x is None else str(x)
+    return f"{x:.{digits}g}"
+
+
+def _ci(ci: Iterable[float] | None, digits: int = 3) -> str:
+    if not ci:
+        return "-"
+    lo, hi = ci
+    return f"[{lo:.{digits}g}, {hi:.{digits}g}]"
+
+
+def _count(n: int | float | None) -> str:
+    return "-" if n is None else f"{int(n):,}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def _round(x: float | None, digits: int = 6) -> float | None:
+    """``digits`` significant digits, for YAML metadata a person reads."""
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+def _project_link() -> str:
+    return f"[looped_hf]({LOOPED_HF_URL})" if LOOPED_HF_URL else "looped_hf"
+
+
+def sha256_file(path: PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _template(name: str) -> Path:
+    path = TEMPLATES_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model card template {path} not found (set LOOPED_HF_CARD_TEMPLATES to the folder holding {name})"
+        )
+    return path
+
+
+def perplexity_from_loss(loss: float) -> float:
+    """exp(token-weighted mean NLL); ``inf`` where exp overflows."""
+    return math.exp(loss) if loss < 709 else math.inf
+
+
+def heldout_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """The card's held-out numbers from a run record: ``loss``, ``perplexity``, ``eval_tokens``.
+
+    Raises ``ValueError`` naming the field when the record lacks a finite loss."""
+    loss = record.get("loss")
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise ValueError(f"run record field 'loss'={loss!r}: need a finite held-out loss for the card")
+    ppl = record.get("eval_perplexity")
+    if not isinstance(ppl, (int, float)):
+        ppl = perplexity_from_loss(float(loss))
+    return {"loss": float(loss), "perplexity": float(ppl), "eval_tokens": record.get("eval_tokens")}
+
+
+
+# --------------------------------------------------------------------------------------------
+# phi's caveat: on the sweep card next to phi, on a checkpoint card next to N_eff
+# --------------------------------------------------------------------------------------------
+def phi_caveat(fit: ScalingLawFit) -> str | None:
+    """A warning when the runs do not pin phi down, so the card does not oversell the estimate.
+
+    With the fit's identifiability diagnosis (``fit.diagnostics``, fits since v0.2) it is the
+    verdict line when phi is not identified. Without one (an older ``fit.json``) it falls back to
+    the interval alone: one that reaches the search box or is wider than the whole 0 .. 1 range.
+    """
+    if fit.params.get("phi") is None:
+        return "phi is not identifiable from these runs (no run has r > 1 and N_rec > 0)."
+    verdict = (fit.diagnostics or {}).get("verdict")
+    if verdict is not None:
+        if verdict.get("identified") is False:
+            return verdict["line"] + " See *Is phi identified?* below."
+        return None
+    ci = fit.ci.get("phi")
+    if not ci:
+        return "no bootstrap interval: refit with bootstrap resamples before reading much into phi."
+    bounds = (fit.settings.get("bounds") or [[-3.0, 3.0]] * 6)[5]
+    at_bound = min(abs(ci[0] - bounds[0]), abs(ci[1] - bounds[1])) < 1e-3
+    if at_bound or ci[1] - ci[0] > 1.0:
+        return (f"the 95% interval of phi, [{ci[0]:.3g}, {ci[1]:.3g}], "
+                + ("reaches the search bounds " if at_bound else "is wider than the whole range 0 .. 1 ")
+                + "- these runs do not pin phi down; more runs, budgets or widths are needed.")  # fmt: skip
+    return None

@@ -1,0 +1,65 @@
+"""`looped-hf sweep` (and `python -m looped_hf.sweep`): print the plan (`--dry-run`) or run it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from looped_hf.arguments import RecipeError
+
+from .plan import EXECUTORS, make_plan
+from .runner import available_cores, default_jobs, run_sweep
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--jobs={text!r}: must be an integer >= 1")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`looped-hf sweep RECIPE [--dry-run] [--output DIR] [--executor X] [--max-runs N] [--jobs N] [--verbose]`."""
+    from looped_hf import sweep as package  # the package's docstring is the command's description
+
+    parser = argparse.ArgumentParser(prog="looped-hf sweep", description=package.__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="sweep recipe (YAML with a sweep: section)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan as a table; write nothing")
+    parser.add_argument(
+        "--output", default=None, help="sweep directory (default: sweep.output_dir or runs/<stem>)"
+    )
+    parser.add_argument("--executor", default=None, choices=EXECUTORS, help="override sweep.executor")
+    parser.add_argument("--max-runs", type=int, default=None, help="run at most N runs this session")
+    parser.add_argument(
+        "--jobs", "-j", type=_positive_int, default=None, metavar="N",
+        help="runs trained at once (default: available cores // the recipe's torch_num_threads, at least 1; "
+             "1 if the recipe does not set torch_num_threads)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--verbose", "-v", action="store_true",
+        help="also print every run's log (always written to <run>/train.log), each line prefixed with its run id",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        if args.dry_run:
+            plan = make_plan(args.recipe)
+            print(plan.table())
+            print(f"default --jobs here: {default_jobs(plan)} (available cores {available_cores()})")
+            return 0
+        records = run_sweep(args.recipe, args.output, executor=args.executor, max_runs=args.max_runs,
+                            jobs=args.jobs, verbose=args.verbose)  # fmt: skip
+    except RecipeError as err:
+        print(f"looped-hf sweep: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nlooped-hf sweep: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    failed = [r["run_id"] for r in records if r.get("status") != "ok"]
+    print(
+        f"[sweep] {len(records)} runs recorded, {len(failed)} failed"
+        + (f": {', '.join(failed)}" if failed else "")
+    )
+    return 0
