@@ -127,7 +127,9 @@ class LoopedConfig(PreTrainedConfig):
         at every later recurrence, it offers the KV of its last computed recurrence (Huginn's
         "latest" lookup), in the cache and to the tokens of the same call. ``forward`` and
         ``generate`` accept all three per call (``exit_criterion="none"`` turns a configured one
-        off); outputs carry ``recurrences_used`` per token.
+        off); outputs carry ``recurrences_used`` per token. Compute is saved when every token of
+        a call has stopped (decoding at batch 1: each token's own exit); until then stopped tokens
+        are computed and discarded, and under ``torch.compile`` every recurrence runs.
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
         ``"learnable_before_rope"`` (OLMo-2 / Qwen3: a learnable per-head scale, before RoPE) or

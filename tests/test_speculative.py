@@ -62,6 +62,16 @@ def test_the_calls_draft_length_is_honoured(length: int, drafted: int) -> None:
     assert out.num_draft_tokens == out.num_accepted_draft_tokens == drafted
 
 
+def test_a_self_draft_defaults_to_four_tokens_without_the_confidence_stop() -> None:
+    """16 new tokens with an always-accepted draft: three rounds of 4 drafted + 1 verified, then
+    one token with no room left for a draft."""
+    model, x = model_(), prompt()
+    out = greedy(model, x, draft_num_recurrences=R, return_dict_in_generate=True)
+    assert out.num_draft_tokens == out.num_accepted_draft_tokens == 12
+    model.generation_config.num_assistant_tokens = 1  # the model's own setting wins over the default
+    assert greedy(model, x, draft_num_recurrences=R, return_dict_in_generate=True).num_draft_tokens == 8
+
+
 def test_drafting_uses_the_same_model_at_both_recurrence_counts() -> None:
     model, x = model_(), prompt()
     seen: list[int | None] = []
