@@ -1118,9 +1118,22 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
             # separate model; a k-recurrence draft of the model itself is cheap and usually right,
             # and 4 tokens without the confidence stop was faster in every setting of
             # benchmarks/bench_test_time.py. Used unless the call or the model's config sets them.
-            for key, value in _SELF_DRAFT_DEFAULTS.items():
-                if kwargs.get(key) is None and getattr(self.generation_config, key, None) is None:
-                    kwargs[key] = value
+            defaults = {key: value for key, value in _SELF_DRAFT_DEFAULTS.items()
+                        if kwargs.get(key) is None and getattr(self.generation_config, key, None) is None}  # fmt: skip
+            if len(args) > 1 or kwargs.get("generation_config") is not None:
+                # A GenerationConfig passed in: fill its unset fields on a copy (generate() warns
+                # when one is mixed with generation keywords).
+                args = list(args)
+                passed = copy.copy(args[1] if len(args) > 1 else kwargs["generation_config"])
+                for key, value in defaults.items():
+                    if getattr(passed, key, None) is None:
+                        setattr(passed, key, value)
+                if len(args) > 1:
+                    args[1] = passed
+                else:
+                    kwargs["generation_config"] = passed
+            else:
+                kwargs.update(defaults)
         outer = self.__dict__.get("_looped_generation")
         self.__dict__["_looped_generation"] = run
         try:

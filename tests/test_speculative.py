@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB, tiny_looped_model
+from transformers import GenerationConfig
 
 from looped_hf import LoopedForCausalLM
 
@@ -68,6 +69,10 @@ def test_a_self_draft_defaults_to_four_tokens_without_the_confidence_stop() -> N
     model, x = model_(), prompt()
     out = greedy(model, x, draft_num_recurrences=R, return_dict_in_generate=True)
     assert out.num_draft_tokens == out.num_accepted_draft_tokens == 12
+    passed = GenerationConfig(max_new_tokens=16, do_sample=False, pad_token_id=0, num_assistant_tokens=3,
+                              return_dict_in_generate=True)  # fmt: skip
+    assert model.generate(x, passed, draft_num_recurrences=R).num_draft_tokens == 12  # 4 rounds of 3 + 1
+    assert passed.assistant_confidence_threshold is None, "the caller's config object is not modified"
     model.generation_config.num_assistant_tokens = 1  # the model's own setting wins over the default
     assert greedy(model, x, draft_num_recurrences=R, return_dict_in_generate=True).num_draft_tokens == 8
 
