@@ -59,7 +59,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -736,6 +736,15 @@ class PackedBlockCollator:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+def heldout_from_recipe(recipe: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> Dataset:
+    """The held-out blocks of a finished run, rebuilt from its recorded recipe (the run record's
+    ``recipe``): same source, ``seq_len``, ``eval_blocks`` and split seed, so the same blocks its
+    ``loss`` was measured on. Recipe keys that are not data fields are ignored."""
+    names = {f.name for f in fields(DataArguments) if f.init}
+    _, heldout = build_datasets(DataArguments(**{k: v for k, v in recipe.items() if k in names}), tokenizer)
+    return heldout
+
+
 def collator(
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Callable[[list[Mapping[str, Any]]], dict[str, torch.Tensor]]:
@@ -767,6 +776,7 @@ __all__ = [
     "embedded_corpus_jsonl",
     "embedded_corpus_path",
     "embedded_tokenizer_path",
+    "heldout_from_recipe",
     "iter_documents",
     "load_tokenizer",
     "tokenizer_fingerprint",

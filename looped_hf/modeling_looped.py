@@ -624,6 +624,13 @@ def _grow_cache(cache: Cache, num_slots: int, shrink: bool = False) -> None:
         cache.layers.append(DynamicLayer())
 
 
+def _croppable(cache: Cache) -> bool:
+    """Whether every slot can take a write and then drop it again (a KV budget's overwritten
+    recurrences, an exit criterion's coda passes): dynamic and static layers can, quantised ones
+    cannot."""
+    return all(getattr(layer, "is_croppable", False) for layer in cache.layers)
+
+
 def _check_cache_recurrences(cache: Cache, r: int, kv_budget: int | None = None) -> None:
     """Refuse a cache filled at another r or KV budget: slot a holds application a, and which layer
     (and which recurrence) application a is depends on r, so mixing two r's attends to the wrong
@@ -808,7 +815,7 @@ class LoopedModel(LoopedPreTrainedModel):
             # Grow (or refuse) first, so a refused call leaves the cache's recorded r unchanged.
             _grow_cache(cache, config.num_kv_slots(r, budget), shrink=budget < r)
             _check_cache_recurrences(cache, r, budget)
-            if budget < r and not all(getattr(layer, "is_croppable", False) for layer in cache.layers):
+            if budget < r and not _croppable(cache):
                 # An overwritten slot is written then cropped back (below); a cache layer that
                 # cannot crop (quantised) cannot take a second write of the same positions.
                 raise ValueError(
@@ -890,7 +897,7 @@ class LoopedModel(LoopedPreTrainedModel):
         k = config.backprop_recurrences
         no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
         recurrent_states: list[torch.Tensor] = []
-        state = lanes.sum(0) if hc is not None else h
+        state = None  # the state after the last recurrence run; exit's criterion starts from h_0
         coda_start = len(self.prelude_layers) + budget * K  # the coda's slots follow the k recurrence slots
         exit_, block_kwargs = None, layer_kwargs  # adaptive exit gives the block its own cache view
         if exit_rule is not None:
@@ -905,6 +912,7 @@ class LoopedModel(LoopedPreTrainedModel):
                         cache.layers[coda_start + i].crop(-num_new_tokens)
                 return exit_head(self.norm(x))
 
+            state = lanes.sum(0) if hc is not None else h
             exit_ = _AdaptiveExit(exit_rule, r, state, exit_kv, predict if exit_head is not None else None)
         for step in range(r):
             if exit_ is not None and exit_.all_exited:
@@ -964,7 +972,7 @@ class LoopedModel(LoopedPreTrainedModel):
                 f"exit_criterion={name!r} cannot be combined with output_hidden_states / output_attentions: use "
                 "output_recurrent_states=True (one frozen state per recurrence) and recurrences_used"
             )
-        if cache is not None and name in _HEAD_CRITERIA and not all(getattr(layer, "is_croppable", False) for layer in cache.layers):
+        if cache is not None and name in _HEAD_CRITERIA and not _croppable(cache):
             raise ValueError(
                 f"exit_criterion={name!r} decodes intermediate states through the coda and crops its KV back out, "
                 f"so it needs a cache whose layers can be cropped (DynamicCache or StaticCache); got {type(cache).__name__}"

@@ -227,21 +227,15 @@ def heldout_metrics_of_folder(
     shipped ``evaluate`` metric ``token_perplexity`` accumulates each batch's summed NLL and
     token count, so the result is token-weighted like the run record's ``loss``.
     """
-    import dataclasses
-
     import evaluate
     import torch
     from transformers import AutoTokenizer
 
     from looped_hf import LoopedForCausalLM
-    from looped_hf.data import DataArguments, build_datasets
+    from looped_hf.data import heldout_from_recipe
     from looped_hf.metrics import TOKEN_PERPLEXITY_PATH
 
-    recipe = record.get("recipe") or {}
-    names = {f.name for f in dataclasses.fields(DataArguments) if f.init}
-    data_args = DataArguments(**{k: v for k, v in recipe.items() if k in names})
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    _, heldout = build_datasets(data_args, tokenizer)
+    heldout = heldout_from_recipe(record.get("recipe") or {}, AutoTokenizer.from_pretrained(folder))
     model = LoopedForCausalLM.from_pretrained(folder).eval()
     metric = evaluate.load(TOKEN_PERPLEXITY_PATH)
     with torch.no_grad():

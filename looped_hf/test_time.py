@@ -29,7 +29,6 @@ run only at their trained r and are refused.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -127,17 +126,13 @@ def load_run(run_dir: PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from looped_hf import LoopedForCausalLM
-    from looped_hf.data import DataArguments, build_datasets
+    from looped_hf.data import heldout_from_recipe
 
     path = Path(run_dir)
     record = _read_record(path)
     model = LoopedForCausalLM.from_pretrained(path).eval()
-    recipe = record.get("recipe") or {}
-    names = {f.name for f in dataclasses.fields(DataArguments) if f.init}
-    data_args = DataArguments(**{k: v for k, v in recipe.items() if k in names})
     tokenizer = AutoTokenizer.from_pretrained(path)
-    _, heldout = build_datasets(data_args, tokenizer)
-    return model, tokenizer, heldout, record
+    return model, tokenizer, heldout_from_recipe(record.get("recipe") or {}, tokenizer), record
 
 
 def decoding_heldout_loss(
