@@ -36,6 +36,7 @@ QK_NORMS = ("after_rope", "learnable_before_rope", "none")
 INIT_SCHEMES = ("hf", "study")
 LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module docstring
 STATE_INITS = ("prelude", "zeros", "noise")
+ROPE_TABLE_DTYPES = ("bfloat16", "float16", "float32")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
 # Per-token adaptive exit (Huginn, seal-rg/recurrent-pretraining raven_modeling_minimal.py
@@ -44,6 +45,18 @@ HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
 # threshold is Huginn's "auto" value (``cosine`` is ours: 1 - cos of successive states).
 EXIT_CRITERIA = ("kl", "cosine", "latent_diff", "entropy_diff", "argmax_stability")
 EXIT_DEFAULT_THRESHOLDS = {"kl": 5e-4, "cosine": 1e-3, "latent_diff": 0.03, "entropy_diff": 1e-3, "argmax_stability": 5}
+# The thresholds a criterion can ever meet: a KL, an entropy change, a relative change are >= 0
+# (and finite), a cosine distance lies in [0, 2], a stability count is a whole number of
+# recurrences >= 0 (0: stop at min_recurrences). A threshold outside can never mean what was
+# asked, so the user's intent would be lost without a word: refused instead. (low, high, integer),
+# both ends allowed; 0 is "never" for the criteria that fire on value < threshold.
+EXIT_THRESHOLD_RANGES = {
+    "kl": (0.0, math.inf, False),
+    "entropy_diff": (0.0, math.inf, False),
+    "latent_diff": (0.0, math.inf, False),
+    "cosine": (0.0, 2.0, False),
+    "argmax_stability": (0, math.inf, True),
+}
 # The Auto class -> model class pairs modeling_looped.py provides (written to every ``auto_map``).
 AUTO_CLASSES = {
     "AutoModel": "LoopedModel",
@@ -54,8 +67,11 @@ AUTO_CLASSES = {
 }
 
 
-def tensor_parallel_plan(gated: bool = True) -> dict[str, str]:
-    """Llama's tensor-parallel plan for each of the three layer lists.
+def tensor_parallel_plan(
+    gated: bool = True, stacks: tuple[str, ...] = ("prelude_layers", "recurrent_layers", "coda_layers")
+) -> dict[str, str]:
+    """Llama's tensor-parallel plan for each layer list in ``stacks`` (a model names only the lists
+    it has: transformers refuses a plan entry that matches no parameter).
 
     q/k/v and the MLP input projections are split by output (whole heads per rank, so
     num_key_value_heads must divide by the TP size), o_proj and down_proj by input, then
@@ -69,7 +85,7 @@ def tensor_parallel_plan(gated: bool = True) -> dict[str, str]:
         modules.append(("mlp.gate_proj", "colwise"))
     return {
         f"{stack}.*.{module}": style
-        for stack in ("prelude_layers", "recurrent_layers", "coda_layers")
+        for stack in stacks
         for module, style in modules
     }
 
@@ -142,6 +158,16 @@ class LoopedConfig(PreTrainedConfig):
         the linear injection at [I | 0] and hyperconnections at the cyclic init.
     embedding_norm, logit_softcap:
         The study's extra stabilisers; off / ``None`` for a plain Llama.
+    pad_vocab_size_to_multiple_of:
+        The embedding and the head get ``padded_vocab_size`` rows, ``vocab_size`` rounded up to this
+        multiple (the study: 64, for tensor-core-friendly shapes); the logits are cropped to
+        ``vocab_size`` before the soft-cap, so the padded rows never receive probability or gradient.
+        They are real matmul rows, so the FLOP and parameter accounting counts them, as the study's
+        ``estimate_flops`` does. 1 (default): no padding.
+    rope_table_dtype:
+        ``None`` (default): the rotary cos/sin tables are used at full precision. ``"bfloat16"``: they
+        are rounded to bf16 first, as the study's nanochat/gpt.py keeps them (its checkpoints were
+        trained with those tables and reproduce their logits only with them).
     looped_format:
         The forward semantics version (see the module docstring); set by loading, not by users.
 
@@ -152,9 +178,17 @@ class LoopedConfig(PreTrainedConfig):
 
     model_type = "looped"
     keys_to_ignore_at_inference = ["cache"]
-    # Tensor parallelism (``from_pretrained(..., tp_plan="auto")``), see ``tensor_parallel_plan``;
-    # an instance gets the plan of its MLP in ``__post_init__`` (transformers never serialises it).
-    base_model_tp_plan = tensor_parallel_plan(gated=True)
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism (``from_pretrained(..., tp_plan="auto")``), see ``tensor_parallel_plan``.
+        Derived on every read from the layer lists the config has and its MLP, so a config whose
+        layer counts change after loading (``from_pretrained(..., num_coda_layers=0)``) still names
+        only modules that exist. transformers reads it when it builds the model, never serialises it."""
+        counts = {"prelude_layers": self.num_prelude_layers, "recurrent_layers": self.num_recurrent_layers,
+                  "coda_layers": self.num_coda_layers}  # fmt: skip
+        stacks = tuple(stack for stack, n in counts.items() if n > 0)
+        return tensor_parallel_plan(gated=self.hidden_act != "relu2", stacks=stacks)
 
     vocab_size: int = 8192
     hidden_size: int = 256
@@ -179,6 +213,8 @@ class LoopedConfig(PreTrainedConfig):
     init_scheme: str = "hf"
     logit_softcap: float | None = 15.0
     embedding_norm: bool = True
+    pad_vocab_size_to_multiple_of: int = 1
+    rope_table_dtype: str | None = None
     num_prelude_layers: int = 2
     num_recurrent_layers: int = 4
     num_coda_layers: int = 2
@@ -216,7 +252,6 @@ class LoopedConfig(PreTrainedConfig):
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         self.validate_loop()
         self.num_hidden_layers = self.effective_num_layers
-        self.base_model_tp_plan = tensor_parallel_plan(gated=self.hidden_act != "relu2")
         super().__post_init__(**kwargs)
 
     # --- validation -------------------------------------------------------------------------
@@ -288,6 +323,11 @@ class LoopedConfig(PreTrainedConfig):
             raise ValueError(f"LoopedConfig.{err}") from None
         if rule is not None and rule[2] > self.num_recurrences:
             raise bad("min_recurrences", f"exceeds num_recurrences={self.num_recurrences}, the cap on recurrences per token")
+        multiple = self.pad_vocab_size_to_multiple_of
+        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+            raise bad("pad_vocab_size_to_multiple_of", "must be an integer >= 1 (1: no padding)")
+        if self.rope_table_dtype is not None and self.rope_table_dtype not in ROPE_TABLE_DTYPES:
+            raise bad("rope_table_dtype", f"must be None (full precision) or one of {ROPE_TABLE_DTYPES}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise bad("logit_softcap", "must be None or > 0")
         if self.state_init_std < 0:
@@ -353,9 +393,26 @@ class LoopedConfig(PreTrainedConfig):
             raise ValueError(f"exit_criterion={criterion!r}: must be None or one of {EXIT_CRITERIA}")
         if threshold is None:
             threshold = EXIT_DEFAULT_THRESHOLDS[criterion]
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
-            raise ValueError(f"exit_threshold={threshold!r}: must be a number (or None for the criterion's default)")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+            raise ValueError(
+                f"exit_threshold={threshold!r}: must be a finite number (or None for the criterion's default), "
+                f"for exit_criterion={criterion!r}"
+            )
+        low, high, integer = EXIT_THRESHOLD_RANGES[criterion]
+        if not low <= threshold <= high or (integer and threshold != int(threshold)):
+            what = f"a whole number of recurrences >= {low}" if integer else f"in [{low}, {high}]"
+            raise ValueError(
+                f"exit_threshold={threshold!r}: exit_criterion={criterion!r} compares a quantity that is {what}, "
+                "so this threshold can never mean anything"
+            )
         return criterion, float(threshold), minimum
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the head: ``vocab_size`` rounded up to
+        ``pad_vocab_size_to_multiple_of`` (the logits keep ``vocab_size`` columns)."""
+        multiple = self.pad_vocab_size_to_multiple_of
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def effective_num_layers(self) -> int:

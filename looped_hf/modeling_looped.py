@@ -133,6 +133,10 @@ class LoopedRotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
+        if self.config.rope_table_dtype is not None:
+            # The study keeps its tables in bf16 (nanochat/gpt.py): its weights expect those values.
+            table = getattr(torch, self.config.rope_table_dtype)
+            cos, sin = cos.to(table), sin.to(table)
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
@@ -666,7 +670,7 @@ class LoopedModel(LoopedPreTrainedModel):
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size, self.padding_idx)
         self.embedding_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.embedding_norm else None
         self.prelude_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_prelude_layers))
         self.recurrent_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_recurrent_layers))
@@ -1062,7 +1066,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = LoopedModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         if not config.tie_word_embeddings:
             self.lm_head.looped_study_init = ("normal", 0.001)  # the study: small logits at init
         self.post_init()
@@ -1074,8 +1078,11 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         self.lm_head = new_embeddings
 
     def logits_from_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """lm_head then the study's soft-cap (tanh, in fp32), cap * tanh(logits / cap)."""
+        """lm_head, cropped to ``vocab_size`` (padded rows never get probability), then the study's
+        soft-cap (tanh, in fp32), cap * tanh(logits / cap)."""
         logits = self.lm_head(hidden_states)
+        if logits.shape[-1] != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]
         cap = self.config.logit_softcap
         if cap is not None:
             logits = cap * torch.tanh(logits.float() / cap)
@@ -1313,8 +1320,9 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         k = config.backprop_recurrences
         r_grad = r if k is None else min(k, r)
         params = self.num_scaling_params()
-        # The head's matmul costs V*d per token whether or not its weights are tied.
-        n_head = config.vocab_size * config.hidden_size
+        # The head's matmul costs V*d per token whether or not its weights are tied; V counts the
+        # padded rows (they are computed, then cropped), as the study's estimate_flops does.
+        n_head = config.padded_vocab_size * config.hidden_size
         n_rec = params["recurrent"]
         hc = self.model.hyperconnection
         if hc is not None:

@@ -36,7 +36,8 @@ def ids(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
 
 
 NEVER = {"argmax_stability": 10**6}  # every other criterion fires on value < threshold, values >= 0
-ALWAYS = {"argmax_stability": 0}
+# The largest threshold each criterion accepts (a cosine distance is at most 2; inf is refused).
+ALWAYS = {"argmax_stability": 0, "cosine": 2.0}
 
 
 def never(criterion: str) -> float:
@@ -44,7 +45,7 @@ def never(criterion: str) -> float:
 
 
 def always(criterion: str) -> float:
-    return ALWAYS.get(criterion, math.inf)
+    return ALWAYS.get(criterion, 1e30)
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def test_a_stopped_token_leaves_its_latest_kv_in_the_later_recurrences_slots() -
     minimum = 2
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(x, cache=cache, use_cache=True, exit_criterion="cosine", exit_threshold=math.inf, min_recurrences=minimum)
+        model(x, cache=cache, use_cache=True, exit_criterion="cosine", exit_threshold=2.0, min_recurrences=minimum)
         reference = DynamicCache(config=model.config)
         model(x, cache=reference, use_cache=True, num_recurrences=minimum)  # the recurrences every token ran
     assert len(cache.layers) == P + R * K + 1
@@ -219,7 +220,7 @@ def test_exit_under_a_kv_budget_keeps_the_budgets_slots() -> None:
     model, x = model_(), ids()
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        out = model(x, cache=cache, use_cache=True, kv_budget=2, exit_criterion="cosine", exit_threshold=math.inf,
+        out = model(x, cache=cache, use_cache=True, kv_budget=2, exit_criterion="cosine", exit_threshold=2.0,
                     min_recurrences=2)  # fmt: skip
         ref = model(x, num_recurrences=2)
     assert len(cache.layers) == P + 2 * K + 1
@@ -283,7 +284,7 @@ def test_the_base_model_and_heads_take_the_state_criteria() -> None:
     model, x = model_(), ids()
     base: LoopedModel = model.model
     with torch.no_grad():
-        out = base(x, exit_criterion="cosine", exit_threshold=math.inf, min_recurrences=2)
+        out = base(x, exit_criterion="cosine", exit_threshold=2.0, min_recurrences=2)
         ref = base(x, num_recurrences=2)
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state)
     with pytest.raises(ValueError, match="exit_criterion='kl' reads the next-token distribution"):
@@ -301,6 +302,14 @@ def test_the_base_model_and_heads_take_the_state_criteria() -> None:
         ({"exit_criterion": "entropy"}, "exit_criterion='entropy'"),
         ({"exit_criterion": "kl", "exit_threshold": "auto"}, "exit_threshold='auto'"),
         ({"exit_criterion": "kl", "exit_threshold": float("nan")}, "exit_threshold=nan"),
+        # Thresholds the criterion's quantity can never meet name the criterion, the field and the value.
+        ({"exit_criterion": "kl", "exit_threshold": -1.0}, "exit_threshold=-1.0: exit_criterion='kl'"),
+        ({"exit_criterion": "kl", "exit_threshold": float("inf")}, "exit_threshold=inf"),
+        ({"exit_criterion": "latent_diff", "exit_threshold": float("-inf")}, "exit_threshold=-inf"),
+        ({"exit_criterion": "entropy_diff", "exit_threshold": -0.5}, "exit_threshold=-0.5: exit_criterion='entropy_diff'"),
+        ({"exit_criterion": "cosine", "exit_threshold": 2.5}, r"exit_threshold=2.5: exit_criterion='cosine'.*\[0.0, 2.0\]"),
+        ({"exit_criterion": "argmax_stability", "exit_threshold": 2.5}, "exit_threshold=2.5: exit_criterion='argmax_stability'"),
+        ({"exit_criterion": "argmax_stability", "exit_threshold": -1}, "exit_threshold=-1: exit_criterion='argmax_stability'"),
         ({"min_recurrences": 0}, "min_recurrences=0"),
     ],
 )
@@ -329,7 +338,7 @@ def test_exit_refuses_what_it_cannot_honour() -> None:
 def test_exit_in_training_backpropagates_through_the_recurrences_each_token_ran() -> None:
     model, x = model_(), ids()
     model.train()
-    out = model(x, labels=x, exit_criterion="cosine", exit_threshold=math.inf, min_recurrences=2)
+    out = model(x, labels=x, exit_criterion="cosine", exit_threshold=2.0, min_recurrences=2)
     ref = model(x, labels=x, num_recurrences=2)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

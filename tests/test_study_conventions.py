@@ -309,3 +309,45 @@ def test_hyperconnection_flops_count_lane_mixing_as_the_study():
     # Same layers; the lanes add (N^2 + 2N) d per recurrence at 6x (gpt.py estimate_flops).
     assert hc.training_flops_per_token(T) - base.training_flops_per_token(T) == 6 * r * (n * n + 2 * n) * d
     assert hc.num_scaling_params()["recurrent"] - base.num_scaling_params()["recurrent"] == r * (n * n + 2 * n)
+
+
+def test_padded_vocabulary_rows_are_counted_but_never_get_probability_or_gradient():
+    torch.manual_seed(0)
+    padded = LoopedForCausalLM(config(pad_vocab_size_to_multiple_of=64))
+    assert padded.config.padded_vocab_size == 128
+    assert padded.lm_head.weight.shape[0] == 128 and padded.model.embed_tokens.weight.shape[0] == 128
+    x = ids()
+    out = padded(x, labels=x)
+    assert out.logits.shape[-1] == VOCAB
+    # Cropping first: the logits are exactly those of the first VOCAB rows of the head.
+    plain = LoopedForCausalLM(config())
+    plain.load_state_dict({k: (v[:VOCAB] if k in ("lm_head.weight", "model.embed_tokens.weight") else v)
+                           for k, v in padded.state_dict().items()})  # fmt: skip
+    torch.testing.assert_close(plain(x, labels=x).logits, out.logits, rtol=0, atol=0)
+    out.loss.backward()
+    assert padded.lm_head.weight.grad[VOCAB:].abs().max() == 0
+    # Accounting: the padded rows are computed (the study's estimate_flops counts them too).
+    d = padded.config.hidden_size
+    assert padded.num_scaling_params()["lm_head"] == 128 * d
+    diff = padded.training_flops_per_token(16) - plain.training_flops_per_token(16)
+    assert diff == 6 * (128 - VOCAB) * d
+
+
+def test_padding_multiple_and_rope_table_dtype_are_validated():
+    with pytest.raises(ValueError, match="LoopedConfig.pad_vocab_size_to_multiple_of=0"):
+        config(pad_vocab_size_to_multiple_of=0)
+    with pytest.raises(ValueError, match="LoopedConfig.rope_table_dtype='bf16'"):
+        config(rope_table_dtype="bf16")
+
+
+def test_bf16_rope_tables_round_cos_and_sin_as_the_study_keeps_them():
+    model = LoopedForCausalLM(config(rope_table_dtype="bfloat16"))
+    reference = LoopedForCausalLM(config())
+    x = torch.zeros(1, 5, 8)
+    pos = torch.arange(100, 105)[None]
+    cos, sin = model.model.rotary_emb(x, pos)
+    cos_full, sin_full = reference.model.rotary_emb(x, pos)
+    assert cos.dtype == torch.float32
+    torch.testing.assert_close(cos, cos_full.bfloat16().float(), rtol=0, atol=0)
+    torch.testing.assert_close(sin, sin_full.bfloat16().float(), rtol=0, atol=0)
+    assert (cos - cos_full).abs().max() > 0  # the rounding is real at these positions

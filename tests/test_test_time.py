@@ -69,7 +69,7 @@ def test_decoding_loss_is_the_forward_loss_and_sees_the_kv_budget_and_exit(run_d
     assert budget["eval_tokens"] == 4 * (len(heldout[0]["input_ids"]) - 1)
     assert budget["loss"] != decoding_heldout_loss(model, heldout, batch_size=8, max_blocks=4, num_recurrences=4)["loss"]
     stop = decoding_heldout_loss(model, heldout, batch_size=8, max_blocks=4, num_recurrences=4,
-                                 exit_criterion="cosine", exit_threshold=float("inf"), min_recurrences=2)  # fmt: skip
+                                 exit_criterion="cosine", exit_threshold=2.0, min_recurrences=2)  # fmt: skip
     assert stop["mean_recurrences"] == 2
 
 

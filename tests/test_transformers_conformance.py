@@ -410,6 +410,40 @@ def test_tensor_parallel_plan_names_every_layer_list_and_only_modules_that_exist
         assert not any("injection" in p for p in plan)  # replicated: it reads the full state
 
 
+def _invalid_tp_entries(model) -> set[str]:
+    """transformers' ``test_tp_plan_matches_params`` rule: every plan entry must match a parameter."""
+    params = [name for name, _ in model.named_parameters()]
+    bad = set()
+    for pattern in model.config.base_model_tp_plan:
+        regex = pattern.replace(".", r"\.").replace("*", r"\d+")
+        if not any(re.search(regex, name) for name in params):
+            bad.add(pattern)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "layers", [{"num_prelude_layers": 0, "num_recurrent_layers": 1, "num_coda_layers": 0, "num_recurrences": 2},
+               {"num_prelude_layers": 1, "num_recurrent_layers": 1, "num_coda_layers": 0},
+               {"num_prelude_layers": 0, "num_recurrent_layers": 2, "num_coda_layers": 1}],
+)  # fmt: skip
+def test_tensor_parallel_plan_names_only_the_layer_lists_the_model_has(layers: dict) -> None:
+    model = tiny_model(**layers)
+    assert _invalid_tp_entries(model) == set()
+    stacks = {key.split(".")[0] for key in model.config.base_model_tp_plan}
+    expected = {name for name in ("prelude", "recurrent", "coda") if layers[f"num_{name}_layers"]}
+    assert stacks == {f"{name}_layers" for name in expected}
+
+
+def test_tensor_parallel_plan_follows_layer_counts_changed_at_load(tmp_path) -> None:
+    tiny_model().save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, num_coda_layers=0, num_prelude_layers=0)
+    assert model.config.num_coda_layers == 0 and len(model.model.coda_layers) == 0
+    assert _invalid_tp_entries(model) == set()
+    assert not any(key.startswith(("coda_layers", "prelude_layers")) for key in model.config.base_model_tp_plan)
+
+
 TP_SCRIPT = """
 import os, sys, torch
 import torch.distributed as dist
