@@ -1,0 +1,129 @@
+"""benchmarks/gpu_check.py: the one prepared GPU command, rehearsed on CPU with --tiny."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import PYTHON, REPO, subprocess_env
+
+from looped_hf import LoopedForCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load_gpu_check()
+
+
+@pytest.mark.slow
+def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops(tmp_path):
+    out = tmp_path / "gc"
+    peak = 1e12
+    proc = subprocess.run([PYTHON, "benchmarks/gpu_check.py", "--out", str(out), "--tiny", "--peak-flops", str(peak)],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[micro_sweep] start" in proc.stdout  # progress is printed as it goes
+    result = json.loads((out / "gpu_check.json").read_text())
+    sections = result["sections"]
+    assert list(sections) == ["environment", "logits", "train_eager", "decode", "micro_sweep", "train_compiled"]
+    assert {name: sec["status"] for name, sec in sections.items()} == dict.fromkeys(sections, "ok")
+
+    logits = sections["logits"]
+    assert {r["backend"] for r in logits["rows"]} == {"eager", "sdpa"} and logits["all_agree"]
+    assert 0 < logits["rows"][0]["rel_l2_vs_fp32"] < 0.05  # bf16 differs from fp32, but not by much
+
+    sizes = gpu_check.TINY
+    with torch.device("meta"):
+        loop_fpt = LoopedForCausalLM(gpu_check.loop4_config(sizes)).training_flops_per_token(sizes.seq_len)
+    for name in ("train_eager", "train_compiled"):
+        rows = {r["model"]: r for r in sections[name]["rows"]}
+        assert set(rows) == {"loop4", "llama20"}
+        assert rows["loop4"]["flops_per_token"] == loop_fpt
+        for row in rows.values():
+            assert row["tokens_per_s"] > 0 and row["peak_memory_gib"] is None  # CPU: no CUDA allocator
+            assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / peak)
+    assert [r["compiled"] for r in sections["train_compiled"]["rows"]] == ["eager", "eager"]  # tiny: dynamo only
+
+    decode = {r["setting"]: r for r in sections["decode"]["rows"]}
+    assert set(decode) == {"plain r=4", "kv_budget=1", "exit kl 1e-3", "self-draft k=1"}
+    assert decode["self-draft k=1"]["identical_to_plain"] and 0 <= decode["self-draft k=1"]["acceptance"] <= 1
+    assert 1 <= decode["exit kl 1e-3"]["mean_recurrences"] <= 4
+
+    sweep = sections["micro_sweep"]
+    assert len(sweep["runs"]) == 8 and all(r["status"] == "ok" and r["s_per_step"] > 0 for r in sweep["runs"])
+    assert set(sweep["fit"]["params"]) >= {"E", "A", "alpha", "B", "beta", "phi"}
+    assert len((out / "micro_sweep_results.jsonl").read_text().splitlines()) == 8
+    assert json.loads((out / "micro_sweep_fit.json").read_text())["params"]["phi"] == sweep["fit"]["params"]["phi"]
+
+    md = (out / "gpu_check.md").read_text()
+    for name in sections:
+        assert f"## {name}: ok" in md
+    assert "| loop4 |" in md and "Tolerance:" in md
+
+
+def test_time_guard_skips_what_does_not_fit_and_says_so(tmp_path):
+    rc = gpu_check.main(["--out", str(tmp_path), "--tiny", "--time-limit", "0.001"])
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 1
+    for name in ("logits", "train_eager", "decode", "micro_sweep", "train_compiled"):
+        assert result["sections"][name]["status"] == "skipped"
+        assert "time guard" in result["sections"][name]["reason"]
+    assert "## micro_sweep: skipped" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    def broken(rec, sizes, device):
+        rec["rows"] = [{"backend": "eager"}]
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(gpu_check, "logits_agreement", broken)
+    rc = gpu_check.main(["--out", str(tmp_path), "--tiny", "--only", "logits", "--only", "train_eager"])
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert rc == 1
+    assert sections["logits"]["status"] == "error" and sections["logits"]["error"] == "RuntimeError: no such kernel"
+    assert sections["logits"]["rows"] == [{"backend": "eager"}]  # what ran before the error is kept
+    assert sections["train_eager"]["status"] == "ok" and len(sections["train_eager"]["rows"]) == 2
+    assert "decode" not in sections
+
+
+def test_the_time_guard_interrupts_a_section_that_overruns(tmp_path):
+    check = gpu_check.Check(tmp_path, time_limit=0.3, tiny=True)
+
+    def spin(rec):
+        rec["started"] = True
+        end = time.perf_counter() + 10
+        while time.perf_counter() < end:
+            pass
+
+    t0 = time.perf_counter()
+    check.section("spin", spin, min_s=0)
+    assert time.perf_counter() - t0 < 3
+    sec = check.result["sections"]["spin"]
+    assert sec["status"] == "error" and "time guard" in sec["error"] and sec["started"]
+
+
+def test_llama_flops_come_from_a_plain_looped_twin_of_its_exact_shape():
+    sizes = gpu_check.TINY
+    config = gpu_check.llama_config(sizes)
+    assert config.intermediate_size == 256  # 8 x 64 / 3 = 171, rounded up to 256
+    with torch.device("meta"):
+        llama = gpu_check.LlamaForCausalLM(config)
+    # The study's count: every weight but the embedding and the model-level final norm (in-layer norms count).
+    dense = sum(p.numel() for n, p in llama.named_parameters() if n not in ("model.embed_tokens.weight",
+                                                                              "model.norm.weight"))
+    attention = 12 * sizes.width * sizes.seq_len * config.num_hidden_layers  # 12 h q T per layer
+    assert gpu_check.llama_flops_per_token(config, sizes.seq_len) == 6 * dense + attention
+    assert gpu_check.llama_ffn(640) == 1792
