@@ -192,7 +192,7 @@ def evaluate_recurrences(
     """
     import torch
 
-    from looped_hf.cards import sha256_file
+    from looped_hf.fileio import sha256_file
     from looped_hf.train import versions
 
     path = Path(run_dir)

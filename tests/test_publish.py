@@ -18,7 +18,7 @@ from looped_hf.data import load_tokenizer
 from looped_hf.publish import PublishError, build_folder, check_run_dir, main, push_folder, scan_for_tokens
 
 HUB_FILES = {
-    "README.md", "config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
+    "README.md", "config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
     "generation_config.json", "tokenizer.json", "tokenizer_config.json",
 }  # fmt: skip
 

@@ -42,7 +42,7 @@ def test_run_record_is_complete_and_run_dir_is_publishable(tiny_recipe, tmp_path
     assert record["n_once"] > 0 and record["n_rec"] > 0 and record["effective_num_layers"] == 4
     assert record["versions"]["transformers"].startswith("5.")
     run_dir = tmp_path / "run"
-    for name in ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
+    for name in ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
                  "generation_config.json", "tokenizer.json", "run_record.json", "recipe.yaml"):  # fmt: skip
         assert (run_dir / name).exists(), name
     config = json.loads((run_dir / "config.json").read_text())

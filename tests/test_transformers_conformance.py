@@ -195,7 +195,7 @@ def test_forward_compiles_with_fullgraph_and_a_static_cache():
 
 
 def test_the_cache_r_check_never_reads_the_cache_length_at_a_fixed_r(monkeypatch):
-    from looped_hf.modeling_looped import _check_cache_recurrences
+    from looped_hf.generation_looped import _check_cache_recurrences
 
     model, ids = tiny_model(), prompts()
     cache = StaticCache(config=model.config, max_cache_len=16)

@@ -6,12 +6,13 @@ the CLI read one definition of each.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from looped_hf.fileio import sha256_file as sha256_file
 
 if TYPE_CHECKING:
     from looped_hf.scaling import ScalingLawFit
@@ -82,10 +83,6 @@ def _round(x: float | None, digits: int = 6) -> float | None:
 
 def _project_link() -> str:
     return f"[looped_hf]({LOOPED_HF_URL})" if LOOPED_HF_URL else "looped_hf"
-
-
-def sha256_file(path: PathLike) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _template(name: str) -> Path:

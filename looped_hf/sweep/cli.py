@@ -21,11 +21,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# The first line of the package's docstring (the package imports this module, not the reverse).
+DESCRIPTION = "Iso-depth sweeps: plan (budget x width x r), run resumably, append one record per run."
+
+
 def main(argv: list[str] | None = None) -> int:
     """`looped-hf sweep RECIPE [--dry-run] [--output DIR] [--executor X] [--max-runs N] [--jobs N] [--verbose]`."""
-    from looped_hf import sweep as package  # the package's docstring is the command's description
-
-    parser = argparse.ArgumentParser(prog="looped-hf sweep", description=package.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="looped-hf sweep", description=DESCRIPTION)
     parser.add_argument("recipe", help="sweep recipe (YAML with a sweep: section)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan as a table; write nothing")
     parser.add_argument(

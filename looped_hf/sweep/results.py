@@ -1,80 +1,12 @@
 """The sweep's results file (`results.jsonl`): one JSON line per run, appended atomically under a
-file lock, read back tolerating a torn last line (a writer killed mid-append)."""
+file lock, read back tolerating a torn last line (a writer killed mid-append). The JSONL store
+itself lives in ``looped_hf.fileio`` (training appends its record there too, without the sweep)."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import os
-from pathlib import Path
-from typing import Any
+from looped_hf.fileio import _locked as _locked
+from looped_hf.fileio import _parse_lines as _parse_lines
+from looped_hf.fileio import append_jsonl as append_jsonl
+from looped_hf.fileio import read_jsonl as read_jsonl
 
 RESULTS_NAME = "results.jsonl"
-
-
-# ---------------------------------------------------------------------------------------------
-# results.jsonl: atomic appends, tolerant reads
-# ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on `<path>.lock` (a separate file, so the data file can be replaced)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
-def _parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """Records of complete, valid lines, and the byte length of the valid prefix."""
-    records, valid = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break  # a torn last line (killed mid-write): ignored, repaired on the next append
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-        valid += len(line)
-    return records, valid
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete records of a JSONL file; a truncated or corrupt tail is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    return _parse_lines(path.read_bytes())[0]
-
-
-def append_jsonl(path: str | os.PathLike, record: dict[str, Any], unique_key: str | None = "run_id") -> bool:
-    """Append `record` as one line: one `write` of the whole line, flush, fsync, under a file lock.
-
-    A torn tail left by a killed writer is cut off first. With `unique_key`, a record whose key
-    is already in the file is not appended again (returns False), so every run appears once even
-    if two writers (a rerun and a stale job) finish the same run.
-    """
-    path = Path(path)
-    line = (json.dumps(record, default=str, allow_nan=True) + "\n").encode("utf-8")
-    with _locked(path):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            with open(fd, "rb", closefd=False) as fh:
-                data = fh.read()
-            records, valid = _parse_lines(data)
-            if unique_key is not None and any(r.get(unique_key) == record.get(unique_key) for r in records):
-                return False
-            if valid != len(data):
-                os.ftruncate(fd, valid)
-            os.lseek(fd, 0, os.SEEK_END)
-            written = os.write(fd, line)
-            if written != len(line):  # practically never for a local file; do not leave half a line
-                os.ftruncate(fd, valid)
-                raise OSError(f"short write to {path}: {written} of {len(line)} bytes")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return True

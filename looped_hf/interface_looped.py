@@ -1,0 +1,121 @@
+"""What a looped forward takes and returns: its output classes, the keywords ``**kwargs`` may carry
+(anything else raises instead of vanishing), and ``output_hidden_states=[...]`` at the call's r.
+
+Hidden states, ``output_hidden_states=True``: P + r*K + C + 1 tensors, one per layer
+*application* in execution order. Index 0 is the input of the first application (with P > 0 the
+embedding, after the embedding norm when there is one; with P = 0 the first block input, the
+injected state); index i >= 1 is the output of application i - 1: prelude layer p (0-based) is
+p + 1, recurrence s and block layer j (0-based) are P + s*K + j + 1, coda layer c is
+P + r*K + c + 1, and the last entry is the final normed state (``last_hidden_state``), as for
+Llama. A block layer's output is recorded before the recurrence norm and the next injection (the
+normed state after every recurrence is ``recurrent_states``). ``output_hidden_states=[i, ...]``
+selects by these indices, negative ones counted from the end at the call's r. Attentions (eager
+attention only) have the same order without the leading input: ``attentions[a]`` is application
+a, the one that also owns cache slot a (without a KV budget).
+
+Shipped beside ``modeling_looped.py`` in every checkpoint (remote code follows the relative
+import), so it imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import TransformersKwargs
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopedModelOutputWithPast(BaseModelOutputWithPast):
+    """``recurrent_states[i]``: the state after recurrence i+1 (before the coda), for logit lens.
+    ``recurrences_used``: (batch, tokens) recurrences each token ran, with adaptive exit only."""
+
+    recurrent_states: tuple[torch.Tensor, ...] | None = None
+    recurrences_used: torch.LongTensor | None = None
+
+
+@dataclass
+class LoopedCausalLMOutputWithPast(CausalLMOutputWithPast):
+    recurrent_states: tuple[torch.Tensor, ...] | None = None
+    recurrences_used: torch.LongTensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Keyword arguments: what ``**kwargs`` may carry, and what it must not swallow
+# ---------------------------------------------------------------------------------------------
+
+# The keywords transformers 5.24 threads through a decoder's ``**kwargs`` (``TransformersKwargs``):
+# the output flags (read by ``capture_outputs``), ``num_items_in_batch`` (the loss, from Trainer)
+# and the packed-sequence / attention-backend ones the attention functions read. Anything else
+# would vanish into ``**kwargs`` with no effect, so it is refused (a ``None`` value asks for
+# nothing and is dropped). ``output_router_logits`` is left out: there is no router here.
+_FORWARD_KWARGS = frozenset(TransformersKwargs.__annotations__) - {"output_router_logits", "position_ids"}
+# Loss keywords ``ForCausalLMLoss`` reads besides logits / labels / vocab_size / num_items_in_batch.
+_LOSS_KWARGS = ("ignore_index", "shift_labels")
+# Why a keyword that v4-era code (or another architecture) passes is refused.
+_REFUSED_KWARG_HINTS = {
+    "cache_position": "transformers 5 removed it; positions come from position_ids, or from the cache's length "
+    "when position_ids is None",
+    "num_logits_to_keep": "it is called logits_to_keep",
+    "head_mask": "transformers 5 removed head masking",
+    "token_type_ids": "a decoder-only model has no token types (looped_hf's tokenizers do not return them); "
+    "drop the key",
+    "output_router_logits": "this model has no router (it is not a mixture of experts)",
+    "labels": "LoopedModel computes no loss; use LoopedForCausalLM (or a head class) for a loss",
+    "layer_past": "the cache keyword is cache",
+    "encoder_hidden_states": "this is a decoder-only model: there is no cross-attention",
+}
+
+
+def _checked_kwargs(owner: nn.Module, kwargs: dict, accepted: frozenset[str] = _FORWARD_KWARGS) -> dict:
+    """``kwargs`` without ``None`` values of unknown keys; ``TypeError`` naming any other unknown key.
+
+    A keyword that ``**kwargs`` swallows silently is a wrong result with no error (the v4
+    ``past_key_values=`` restarted positions at 0); this makes every such keyword loud.
+    """
+    out = {}
+    for key, value in kwargs.items():
+        if key in accepted:
+            out[key] = value
+        elif value is not None:
+            hint = _REFUSED_KWARG_HINTS.get(key, f"{type(owner).__name__} does not use it")
+            shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)[:80]
+            raise TypeError(f"{type(owner).__name__}.forward() got an unexpected keyword argument {key}={shown}: {hint}")
+    return out
+
+
+def _select_hidden_states_at_r(forward: Callable) -> Callable:
+    """Make ``output_hidden_states=[i, ...]`` select by the indices of the call's r.
+
+    transformers' ``capture_outputs`` resolves (and bounds) the indices with
+    ``config.num_hidden_layers``, the applications at the *default* r; a call at another r has
+    P + r*K + C + 1 hidden states. For such a call (``num_recurrences=`` given as a keyword and
+    different from the default) every state is collected and the unselected ones are replaced by
+    ``None`` afterwards, as ``capture_outputs`` would. Applied outside ``capture_outputs``.
+    """
+
+    @wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        selection = kwargs.get("output_hidden_states")
+        r = kwargs.get("num_recurrences")
+        if selection is None or isinstance(selection, bool) or r is None or r == self.config.num_recurrences:
+            return forward(self, *args, **kwargs)
+        n = self.config.num_layer_applications(int(r)) + 1
+        indices = [selection] if isinstance(selection, int) else list(selection)
+        keep = {i % n for i in indices if -n <= i < n}
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        out = forward(self, *args, **{**kwargs, "output_hidden_states": True, "return_dict": True})
+        out.hidden_states = tuple(h if i in keep else None for i, h in enumerate(out.hidden_states))
+        return out if return_dict else out.to_tuple()
+
+    return wrapper
