@@ -12,7 +12,7 @@ from looped_hf import LoopedForCausalLM
 from looped_hf.arguments import parse_recipe
 from looped_hf.cards import card_image_links, render_checkpoint_card
 from looped_hf.cli import main as cli_main
-from looped_hf.test_time import (
+from looped_hf.recurrence_curves import (
     CURVE_JSON,
     CURVE_MD,
     CURVE_PNG,
@@ -127,3 +127,18 @@ def test_not_a_run_directory_and_bad_grids_are_named(tmp_path):
 def test_plot_refuses_an_empty_curve(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         plot_test_time_scaling({"run_id": "x", "rows": []}, tmp_path / "x.png")
+
+
+def test_the_old_module_name_still_imports_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    import looped_hf.recurrence_curves as curves
+
+    sys.modules.pop("looped_hf.test_time", None)
+    with pytest.warns(DeprecationWarning, match="looped_hf.recurrence_curves"):
+        old = importlib.import_module("looped_hf.test_time")
+    assert old is curves
+    from looped_hf.test_time import evaluate_recurrences  # the names old code imports
+
+    assert evaluate_recurrences is curves.evaluate_recurrences

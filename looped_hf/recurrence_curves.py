@@ -1,0 +1,424 @@
+"""Test-time scaling curve of a checkpoint: held-out loss at r = 1 .. 4x its training r.
+
+    looped-hf test-time runs/tiny                          # r = 1 .. 4 x trained r
+    looped-hf test-time runs/tiny runs/tiny_sampled_r --compare plots/test_time.png
+    looped-hf test-time runs/tiny --max-factor 8 --batch-size 32
+
+A looped model can run its block any number of times at inference; whether more recurrences
+help, and how far past the trained r they keep helping, is what a user choosing r needs to know
+(a model trained at one fixed r often degrades when run longer; training with a sampled r,
+`recurrence_sampling: poisson_lognormal`, is meant to fix that). For a finished run directory
+this measures the held-out loss on the run's own held-out split (rebuilt from its recipe, as
+``looped-hf publish --verify`` does) at every r from 1 to ``max_factor`` x the trained r, token-
+weighted as the run record's ``loss`` (`looped_hf.train.heldout_loss`), and writes into the run
+directory:
+
+    test_time_scaling.json    the curve and what it was measured on (weights' sha256, tokens)
+    test_time_scaling.md      the same as a markdown table
+    test_time_scaling.png     the plot (`plot_test_time_scaling`)
+
+``decoding_heldout_loss`` measures the held-out loss as decoding sees it (one token at a time
+through a cache), for the settings that act only there: a KV budget and adaptive exit
+(`benchmarks/bench_test_time.py`).
+
+The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
+next to the checkpoint. Models whose parameters are indexed by recurrence step (hyperconnections)
+run only at their trained r and are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PathLike = str | os.PathLike[str]
+
+CURVE_STEM = "test_time_scaling"
+CURVE_JSON = f"{CURVE_STEM}.json"
+CURVE_MD = f"{CURVE_STEM}.md"
+CURVE_PNG = f"{CURVE_STEM}.png"
+RECORD_NAME = "run_record.json"  # looped_hf.train.RECORD_NAME (not imported at module level: torch)
+WEIGHTS_NAME = "model.safetensors"
+DEFAULT_MAX_FACTOR = 4
+
+
+class TestTimeError(ValueError):
+    """A run directory or option the curve cannot be measured for; the message names it."""
+
+    __test__ = False  # not a pytest test class
+
+
+def recurrence_grid(trained_r: int, max_factor: int = DEFAULT_MAX_FACTOR) -> list[int]:
+    """r = 1, 2, ..., max_factor x trained_r (every integer: the curve's shape near the trained r
+    matters as much as its tail)."""
+    if trained_r < 1:
+        raise TestTimeError(f"num_recurrences={trained_r}: must be >= 1")
+    if not isinstance(max_factor, int) or max_factor < 1:
+        raise TestTimeError(f"max_factor={max_factor!r}: must be an integer >= 1")
+    return list(range(1, max_factor * trained_r + 1))
+
+
+def _read_record(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RECORD_NAME
+    if not path.is_file():
+        raise TestTimeError(f"{run_dir} is not a finished run directory: no {RECORD_NAME}")
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record.get("status") != "ok":
+        raise TestTimeError(
+            f"{path}: status={record.get('status')!r}; only finished (ok) runs have a checkpoint"
+        )
+    return record
+
+
+def _check_r_free(config: Any) -> None:
+    """Refuse models whose r cannot change: hyperconnections (r-locked) and models without a loop."""
+    if getattr(config, "is_recurrence_locked", False):
+        raise TestTimeError(
+            f"input_injection={config.input_injection!r}: this model's parameters are indexed by recurrence step, "
+            f"so it runs only at its trained num_recurrences={config.num_recurrences}; it has no test-time curve"
+        )
+    if config.num_recurrent_layers == 0:
+        raise TestTimeError("num_recurrent_layers=0: the model has no loop, r changes nothing")
+
+
+def heldout_curve(
+    model: Any, dataset: Any, recurrences: Sequence[int], batch_size: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Held-out loss of ``model`` at each r in ``recurrences`` (one table row per r).
+
+    Each row: ``num_recurrences``, ``loss`` (nats/token, token-weighted), ``perplexity``,
+    ``eval_tokens``, ``inference_flops_per_token`` at the blocks' length. ``seed`` re-seeds torch
+    before each r, so a model with a random initial state (``state_init: noise``) gives the
+    same curve every time.
+    """
+    import torch
+
+    from looped_hf.train import heldout_loss
+
+    _check_r_free(model.config)
+    seq_len = len(dataset[0]["input_ids"])
+    rows = []
+    for r in recurrences:
+        torch.manual_seed(seed)
+        loss, tokens = heldout_loss(model, dataset, batch_size, num_recurrences=int(r))
+        rows.append({
+            "num_recurrences": int(r),
+            "loss": loss,
+            "perplexity": math.exp(loss) if math.isfinite(loss) and loss < 709 else math.inf,
+            "eval_tokens": tokens,
+            "inference_flops_per_token": model.inference_flops_per_token(seq_len, int(r)),
+        })  # fmt: skip
+    return rows
+
+
+def load_run(run_dir: PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(model in eval mode, tokenizer, held-out split, run record) of a finished run directory.
+
+    The held-out split is rebuilt from the run's recipe (as ``looped-hf publish --verify`` does),
+    so it is the split the run record's ``loss`` was measured on."""
+    from transformers import AutoTokenizer
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.data import heldout_from_recipe
+
+    path = Path(run_dir)
+    record = _read_record(path)
+    model = LoopedForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer, heldout_from_recipe(record.get("recipe") or {}, tokenizer), record
+
+
+def decoding_heldout_loss(
+    model: Any, dataset: Any, batch_size: int, max_blocks: int | None = None, **call_kwargs: Any
+) -> dict[str, float]:
+    """Held-out loss as decoding sees it: every block is fed one token at a time through a cache.
+
+    A plain forward over a block is what training sees; settings that act through the cache (a
+    KV budget) or on each token as it is decoded (adaptive exit) are measured this way instead.
+    ``call_kwargs`` go to every forward (``num_recurrences``, ``kv_budget``, ``exit_criterion``,
+    ...). Returns ``loss`` (nats/token, token-weighted), ``eval_tokens``, and
+    ``mean_recurrences`` (per predicting position; the call's r when there is no adaptive exit).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    rows = dataset[: len(dataset) if max_blocks is None else int(max_blocks)]["input_ids"]
+    device = next(model.parameters()).device
+    r = call_kwargs.get("num_recurrences") or model.config.num_recurrences
+    nll, tokens, recurrences = 0.0, 0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            ids = torch.as_tensor(rows[start : start + batch_size], dtype=torch.long, device=device)
+            cache = DynamicCache(config=model.config)
+            for t in range(ids.shape[1] - 1):
+                out = model(ids[:, t : t + 1], cache=cache, use_cache=True, **call_kwargs)
+                logp = torch.log_softmax(out.logits[:, -1].double(), dim=-1)
+                nll -= float(logp.gather(1, ids[:, t + 1 : t + 2]).sum())
+                used = out.recurrences_used
+                recurrences += float(used.sum()) if used is not None else r * ids.shape[0]
+                tokens += ids.shape[0]
+    loss = nll / max(tokens, 1)
+    return {"loss": loss, "eval_tokens": tokens, "mean_recurrences": recurrences / max(tokens, 1)}
+
+
+def evaluate_recurrences(
+    run_dir: PathLike,
+    *,
+    max_factor: int = DEFAULT_MAX_FACTOR,
+    recurrences: Sequence[int] | None = None,
+    batch_size: int | None = None,
+) -> dict[str, Any]:
+    """The test-time scaling curve of a finished run directory (see the module docstring); writes nothing.
+
+    Args:
+        run_dir: a directory written by ``looped-hf train`` / a sweep (weights, tokenizer, run record).
+        max_factor: r runs from 1 to ``max_factor`` x the trained r.
+        recurrences: explicit r values instead (sorted, each >= 1).
+        batch_size: held-out blocks per forward (default: the run's ``per_device_eval_batch_size``).
+
+    Returns:
+        A JSON-ready dict: ``rows`` (one per r), ``trained_num_recurrences``, ``recurrence_sampling``,
+        ``variant``, ``recorded_loss`` (the run record's loss at the trained r) and provenance.
+
+    Raises:
+        TestTimeError: not a finished run, an r-locked or loop-less model, bad ``recurrences``.
+    """
+    import torch
+
+    from looped_hf.fileio import sha256_file
+    from looped_hf.train import versions
+
+    path = Path(run_dir)
+    model, _, heldout, record = load_run(path)
+    config = model.config
+    _check_r_free(config)
+    trained = int(config.num_recurrences)
+    if recurrences is None:
+        grid = recurrence_grid(trained, max_factor)
+    else:
+        grid = sorted({int(r) for r in recurrences})
+        if not grid or grid[0] < 1:
+            raise TestTimeError(f"recurrences={list(recurrences)!r}: need at least one r, each >= 1")
+    recipe = record.get("recipe") or {}
+    batch = int(batch_size or recipe.get("per_device_eval_batch_size") or 8)
+    if batch < 1:
+        raise TestTimeError(f"batch_size={batch}: must be >= 1")
+    started = time.time()
+    rows = heldout_curve(model, heldout, grid, batch, seed=int(record.get("seed") or 0))
+    at_trained = next((row for row in rows if row["num_recurrences"] == trained), None)
+    best = min(rows, key=lambda row: row["loss"] if math.isfinite(row["loss"]) else math.inf)
+    fpt_trained = model.inference_flops_per_token(len(heldout[0]["input_ids"]), trained)
+    for row in rows:
+        row["relative_compute"] = row["inference_flops_per_token"] / fpt_trained
+    weights = path / WEIGHTS_NAME
+    return {
+        "run_id": record.get("run_id") or path.name,
+        "run_dir": str(path),
+        "trained_num_recurrences": trained,
+        "recurrence_sampling": record.get("recurrence_sampling") or "fixed",
+        "sampled_recurrences": record.get("sampled_recurrences"),
+        "variant": record.get("variant") or "base",
+        "backprop_recurrences": config.backprop_recurrences,
+        "seq_len": len(heldout[0]["input_ids"]),
+        "heldout_blocks": len(heldout),
+        "recorded_loss": record.get("loss"),
+        "loss_at_trained_r": at_trained["loss"] if at_trained else None,
+        "best": {"num_recurrences": best["num_recurrences"], "loss": best["loss"]},
+        "rows": rows,
+        "weights_sha256": sha256_file(weights) if weights.is_file() else None,
+        "wall_time_s": round(time.time() - started, 3),
+        "versions": versions(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _signed(delta: float) -> str:
+    """``+0.0123`` / ``-0.0123``; a difference that rounds to zero reads ``+0.0000``, not ``-0.0000``."""
+    return f"{round(delta, 4) + 0.0:+.4f}"
+
+
+def markdown_table(curve: Mapping[str, Any]) -> str:
+    """The curve as a markdown table (r, loss, perplexity, change vs the trained r, compute)."""
+    trained = curve["trained_num_recurrences"]
+    ref = curve.get("loss_at_trained_r")
+    lines = [
+        "| r | held-out loss (nats/token) | perplexity | vs trained r | inference FLOPs/token (x trained r) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in curve["rows"]:
+        r = row["num_recurrences"]
+        delta = "-" if ref is None else _signed(row["loss"] - ref)
+        mark = f"**{r}** (trained)" if r == trained else str(r)
+        lines.append(
+            f"| {mark} | {row['loss']:.4f} | {row['perplexity']:.2f} | {delta} | "
+            f"{row['inference_flops_per_token']:.3g} (x{row['relative_compute']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def summary_sentence(curve: Mapping[str, Any]) -> str:
+    """One sentence: where the curve is best and what running 2x / max r longer does."""
+    trained = curve["trained_num_recurrences"]
+    ref = curve.get("loss_at_trained_r")
+    rows = {row["num_recurrences"]: row for row in curve["rows"]}
+    best = curve["best"]
+    parts = [f"lowest held-out loss {best['loss']:.4f} at r = {best['num_recurrences']}"]
+    if ref is not None:
+        parts.append(f"{ref:.4f} at the trained r = {trained}")
+        for r in (2 * trained, max(rows)):
+            if r in rows and r != trained:
+                parts.append(f"{_signed(rows[r]['loss'] - ref)} at r = {r}")
+    sampling = curve.get("recurrence_sampling") or "fixed"
+    how = "a fixed r" if sampling == "fixed" else f"a sampled r ({sampling}, mean {trained})"
+    return f"Trained with {how}: " + "; ".join(parts) + "."
+
+
+def plot_test_time_scaling(curves: Any, path: PathLike, title: str | None = None) -> Path:
+    """Held-out loss against the r run at inference, one line per checkpoint; writes a PNG.
+
+    ``curves``: one result of :func:`evaluate_recurrences` (``rows`` of ``num_recurrences`` and
+    ``loss``, ``trained_num_recurrences``) or a list of them. Each checkpoint's trained r gets a
+    hollow circle; a sampled-r run is labelled with its scheme, so fixed-r and sampled-r training
+    read apart. Built on its own Agg figure like ``looped_hf.plotting`` (no pyplot state).
+    """
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    items = [curves] if isinstance(curves, Mapping) else list(curves)
+    if not items:
+        raise ValueError("plot_test_time_scaling: no curves to draw")
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, curve in enumerate(items):
+        rows = curve.get("rows") or []
+        if not rows:
+            raise ValueError(f"plot_test_time_scaling: curve {i} ({curve.get('run_id')!r}) has no rows")
+        rs = np.array([row["num_recurrences"] for row in rows], dtype=float)
+        loss = np.array([row["loss"] for row in rows], dtype=float)
+        trained = curve.get("trained_num_recurrences")
+        sampling = curve.get("recurrence_sampling") or "fixed"
+        label = curve.get("label") or curve.get("run_id") or f"run {i}"
+        label = f"{label} (trained r = {trained}{'' if sampling == 'fixed' else ', ' + sampling})"
+        (line,) = ax.plot(rs, loss, marker="o", ms=3.5, lw=1.6, label=label)
+        at = rs == trained
+        if at.any():
+            ax.scatter(
+                rs[at],
+                loss[at],
+                s=90,
+                facecolors="none",
+                edgecolors=line.get_color(),
+                linewidths=1.5,
+                zorder=3,
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("recurrences r at inference (log2)")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title(title or "test-time scaling: held-out loss vs r (circle: trained r)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def write_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
+    """Write the JSON, the markdown table and the plot into ``out_dir``; returns their paths."""
+    from looped_hf.fileio import write_json_atomic, write_text_atomic
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / CURVE_JSON, dict(curve))
+    text = (
+        f"# Test-time scaling: {curve['run_id']}\n\n"
+        f"Held-out loss (the run's own held-out split, {curve['heldout_blocks']} blocks of {curve['seq_len']} "
+        f"tokens, token-weighted) at r = {curve['rows'][0]['num_recurrences']} .. "
+        f"{curve['rows'][-1]['num_recurrences']}.\n\n{summary_sentence(curve)}\n\n{markdown_table(curve)}\n\n"
+        f"![held-out loss vs r]({CURVE_PNG})\n"
+    )
+    write_text_atomic(out / CURVE_MD, text)
+    png = plot_test_time_scaling(curve, out / CURVE_PNG, title=f"{curve['run_id']}: held-out loss vs r")
+    return [out / CURVE_JSON, out / CURVE_MD, png]
+
+
+def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> dict[str, Any] | None:
+    """The curve saved next to a checkpoint, or None when there is none (or it was measured on other
+    weights: ``weights_sha256`` given and different)."""
+    path = Path(checkpoint_dir) / CURVE_JSON
+    if not path.is_file():
+        return None
+    curve = json.loads(path.read_text(encoding="utf-8"))
+    if weights_sha256 is not None and curve.get("weights_sha256") not in (None, weights_sha256):
+        return None
+    return curve
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="looped-hf test-time",
+        description="Held-out loss of a checkpoint at r = 1 .. max-factor x its trained r: writes "
+        f"{CURVE_JSON}, {CURVE_MD} and {CURVE_PNG} into each run directory.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
+    p.add_argument(
+        "--max-factor", type=int, default=DEFAULT_MAX_FACTOR, help="largest r = this x trained r (4)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="held-out blocks per forward (the run's eval batch)"
+    )
+    p.add_argument(
+        "--compare", default=None, metavar="PNG", help="also draw every run's curve in one plot here"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: 0 ok, 2 a run directory or option that cannot be measured."""
+    args = _parser().parse_args(argv)
+    curves = []
+    try:
+        for run_dir in args.run_dirs:
+            curve = evaluate_recurrences(run_dir, max_factor=args.max_factor, batch_size=args.batch_size)
+            paths = write_curve(curve, run_dir)
+            print(
+                f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"
+            )
+            curves.append(curve)
+    except (TestTimeError, FileNotFoundError) as err:
+        print(f"looped-hf test-time: {err}", file=sys.stderr)
+        return 2
+    if args.compare:
+        print(f"-> {plot_test_time_scaling(curves, args.compare)}")
+    return 0
+
+
+__all__ = [
+    "CURVE_JSON",
+    "CURVE_MD",
+    "CURVE_PNG",
+    "TestTimeError",
+    "evaluate_recurrences",
+    "decoding_heldout_loss",
+    "heldout_curve",
+    "load_curve",
+    "load_run",
+    "markdown_table",
+    "plot_test_time_scaling",
+    "recurrence_grid",
+    "summary_sentence",
+    "write_curve",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
