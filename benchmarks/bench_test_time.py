@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from looped_hf.test_time import decoding_heldout_loss, load_run
+from looped_hf.recurrence_curves import decoding_heldout_loss, load_run
 
 
 def cache_bytes(cache: DynamicCache) -> int:

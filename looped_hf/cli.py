@@ -15,9 +15,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("looped_hf.train", "train one model from a recipe (YAML); flags override the file"),
     "sweep": ("looped_hf.sweep", "plan (--dry-run) or run a resumable iso-depth sweep, --jobs N runs at once"),
     "fit": ("looped_hf.scaling.cli", "fit the looped scaling law (phi) to a sweep's results"),
+    "plan": ("looped_hf.planner", "from a fit: compute-optimal width, r and tokens per budget, predicted loss"),
     "card": ("looped_hf.cards", "write a sweep's model card (phi, plots, runs)"),
     "publish": ("looped_hf.publish", "write a Hub-ready folder for one run; --push uploads it"),
-    "test-time": ("looped_hf.test_time", "held-out loss of a checkpoint at r = 1 .. 4x its trained r (table + plot)"),
+    "convert": ("looped_hf.convert", "convert a study (nanochat) checkpoint into a Hub-ready looped_hf folder"),
+    "test-time": ("looped_hf.recurrence_curves", "held-out loss of a checkpoint at r = 1 .. 4x its trained r (table + plot)"),
     "demo": ("looped_hf.demo", "the main job: tiny iso-depth sweep -> fit -> cards"),
 }
 

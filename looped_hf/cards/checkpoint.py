@@ -238,7 +238,7 @@ def render_checkpoint_card(
     """The model card of one checkpoint (``model``: the loaded ``LoopedForCausalLM``).
 
     ``test_time``: the checkpoint's test-time scaling curve (``looped-hf test-time``: a result of
-    ``looped_hf.test_time.evaluate_recurrences`` or the path of its JSON). ``None``: the
+    ``looped_hf.recurrence_curves.evaluate_recurrences`` or the path of its JSON). ``None``: the
     ``test_time_scaling.json`` next to the checkpoint the model was loaded from, if there is one
     measured on these weights. The card then shows the held-out loss at every r measured, and
     ``test_time_plot`` (a path relative to the card, e.g. ``test_time_scaling.png`` copied beside
@@ -311,7 +311,7 @@ def render_checkpoint_card(
 
 def _test_time_curve(model: Any, test_time: Mapping[str, Any] | PathLike | None) -> Mapping[str, Any] | None:
     """The test-time curve to show: the one given, or the one saved beside the loaded checkpoint."""
-    from looped_hf.test_time import CURVE_JSON, load_curve
+    from looped_hf.recurrence_curves import CURVE_JSON, load_curve
 
     if isinstance(test_time, Mapping):
         return test_time
@@ -329,12 +329,12 @@ def _test_time_curve(model: Any, test_time: Mapping[str, Any] | PathLike | None)
 
 
 def _test_time_summary(curve: Mapping[str, Any]) -> str:
-    from looped_hf.test_time import summary_sentence
+    from looped_hf.recurrence_curves import summary_sentence
 
     return summary_sentence(curve)
 
 
 def _test_time_table(curve: Mapping[str, Any]) -> str:
-    from looped_hf.test_time import markdown_table
+    from looped_hf.recurrence_curves import markdown_table
 
     return markdown_table(curve)
