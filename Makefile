@@ -1,6 +1,7 @@
 # The main job and the tests, one command each.
 #   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~10 min, 2 CPU cores)
-#   make test    install, then the test suite (offline, CPU)
+#   make test    install, then the test suite (offline, CPU) without the few multi-process end-to-end
+#                tests marked slow, on 2 workers; `make test-slow` runs those (CI runs both)
 # Re-running `make demo` resumes the sweep where it stopped.
 
 PYTHON ?= python
@@ -20,7 +21,10 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test lint
+# pytest-xdist workers for `make test` (each runs torch on one thread).
+TEST_WORKERS ?= 2
+
+.PHONY: install demo test test-slow lint
 
 # torch first and pinned, so that `pip install -e .` (torch>=2.5) finds it satisfied.
 install:
@@ -31,7 +35,10 @@ demo: install
 	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP) $(if $(JOBS),--jobs $(JOBS))
 
 test: install
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests -m "not slow" -n $(TEST_WORKERS)
+
+test-slow:
+	$(PYTHON) -m pytest tests -m slow
 
 lint:
 	ruff check .

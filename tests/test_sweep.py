@@ -141,6 +141,7 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tiny_recipe, tmp_path, m
     assert by_id["loop2-w32-b0"]["n_rec"] > 0 and by_id["loop2-w32-b0"]["budget"] == 6e8
 
 
+@pytest.mark.slow  # several processes: minutes on a busy 2-core machine; CI runs it
 def test_submitit_executor_runs_jobs_with_the_local_cluster(tiny_recipe, tmp_path, monkeypatch):
     pytest.importorskip("submitit")
     env = subprocess_env()
@@ -156,6 +157,7 @@ def test_submitit_executor_runs_jobs_with_the_local_cluster(tiny_recipe, tmp_pat
     assert len(read_jsonl(sweep_dir / "results.jsonl")) == 1  # the job appended; the runner did not again
 
 
+@pytest.mark.slow  # several processes: minutes on a busy 2-core machine; CI runs it
 def test_accelerate_executor_runs_each_run_on_two_processes(tiny_recipe, tmp_path, monkeypatch):
     env = subprocess_env()
     for key in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS"):

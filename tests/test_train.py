@@ -97,6 +97,7 @@ def test_rerun_resumes_from_the_last_checkpoint(tiny_recipe, tmp_path):
     assert second["tokens"] == 6 * 4 * 32  # the checkpointed token count carries over
 
 
+@pytest.mark.slow  # several processes: minutes on a busy 2-core machine; CI runs it
 def test_accelerate_two_processes_log_once_and_count_both(tiny_recipe, tmp_path):
     recipe = dict(
         tiny_recipe, max_steps=3, per_device_train_batch_size=2, results_file=str(tmp_path / "results.jsonl")

@@ -463,6 +463,7 @@ print(f"TP-OK rank {dist.get_rank()}")
 """
 
 
+@pytest.mark.slow  # several processes: minutes on a busy 2-core machine; CI runs it
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
 def test_tensor_parallel_from_pretrained_on_two_cpu_processes(tmp_path):
     model = tiny_model()
