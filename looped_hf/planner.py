@@ -654,10 +654,10 @@ class Plan:
         )  # fmt: skip
         return (
             f"Law: L = E + A (N_once + r^phi N_rec)^-alpha + B D^-beta with phi = {_fmt_phi(self.params)}; family "
-            f"{self.family['source']} (widths in steps of {self.family['width_step']}, seq_len {self.family['seq_len']}). "
+            f"{Path(self.family['source']).name} (widths in steps of {self.family['width_step']}, seq_len {self.family['seq_len']}). "
             f"Unique params: N_once + N_rec (no embedding, no head); performs like: N_once + r^phi N_rec; costs like: "
             f"the non-looped member with the same training FLOPs per token; band: {band}. Inference FLOPs per token "
-            f"at context {self.family['seq_len']}; KV bytes per token of context at {self.settings['kv_bytes_per_element']} "
+            f"at context {self.family['seq_len']}; KV bytes per token of context at {self.settings['kv_bytes_per_element']:g} "
             "bytes per element."
         )
 

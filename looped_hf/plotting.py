@@ -290,6 +290,35 @@ def plot_residuals(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path
     return _save(fig, path)
 
 
+def plot_plan_frontier(frontier: dict[str, Any], path: PathLike) -> Path:
+    """Predicted loss against training FLOPs along each r's compute-optimal frontier, with its 95%
+    band (``looped_hf.planner.frontier``'s arrays); budgets beyond the sweep's are shaded."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    budgets = np.asarray(frontier["budgets"], float)
+    rs = np.array(sorted(frontier["lines"]), float)
+    colors = _colors(rs)
+    for r in rs:
+        line = frontier["lines"][int(r)]
+        ax.plot(budgets, line["loss"], color=colors[r], lw=1.6, label=f"r = {r:g}")
+        if all(v is not None for v in line["low"]):
+            ax.fill_between(budgets, line["low"], line["high"], color=colors[r], alpha=0.12, lw=0)
+    sweep = frontier.get("sweep_budgets")
+    if sweep:
+        ax.axvspan(sweep[1], budgets.max(), color="0.5", alpha=0.08, lw=0, label="beyond the sweep (extrapolated)")
+        ax.axvline(sweep[1], color="0.4", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel("predicted loss at the compute-optimal width (nats/token)")
+    phi = frontier.get("phi")
+    band = f"bands: 95% over {frontier['n_resamples']} resamples" if frontier.get("n_resamples") else "no bootstrap"
+    ax.set_title(f"compute-optimal frontier per r (phi = {phi:.3g}; {band})" if phi is not None
+                 else f"compute-optimal frontier ({band})", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.25)
+    return _save(fig, path)
+
+
 def plot_fit(fit: ScalingLawFit, out_dir: PathLike, runs: Any = None) -> list[Path]:
     """All fit plots that apply into ``out_dir``; their paths.
 

@@ -243,3 +243,23 @@ def test_cli(tmp_path, capsys):
     assert "--recipe" in capsys.readouterr().err
     assert main([str(DEMO_FIT), "--budget", "1e12", "--recipe", str(TINY), "--recurrences", "3"]) == 2
     assert "r=3" in capsys.readouterr().err
+
+
+def test_sweep_card_section_what_this_phi_means(demo_fit, tiny_family, tmp_path):
+    """The sweep card's section: the plan at the sweep's largest budget, 10x and 100x (marked as
+    extrapolation), and the frontier plot, rendered by the sweep template."""
+    from looped_hf.cards.sweep import PLAN_PLOT, plan_section, render_sweep_card
+    from looped_hf.fileio import append_jsonl
+
+    section = plan_section(demo_fit, TINY, tmp_path / "plots")
+    assert (tmp_path / "plots" / PLAN_PLOT).stat().st_size > 10_000
+    top = float(demo_fit.runs.budget.max())
+    for c in (top, 10 * top, 100 * top):
+        assert f"| {c:.3g} | 8 |" in section
+    assert "budget 10x the sweep's largest" in section and "budget 100x the sweep's largest" in section
+    assert str(REPO) not in section  # no machine-local paths in a card
+    for rec in demo_fit.runs.to_records():
+        append_jsonl(tmp_path / "results.jsonl", {**rec, "status": "ok", "run_id": rec["label"]})
+    card = render_sweep_card(tmp_path, demo_fit, [], commands=["x"], plan=section).content
+    assert "## What this phi means for you" in card and f"(plots/{PLAN_PLOT})" in card
+    assert "## What this phi means for you" not in render_sweep_card(tmp_path, demo_fit, [], commands=["x"]).content

@@ -222,6 +222,51 @@ def _plots(fit: ScalingLawFit, plots_dir: Path) -> list[dict[str, str]]:
     return out
 
 
+PLAN_PLOT = "plan_frontier.png"
+
+
+def plan_section(fit: ScalingLawFit, recipe: PathLike, plots_dir: PathLike) -> str | None:
+    """The card's "what this phi means for you" section (markdown), and its plot into ``plots_dir``.
+
+    The plan (``looped_hf.planner``) at the sweep's largest budget and at 10x and 100x beyond it,
+    over the sweep's r, from the sweep's own recipe. None when there is nothing to plan (no phi, no
+    runs with budgets); a short statement when the recipe cannot give the family."""
+    import numpy as np
+
+    from looped_hf import plotting
+    from looped_hf.planner import ArchitectureFamily, frontier, plan
+
+    runs = fit.runs
+    if fit.params.get("phi") is None or runs is None or runs.budget is None:
+        return None
+    try:
+        family = ArchitectureFamily.from_recipe(recipe)
+        top = float(np.max(runs.budget))
+        budgets = [top, 10 * top, 100 * top]
+        result = plan(fit, budgets, family=family)
+        line = frontier(fit, list(np.geomspace(float(np.min(runs.budget)), 100 * top, 25)), family=family)
+    except (ValueError, FileNotFoundError) as err:
+        return f"No plan: the sweep recipe `{Path(recipe).name}` does not give the model family ({err})."
+    plotting.plot_plan_frontier(line, Path(plots_dir) / PLAN_PLOT)
+    fit_path = f"{FIT_NAME} --recipe SWEEP_DIR/{Path(recipe).name}"
+    return "\n".join([
+        f"The fitted law, read as a decision: for a training budget C, the compute-optimal width, tokens and "
+        f"predicted loss at each r, for this sweep's model family. Budgets above {top:.3g} FLOPs (the sweep's "
+        "largest) are extrapolations of the law and are marked so; the band is the spread of the optimal loss over "
+        "the bootstrap resamples, each planning its own optimum.",
+        "",
+        result.to_markdown(),
+        "",
+        f"![predicted loss against training FLOPs along each r's compute-optimal frontier]({PLOTS_DIR}/{PLAN_PLOT})",
+        "",
+        "*Predicted loss against training FLOPs, one line per r along its compute-optimal frontier (the width "
+        "with the lowest predicted loss at each budget), with the 95% band; shaded: beyond the sweep's budgets.*",
+        "",
+        f"Other budgets, r, tokens to serve (`--inference-tokens`), a KV budget or a target loss: "
+        f"`looped-hf plan {fit_path} --budget {budgets[1]:.3g}`.",
+    ])  # fmt: skip
+
+
 def _versions() -> dict[str, str]:
     from looped_hf.train import versions
 
@@ -251,8 +296,10 @@ def render_sweep_card(
     best: Mapping[str, Any] | None = None,
     best_where: str = "",
     license: str = "apache-2.0",
+    plan: str | None = None,
 ) -> ModelCard:
-    """The sweep's card (``plots``: template entries from :func:`_plots`, paths relative to the card)."""
+    """The sweep's card (``plots``: template entries from :func:`_plots`, paths relative to the card;
+    ``plan``: the markdown of :func:`plan_section`)."""
     from looped_hf import __version__
     from looped_hf.sweep import RECIPE_COPY, RESULTS_NAME, read_jsonl
 
@@ -315,6 +362,7 @@ def render_sweep_card(
         },  # fmt: skip
         looped_hf_link=_project_link(),
         looped_hf_version=__version__,
+        plan_section=plan,
     )
 
 
@@ -343,8 +391,11 @@ def write_sweep_card(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         plots = _plots(fit, tmp / PLOTS_DIR)
+        from looped_hf.sweep import RECIPE_COPY
+
+        plan = plan_section(fit, sweep / RECIPE_COPY, tmp / PLOTS_DIR)
         card = render_sweep_card(
-            sweep, fit, plots, commands=commands, best=best, best_where=best_where, license=license
+            sweep, fit, plots, commands=commands, best=best, best_where=best_where, license=license, plan=plan
         )
         card.save(tmp / CARD_NAME)
         fit.to_json(tmp / FIT_NAME)
