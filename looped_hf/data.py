@@ -86,6 +86,9 @@ _LOCAL_BUILDERS = {
     ".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow",
 }  # fmt: skip
 _COMPRESSION_SUFFIXES = {".gz", ".xz", ".bz2", ".zst", ".lz4"}
+# DataArguments fields that only shape text -> blocks; prepacked data rejects non-default values.
+_TEXT_ONLY_FIELDS = ("dataset_config", "text_column", "text_sample_by", "streaming_eval_fraction",
+                     "stratify_column", "pack_batch_docs", "num_proc")  # fmt: skip
 
 
 @dataclass
@@ -157,6 +160,18 @@ class DataArguments:
         },
     )
     num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (None = 1)."})
+    prepacked: bool = field(
+        default=False,
+        metadata={"help": "dataset is already tokenized and packed in the study's format (a local directory or "
+                  "Hub dataset repo of {split}-*.parquet shards with a `tokens` column of seq_len + 1 tokens per "
+                  "row and meta_{split}.json; `looped-hf prepare-data` makes it): rows are read in file order, "
+                  "dataset_split is the train split, the held-out set is the first eval_blocks rows of "
+                  "eval_split. Text settings (text_column, stratify_column, ...) do not apply."},
+    )  # fmt: skip
+    eval_split: str = field(
+        default="val",
+        metadata={"help": "prepacked only: the split whose first eval_blocks rows are the held-out set."},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -185,6 +200,34 @@ class DataArguments:
             raise ValueError(f"DataArguments.num_proc must be >= 1 or None, got {self.num_proc}")
         if not self.text_column:
             raise ValueError(f"DataArguments.text_column must be a column name, got {self.text_column!r}")
+        self._check_prepacked_fields()
+
+    def _check_prepacked_fields(self) -> None:
+        """No setting is silently unused: text-only fields with prepacked data, eval_split without."""
+        defaults = {f.name: f.default for f in fields(self) if f.init}
+        if not self.prepacked:
+            if self.eval_split != defaults["eval_split"]:
+                raise ValueError(
+                    f"DataArguments.eval_split={self.eval_split!r}: used only with prepacked: true (text data "
+                    "carves its held-out split out of dataset_split by document hash)"
+                )
+            return
+        if self.dataset is None or self.dataset == EMBEDDED:
+            raise ValueError(
+                f"DataArguments.prepacked=True needs dataset to name prepacked shards (a directory or Hub "
+                f"repo), got {self.dataset!r}"
+            )
+        for name in _TEXT_ONLY_FIELDS:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(
+                    f"DataArguments.{name}={getattr(self, name)!r}: a text setting, not used with prepacked: "
+                    "true (the rows are already tokenized and packed); remove it"
+                )
+        if self.eval_split == self.dataset_split:
+            raise ValueError(
+                f"DataArguments.eval_split={self.eval_split!r}: the same split as dataset_split; held-out rows "
+                "would be trained on"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +349,31 @@ def _ensure_special_tokens(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tok
 
 
+def split_tokenizer_spec(spec: str | None) -> tuple[str | None, list[str]]:
+    """``"NAME+TOKEN+..."`` -> ``(NAME, [TOKEN, ...])``: a tokenizer plus special tokens added to it.
+
+    The study's tokenizer is ``NousResearch/Llama-2-7b-hf+<|assistant_end|>`` (nanochat/tokenizer.py:
+    Llama-2's 32,000 tokens plus one added special token, vocabulary 32,001). One string, so every
+    place that loads a recipe's tokenizer by name gets the same vocabulary. An existing local path
+    is taken whole; Hub ids cannot contain ``+``.
+    """
+    if spec is None or "+" not in spec or os.path.exists(spec):
+        return spec, []
+    name, *extra = spec.split("+")
+    if not name or not all(extra):
+        raise ValueError(f"DataArguments.tokenizer={spec!r}: expected NAME+TOKEN[+TOKEN...], with no empty part")
+    return name, extra
+
+
+def add_study_special_tokens(raw_tokenizer: Any, tokens: Sequence[str]) -> None:
+    """Add ``tokens`` to a ``tokenizers.Tokenizer`` as nanochat/tokenizer.py does: special
+    ``AddedToken``s after the base vocabulary, ids in order."""
+    from tokenizers import AddedToken
+
+    if tokens:
+        raw_tokenizer.add_special_tokens([AddedToken(t, special=True) for t in tokens])
+
+
 def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
     """Load a tokenizer by name: the embedded BPE, the byte-level one, a local path or a Hub name.
 
@@ -314,25 +382,37 @@ def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
             trained on the embedded corpus, ~3.3 characters per token). ``"bytes"``: one token per
             UTF-8 byte plus EOS and PAD (258 tokens; needs no file, for unit tests). A path to a
             ``tokenizer.json`` file or to a directory saved with ``save_pretrained``; otherwise a
-            Hub name through ``AutoTokenizer.from_pretrained``.
+            Hub name through ``AutoTokenizer.from_pretrained``. Any of these followed by
+            ``+TOKEN[+TOKEN...]`` adds those special tokens (see ``split_tokenizer_spec``; the
+            study's: ``NousResearch/Llama-2-7b-hf+<|assistant_end|>``).
 
     Returns:
         A transformers tokenizer with ``eos_token`` and a ``pad_token`` distinct from it (added if
         the loaded one lacks them, see ``_ensure_special_tokens``). Use ``len(tokenizer)`` as the
         model's vocabulary size.
     """
+    spec = name
+    name, extra = split_tokenizer_spec(spec)
+    raw = None
     if name is None or name == EMBEDDED:
         from tokenizers import Tokenizer
 
-        tok = _wrap(Tokenizer.from_file(str(embedded_tokenizer_path())), "looped_hf/embedded-bpe-4096")
+        raw, label = Tokenizer.from_file(str(embedded_tokenizer_path())), "looped_hf/embedded-bpe-4096"
     elif name == BYTES:
-        tok = _wrap(_byte_tokenizer_object(), "looped_hf/bytes")
+        raw, label = _byte_tokenizer_object(), "looped_hf/bytes"
     elif os.path.isfile(name) and name.endswith(".json"):
         from tokenizers import Tokenizer
 
-        tok = _wrap(Tokenizer.from_file(name), name)
+        raw, label = Tokenizer.from_file(name), name
+    if raw is not None:
+        add_study_special_tokens(raw, extra)  # before wrapping: exactly the study's step
+        tok = _wrap(raw, label if not extra else spec)
     else:
         tok = AutoTokenizer.from_pretrained(name)  # local directory or Hub name
+        if extra:
+            from tokenizers import AddedToken
+
+            tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in extra], special_tokens=True)
     tok = _ensure_special_tokens(tok)
     # Decoder-only generation pads on the left, so every prompt of a batch ends at the last
     # position; the tokenizer saved with each checkpoint carries this. Training packs full blocks
@@ -654,6 +734,10 @@ def build_datasets(
             plus one training block.
     """
     args.validate()
+    if args.prepacked:
+        from looped_hf.prepack import load_prepacked
+
+        return load_prepacked(args, tokenizer)
     kind, kwargs, identity = _resolve_source(args)
     key = _cache_key(args, tokenizer, identity)
     root = _cache_root(args) / "tokenized"
@@ -746,10 +830,20 @@ def heldout_from_recipe(recipe: Mapping[str, Any], tokenizer: PreTrainedTokenize
 
 
 def collator(
-    tokenizer: PreTrainedTokenizerBase | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None, data_args: DataArguments | None = None
 ) -> Callable[[list[Mapping[str, Any]]], dict[str, torch.Tensor]]:
-    """The data collator to give the ``Trainer`` for blocks from ``build_datasets``."""
+    """The data collator to give the ``Trainer`` for rows from ``build_datasets(data_args, ...)``.
+
+    Blocks of text data: ``PackedBlockCollator``. Prepacked rows (``data_args.prepacked``) of
+    ``seq_len + 1`` tokens: ``PrepackedRowCollator``, the study's inputs ``row[:-1]`` and targets
+    ``row[1:]``. (Given whole to ``PackedBlockCollator``, such a row trains on the same targets, as
+    the model's loss shifts, but counts one input token more per row.)
+    """
     del tokenizer  # kept in the signature so the call site reads like transformers' collators
+    if data_args is not None and data_args.prepacked:
+        from looped_hf.prepack import PrepackedRowCollator
+
+        return PrepackedRowCollator(data_args.seq_len)
     return PackedBlockCollator()
 
 
@@ -769,6 +863,7 @@ __all__ = [
     "EOS_TOKEN",
     "PAD_TOKEN",
     "PackedBlockCollator",
+    "add_study_special_tokens",
     "build_datasets",
     "collator",
     "data_stats",
@@ -779,5 +874,6 @@ __all__ = [
     "heldout_from_recipe",
     "iter_documents",
     "load_tokenizer",
+    "split_tokenizer_spec",
     "tokenizer_fingerprint",
 ]
