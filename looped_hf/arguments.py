@@ -40,6 +40,8 @@ LR_SCHEDULES = ("study", "trainer")
 # The keys that set a run's length; a command-line flag for one of them replaces the others
 # given in the file ("flags override the file" would otherwise produce a conflict error).
 LENGTH_FIELDS = ("max_steps", "train_tokens", "train_flops_budget")
+# How a token target becomes whole optimizer steps (`steps_for_tokens`): up = ceil, nearest = round.
+STEPS_ROUNDINGS = ("up", "nearest")
 
 
 class RecipeError(ValueError):
@@ -96,6 +98,15 @@ class ModelArguments:
     initializer_range: float = field(default=0.02, metadata={"help": "Std of the normal weight init."})
     max_position_embeddings: int | None = field(
         default=None, metadata={"help": "None = max(seq_len, 2048), LoopedConfig's default."}
+    )
+    pad_vocab_size_to_multiple_of: int = field(
+        default=1,
+        metadata={"help": "Embedding and head rows: the vocabulary rounded up to this multiple (the study: 64; "
+                  "logits keep vocab_size columns; the padded head rows count in the FLOPs). 1: no padding."},
+    )  # fmt: skip
+    rope_table_dtype: str | None = field(
+        default=None,
+        metadata={"help": "None: full-precision rotary tables; bfloat16: rounded to bf16, as the study's model."},
     )
 
     def __post_init__(self) -> None:
@@ -166,6 +177,8 @@ class ModelArguments:
                 embedding_norm=self.embedding_norm,
                 tie_word_embeddings=self.tie_word_embeddings,
                 initializer_range=self.initializer_range,
+                pad_vocab_size_to_multiple_of=self.pad_vocab_size_to_multiple_of,
+                rope_table_dtype=self.rope_table_dtype,
                 bos_token_id=bos_token_id,
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
@@ -241,7 +254,15 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     train_flops_budget: float | None = field(
         default=None,
-        metadata={"help": "Train for budget / training_flops_per_token tokens (rounded up to whole steps)."},
+        metadata={"help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."},
+    )
+    train_steps_rounding: str = field(
+        default="up",
+        metadata={
+            "help": "How train_tokens / train_flops_budget become whole optimizer steps. up: ceil (never fewer "
+            "tokens than the target, at most one step more); nearest: round(tokens / tokens_per_step), as the "
+            "study's base_train.py (round(C / (flops_per_token x B)))."
+        },
     )
     torch_num_threads: int | None = field(
         default=None,
@@ -301,6 +322,11 @@ class LoopedTrainingArguments(TrainingArguments):
         if self.train_flops_budget is not None and not self.train_flops_budget > 0:
             raise RecipeError(
                 f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0"
+            )
+        if self.train_steps_rounding not in STEPS_ROUNDINGS:
+            raise RecipeError(
+                f"LoopedTrainingArguments.train_steps_rounding={self.train_steps_rounding!r}: must be one of "
+                f"{STEPS_ROUNDINGS}"
             )
         self._check_recurrence_sampling()
         given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
@@ -521,18 +547,25 @@ def tokens_per_step(training_args: TrainingArguments, seq_len: int, world_size: 
     )
 
 
-def steps_for_tokens(tokens: float, step_tokens: int, field_name: str, value: Any) -> int:
-    """Optimizer steps for a token target: ceil(tokens / step_tokens).
+def steps_for_tokens(
+    tokens: float, step_tokens: int, field_name: str, value: Any, rounding: str = "up"
+) -> int:
+    """Optimizer steps for a token target: ceil(tokens / step_tokens), or round() for "nearest".
 
-    Rounding up means a run never trains on less than its target; it overshoots by less than one
-    step (recorded: `tokens` and `train_flops` in the run record are the actual counts). A target
-    below one full step is an error naming `field_name`.
+    Rounding up (the default) means a run never trains on less than its target; it overshoots by
+    less than one step (recorded: `tokens` and `train_flops` in the run record are the actual
+    counts). "nearest" is the study's rule (base_train.py: round(C / (flops_per_token x B))), off
+    by at most half a step either way. A target below one full step is an error naming `field_name`.
     """
+    if rounding not in STEPS_ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}: must be one of {STEPS_ROUNDINGS}")
     if tokens < step_tokens:
         raise RecipeError(
             f"{field_name}={value}: buys {tokens:.4g} tokens, less than one optimizer step "
             f"({step_tokens} tokens = batch x accumulation x processes x seq_len)"
         )
+    if rounding == "nearest":
+        return round(tokens / step_tokens)
     return math.ceil(tokens / step_tokens - 1e-9)
 
 

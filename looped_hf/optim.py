@@ -32,7 +32,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from looped_hf.arguments import LoopedTrainingArguments
 
 # --- HyperP constants, all from the study's scripts/base_train.py --------------------------------
-#: Reference batch in tokens per optimizer step (B_REF = 2**18); every lr scales by (B / B_REF)^0.558.
+#: Reference batch in tokens per optimizer step (B_REF = 2**18); every lr scales by (B / B_REF)^0.558
+#: (the study's script leaves the norm and hyperconnection lrs out; see hyperp_learning_rates).
 HYPERP_BATCH_REF = 2**18
 HYPERP_BATCH_EXPONENT = 0.558  # HyperP section 5.4
 #: The matrix lr scales by (T / D_REF)^-0.32 (HyperP section 3.4): wider models under iso-FLOP
@@ -43,7 +44,8 @@ HYPERP_DATA_EXPONENT = -0.32
 HYPERP_REF_WIDTH = 640
 HYPERP_REF_DATA_RATIO = 10
 #: The reference shapes (build_reference_model): looped runs (r > 1) -> prelude 2, block 4 x 4,
-#: coda 2 with linear injection; non-looped runs -> 20 layers, r = 1, no injection.
+#: coda 2 with linear injection; non-looped runs -> 20 layers, r = 1, no injection. The reference
+#: is built with r = 4, but its scaling params are counted at the RUN's r (see hyperp_reference_tokens).
 HYPERP_REF_LOOPED = {"num_prelude_layers": 2, "num_recurrent_layers": 4, "num_coda_layers": 2,
                      "num_recurrences": 4, "input_injection": "linear"}  # fmt: skip
 HYPERP_REF_PLAIN = {"num_prelude_layers": 0, "num_recurrent_layers": 20, "num_coda_layers": 0,
@@ -356,7 +358,8 @@ def hyperp_reference_config(config: Any) -> Any:
     Width 640 rounded up to a multiple of the run's head_dim, heads = width / head_dim, the
     study's block (MLP 4d for relu2) with the run's activation and norm switches; shape 2-4x4-2
     with linear injection if the run loops (r > 1), else 20 layers at r = 1: the reference is
-    "of the same kind", whatever the run's own r, truncation or hyperconnections.
+    "of the same kind", whatever the run's own truncation or hyperconnections. Its `num_recurrences`
+    is the study's 4; `hyperp_reference_tokens` counts its scaling params at the run's r.
     """
     from looped_hf.configuration_looped import LoopedConfig
 
@@ -364,24 +367,31 @@ def hyperp_reference_config(config: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _reference_tokens(fields: tuple[tuple[str, Any], ...]) -> int:
+def _reference_params(fields: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
     # Cached: a sweep plans a hundred runs against two reference models.
+    from transformers.initialization import no_init_weights
+
     from looped_hf.configuration_looped import LoopedConfig
     from looped_hf.modeling_looped import LoopedForCausalLM
 
-    ref = LoopedConfig(**dict(fields))
-    with torch.device("meta"):
-        params = LoopedForCausalLM(ref).num_scaling_params()
-    return HYPERP_REF_DATA_RATIO * (params["once"] + ref.num_recurrences * params["recurrent"])
+    with torch.device("meta"), no_init_weights():  # shapes only: no init needed
+        params = LoopedForCausalLM(LoopedConfig(**dict(fields))).num_scaling_params()
+    return int(params["once"]), int(params["recurrent"])
 
 
 def hyperp_reference_tokens(config: Any) -> int:
-    """D_REF = 10 x the scaling params of the reference model of `config`'s kind.
+    """D_REF = 10 x the scaling params of the reference model of `config`'s kind, at `config`'s r.
 
     Scaling params are the study's `effective_params(exclude_embedding=True)`: N_once + r N_rec,
-    from the model's own accounting (`num_scaling_params`, built on the meta device).
+    from the model's own accounting (`num_scaling_params`, built on the meta device). r is the
+    RUN's `num_recurrences`, not the reference's 4: the study's get_scaling_params reads
+    `model_config.num_recur` of the training model for the reference too (scripts/base_train.py),
+    so D_REF is 606M / 1016M / 1836M for r = 2 / 4 / 8 at width 640, head 128, vocab 32,001, and
+    looped runs of the same size and budget get different matrix lrs (-15% at r = 2, +21% at
+    r = 8 against r = 4). We follow it: these are the lrs the study's phi was measured with.
     """
-    return _reference_tokens(_reference_fields(config))
+    once, recurrent = _reference_params(_reference_fields(config))
+    return HYPERP_REF_DATA_RATIO * (once + int(config.num_recurrences) * recurrent)
 
 
 def hyperp_learning_rates(
@@ -399,10 +409,12 @@ def hyperp_learning_rates(
         matrix lr        x (T / D_REF)^-0.32            T = train_tokens, D_REF: `hyperp_reference_tokens`
         AdamW group lrs  x (d / 640)^-0.5               d = config.hidden_size
 
-    (The study's script batch-scales the matrix, embedding and lm_head lrs and leaves the norm and
-    hyperconnection lrs at 0.005 and 0.01; issue 8 scales every lr. At its 262,144-token batch the
-    two agree.) The sweep planner and `looped-hf train` both call this, so a planned run and a
-    single run with the same batch, tokens and width get the same lrs.
+    One deliberate difference: the study's base_train.py batch-scales only the matrix, embedding
+    and lm_head lrs; setup_optimizer sets the norm (0.005) and hyperconnection (0.01) lrs itself,
+    unscaled. Issue 8 scales every lr, as HyperP scales every AdamW group. At the study's
+    262,144-token batch (the paper recipes) the two agree to the digit; at 2^19 tokens per step the
+    study's norm lr would be 32% below ours. The sweep planner and `looped-hf train` both call this,
+    so a planned run and a single run with the same batch, tokens and width get the same lrs.
     """
     base = LearningRates(
         matrix=args.muon_learning_rate,

@@ -55,9 +55,14 @@ def test_sweep_recipe_plans_iso_depth_runs_on_budget(path):
     plan = _plan(path)
     depth = plan.sweep.effective_depth
     assert {r.effective_num_layers for r in plan.runs} == {depth}
+    nearest = plan.base_recipe.get("train_steps_rounding") == "nearest"  # the paper recipes, as the study
     for run in plan.runs:
-        # ceil to whole steps: never under budget, over by < 1%
-        assert run.budget <= run.flops <= 1.01 * run.budget, run.run_id
+        # Whole steps within 1% of the budget: rounded up, never under it; to the nearest, within half a step.
+        if nearest:
+            assert abs(run.tokens - run.budget / run.flops_per_token) <= plan.tokens_per_step / 2, run.run_id
+            assert abs(run.flops - run.budget) <= 0.01 * run.budget, run.run_id
+        else:
+            assert run.budget <= run.flops <= 1.01 * run.budget, run.run_id
         assert run.tokens == run.steps * plan.tokens_per_step
         if run.num_recurrences == 1:
             assert (run.num_prelude_layers, run.num_coda_layers, run.input_injection) == (0, 0, "none")

@@ -213,6 +213,13 @@ class SweepPlan:
         lines.append(
             f"{len(self.runs)} runs ({arch_counts}); {total:.3g} training FLOPs in all; "
             f"{self.tokens_per_step:,} tokens per step; seq_len {self.seq_len}; vocab {self.vocab_size}"
+            + self._padding_note()
+        )
+        rounding = self.base_recipe.get("train_steps_rounding", "up")
+        lines.append(
+            "steps: budget / (FLOPs per token x tokens per step), "
+            + ("rounded to the nearest (as the study)" if rounding == "nearest" else "rounded up (never under budget)")
+            + " (train_steps_rounding)"
         )
         if self.eval_blocks is not None:
             lines.append(
@@ -223,8 +230,9 @@ class SweepPlan:
         if scaled:
             lines.append(
                 f"lrs: HyperP per run (looped_hf.optim.hyperp_learning_rates): every lr x (B / 262,144)^0.558 = "
-                f"x{scaled[0]['batch_scale']:.4g}; matrix lr x (T / D_REF)^-0.32 with D_REF "
-                + ", ".join(sorted({f"{lr['reference_tokens']:,}" for lr in scaled}))
+                f"x{scaled[0]['batch_scale']:.4g}; matrix lr x (T / D_REF)^-0.32 with D_REF (the reference's "
+                "params at the run's r) "
+                + ", ".join(f"{d:,} at r = {r}" for r, d in sorted(self._reference_tokens_by_r().items()))
                 + "; AdamW lrs x (d / 640)^-0.5"
             )
         if self.sweep.learning_rate_by_r:
@@ -233,6 +241,20 @@ class SweepPlan:
                 + ", ".join(f"r = {r}: {lr:g}" for r, lr in sorted(self.sweep.learning_rate_by_r.items()))
             )
         return lines
+
+    def _padding_note(self) -> str:
+        multiple = self.base_recipe.get("pad_vocab_size_to_multiple_of", 1)
+        if not isinstance(multiple, int) or multiple <= 1 or self.vocab_size % multiple == 0:
+            return ""
+        return f" (embedding and head padded to {-(-self.vocab_size // multiple) * multiple:,} rows, counted in FLOPs)"
+
+    def _reference_tokens_by_r(self) -> dict[int, int]:
+        """HyperP's D_REF of each r (the study counts its reference at the run's r)."""
+        return {
+            r.num_recurrences: r.learning_rates["reference_tokens"]
+            for r in self.runs
+            if r.learning_rates and r.learning_rates["scaling"] == "hyperp"
+        }
 
     def table(self) -> str:
         """The plan as a fixed-width table plus totals; with muonh, each run's peak lrs (matrix,
@@ -275,15 +297,59 @@ def _shape(sweep: SweepArguments, r: int) -> tuple[int, int, int, str, int | Non
     return sweep.prelude, block, sweep.coda, injection, k
 
 
+@dataclass(frozen=True)
+class _Accounting:
+    """What the plan reads from one model shape's own accounting (see `_model_accounting`)."""
+
+    n_once: int
+    n_rec: int
+    flops_per_token: float
+    muonh_error: str | None
+    """Why `muonh_parameter_groups` refuses the model (a tied head, an ungrouped parameter), or None."""
+
+
+_ACCOUNTING: dict[tuple[Any, ...], _Accounting] = {}
+
+
+def _model_accounting(model_args: Any, config: Any, seq_len: int) -> _Accounting:
+    """N_once, N_rec and training FLOPs per token of `config` (built from `model_args`) from the
+    model's own `num_scaling_params` and `training_flops_per_token`, on the meta device, once per
+    shape: a paper grid repeats each width x r at several budgets. Keyed by the model fields, the
+    vocabulary and seq_len, which determine the config (cheaper than serialising it)."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.optim import muonh_parameter_groups
+
+    key = (type(model_args).__name__, *dataclasses.astuple(model_args), config.vocab_size, int(seq_len))
+    if key not in _ACCOUNTING:
+        # Shapes are all the accounting reads: no init (on meta it only costs time; ~2x faster).
+        with torch.device("meta"), no_init_weights():
+            model = LoopedForCausalLM(config)
+        params = model.num_scaling_params()
+        try:
+            muonh_parameter_groups(model)
+            error = None
+        except ValueError as err:
+            error = str(err)
+        _ACCOUNTING[key] = _Accounting(
+            int(params["once"]), int(params["recurrent"]), model.training_flops_per_token(seq_len), error
+        )
+    return _ACCOUNTING[key]
+
+
 def make_plan(
     recipe: str | os.PathLike | dict[str, Any], sweep_dir: str | os.PathLike | None = None
 ) -> SweepPlan:
-    """Turn a sweep recipe into its runs; every error names the recipe field."""
-    import torch
+    """Turn a sweep recipe into its runs; every error names the recipe field.
 
-    from looped_hf import LoopedForCausalLM
+    Each run's N_once, N_rec and FLOPs per token are its model's own accounting; its steps are
+    `steps_for_tokens(budget / flops_per_token)` with the recipe's `train_steps_rounding` (the paper
+    recipes: nearest, as the study); with muonh, its lrs are `hyperp_learning_rates` at T =
+    int(budget / flops_per_token), as the study's base_train.py."""
     from looped_hf.arguments import LENGTH_FIELDS, parse_recipe, tokens_per_step
-    from looped_hf.optim import hyperp_learning_rates, muonh_parameter_groups
+    from looped_hf.optim import hyperp_learning_rates
     from looped_hf.train import arch_name
 
     if isinstance(recipe, dict):
@@ -336,12 +402,11 @@ def make_plan(
                         num_hyperconnection_lanes=sweep.hyperconnection_lanes,
                     )  # fmt: skip
                     config = run_model.to_config(vocab, seq_len)
-                    with torch.device("meta"):
-                        model = LoopedForCausalLM(config)
-                    params = model.num_scaling_params()
-                    fpt = model.training_flops_per_token(seq_len)
+                    accounting = _model_accounting(run_model, config, seq_len)
+                    fpt = accounting.flops_per_token
                     target = budget / fpt
-                    steps = steps_for_tokens(target, step_tokens, f"sweep.budgets[{b}]", f"{budget:.4g}")
+                    steps = steps_for_tokens(target, step_tokens, f"sweep.budgets[{b}]", f"{budget:.4g}",
+                                             rounding=training_args.train_steps_rounding)  # fmt: skip
                     arch = arch_name(config)
                     run_id = f"{arch}-w{width}-b{b}"
                     if sweep.variant != "base":
@@ -373,8 +438,9 @@ def make_plan(
                         # The study's per-run lrs (HyperP: this run's batch, target tokens T =
                         # int(budget / flops_per_token) as base_train.py, width), written into
                         # the run's recipe so it trains at exactly these (lr_scaling none).
+                        if accounting.muonh_error is not None:  # a tied head or a parameter no group takes
+                            raise RecipeError(f"{where}: run {run_id}: {accounting.muonh_error}")
                         try:
-                            muonh_parameter_groups(model)  # a tied head or a parameter no group takes
                             rates = hyperp_learning_rates(
                                 training_args, config, tokens_per_step=step_tokens, train_tokens=int(target)
                             )
@@ -396,7 +462,7 @@ def make_plan(
                             hidden_size=width, num_recurrences=r, num_prelude_layers=prelude,
                             num_recurrent_layers=block, num_coda_layers=coda, input_injection=injection,
                             backprop_recurrences=k, seed=seed, effective_num_layers=config.effective_num_layers,
-                            n_once=int(params["once"]), n_rec=int(params["recurrent"]), flops_per_token=fpt,
+                            n_once=accounting.n_once, n_rec=accounting.n_rec, flops_per_token=fpt,
                             target_tokens=target, steps=steps, tokens=steps * step_tokens,
                             flops=steps * step_tokens * fpt, recipe=run_recipe, learning_rates=lrs,
                         )
