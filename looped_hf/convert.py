@@ -218,7 +218,9 @@ def load_nanochat_checkpoint(ckpt_dir: PathLike, step: int | str | None = None) 
     if low:
         notes.append(f"upcast {', '.join(low)} tensors to float32 (lossless)")
     state = {k: t.float() for k, t in state.items()}
-    resolved = int(infix) if infix.isdigit() else infix
+    # An alias (model_pre_warmdown.pt) is a symlink to a numbered step: report that step.
+    target = _STEP_FILE.match(model_path.resolve().name)
+    resolved: int | str = int(target.group(1)) if target else infix
     return NanochatCheckpoint(model_path=model_path, meta_path=meta_path, step=resolved, state_dict=state,
                               meta=meta, sha256=_sha256(model_path), notes=notes)  # fmt: skip
 

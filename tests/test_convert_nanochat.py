@@ -224,6 +224,13 @@ def test_the_latest_step_is_the_default_and_a_missing_step_is_named(tmp_path: Pa
     (ck / "meta_000100.json").write_text((ck / "meta_000020.json").read_text())
     assert load_nanochat_checkpoint(ck).step == 100
     assert load_nanochat_checkpoint(ck, step=20).step == 20
+    # The study's aliases are symlinks (create_checkpoint_alias): the step is the one they point to.
+    (ck / "model_pre_warmdown.pt").symlink_to("model_000020.pt")
+    (ck / "meta_pre_warmdown.json").symlink_to("meta_000020.json")
+    assert load_nanochat_checkpoint(ck, step="pre_warmdown").step == 20
+    assert main(["nanochat", str(ck), "--step", "pre_warmdown", "--out", str(tmp_path / "out")]) == 0
+    with pytest.raises(ConversionError, match="expected a step number or an alias"):
+        load_nanochat_checkpoint(ck, step="../x")
     with pytest.raises(ConversionError, match=r"meta_000007\.json|model_000007\.pt"):
         load_nanochat_checkpoint(ck, step=7)
     with pytest.raises(ConversionError, match="no model_<step>.pt"):
