@@ -452,8 +452,10 @@ def micro_sweep(rec: dict[str, Any], tiny: bool, jobs: int | None, work: Path, o
     from looped_hf.arguments import parse_recipe
     from looped_hf.data import build_datasets, load_tokenizer
     from looped_hf.scaling import fit_scaling_law
-    from looped_hf.sweep import make_plan, run_sweep
+    from looped_hf.sweep import default_jobs, make_plan, run_sweep
 
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the earlier sections' cached blocks, before 4 worker processes share the GPU
     recipe = micro_sweep_recipe(tiny, work)
     # Tokenize once here, so parallel runs find the cache instead of each building it.
     flat = {k: v for k, v in recipe.items() if k != "sweep"}
@@ -481,7 +483,7 @@ def micro_sweep(rec: dict[str, Any], tiny: bool, jobs: int | None, work: Path, o
     rec["median_s_per_step"] = per_step
     if not tiny:  # what the whole iso_depth_gpu recipe would take at this pace, runs in parallel
         plan = make_plan(GPU_RECIPE, work / "plan_only")
-        n_jobs = jobs or max(1, (os.cpu_count() or 1) // int(plan.base_recipe.get("torch_num_threads") or 1))
+        n_jobs = jobs or default_jobs(plan)
         steps = sum(r.steps for r in plan.runs)
         rec["iso_depth_gpu_prediction"] = {"runs": len(plan.runs), "steps": steps, "jobs": n_jobs,
                                            "train_s_if_jobs_overlap_fully": steps * per_step / n_jobs,
