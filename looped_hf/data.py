@@ -44,6 +44,12 @@ Design decisions (and why):
   documents and cut into ``seq_len`` blocks; the < ``seq_len`` tokens left at the end of each
   batch are dropped (the standard ``run_clm`` trade: at most one block lost per batch). Packing is
   single-process, so results do not depend on ``num_proc``.
+* **Prepacked data.** ``prepacked: true`` skips all of the above: the rows are the study's (see
+  ``looped_hf.prepack``), read in file order, each ``seq_len + 1`` tokens (inputs ``row[:-1]``,
+  targets ``row[1:]``; ``collator(tok, args)`` splits them, and a whole row given to the model's
+  shifting loss has the same targets). The held-out set is the first ``eval_blocks`` rows of
+  ``eval_split``. Tokenizers: ``NAME+TOKEN`` adds special tokens the study's way
+  (``split_tokenizer_spec``).
 * **Labels.** Packed blocks contain no padding, so the labels are the inputs (the model's loss
   shifts them). ``collator()`` does exactly that. ``DataCollatorForLanguageModeling(tok,
   mlm=False)`` gives the same batches because every tokenizer from ``load_tokenizer`` has a pad
