@@ -245,7 +245,9 @@ def _hub_data_files(repo: str, revision: str | None) -> list[str]:
 
     files = HfApi().list_repo_files(repo, repo_type="dataset", revision=revision)
     at = f"@{revision}" if revision else ""
-    return [f"hf://datasets/{repo}{at}/{f}" for f in sorted(files) if _builder_for(Path(f)) is not None]
+    # A repo's *.md files are its card and docs, not data (the text builder would take them).
+    keep = [f for f in sorted(files) if _builder_for(Path(f)) is not None and not f.lower().endswith(".md")]
+    return [f"hf://datasets/{repo}{at}/{f}" for f in keep]
 
 
 def resolve_splits(

@@ -441,3 +441,15 @@ def test_default_data_is_still_the_embedded_corpus():
     assert args.dataset is None and args.tokenizer is None and not args.prepacked
     assert collator(None, args).__class__.__name__ == "PackedBlockCollator"
     assert np.array_equal(np.asarray(load_tokenizer()("a b")["input_ids"]), np.asarray(load_tokenizer("embedded")("a b")["input_ids"]))
+
+
+def test_val_files_of_a_hub_source_are_its_last_data_files():
+    """The study's rule on a Hub repo of shards (listing mocked): last N files val, hf:// paths, sorted."""
+    files = ["README.md", "shard_00002.parquet", "shard_00000.parquet", "shard_00001.parquet"]
+    with mock.patch("huggingface_hub.HfApi.list_repo_files", return_value=files) as hub:
+        splits, identity = prepack.resolve_splits("org/shards", val_files=1, revision="abc")
+    assert hub.call_args.kwargs["repo_type"] == "dataset"
+    url = "hf://datasets/org/shards@abc/shard_{:05d}.parquet"
+    assert splits["train"].load_kwargs["data_files"] == [url.format(0), url.format(1)]
+    assert splits["val"].load_kwargs["data_files"] == [url.format(2)]
+    assert splits["train"].load_kwargs["path"] == "parquet" and identity["rule"] == {"val_files": 1}
