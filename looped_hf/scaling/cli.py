@@ -5,7 +5,9 @@
                           [--bootstrap-method cell|run|residual]
 
 Prints the report, which ends its fit section with the identifiability verdict (is phi pinned
-down, and if not, what to add to the sweep). Bad input (a ValueError naming row and column) exits with status 2 and
+down, and if not, what to add to the sweep). With ``--compare``, a probe sweep without r = 1
+runs (the study's truncated and hyperconnection probes) is fitted with the base's r = 1 runs,
+as the study does, and the interval of the phi difference comes from a paired bootstrap. Bad input (a ValueError naming row and column) exits with status 2 and
 writes nothing; ``--out`` is written atomically (temp file + ``os.replace``) after the fit and
 plots succeeded.
 """
@@ -64,14 +66,15 @@ def main(argv: list[str]) -> int:
                 raise ValueError(
                     "--compare needs --bootstrap N (N >= 2) for the interval of the phi difference"
                 )
-            probe = fit_scaling_law(
+            # A probe without r = 1 runs is fitted with the base's (the study's probe fit).
+            comparison = compare_fits(
+                fit,
                 args.compare,
                 bootstrap=args.bootstrap,
-                seed=args.seed + 1,
-                variant=args.variant,
+                seed=args.seed,
                 bootstrap_method=args.bootstrap_method,
+                probe_variant=args.variant,
             )
-            comparison = compare_fits(fit, probe, bootstrap=args.bootstrap, seed=args.seed)
     except ValueError as exc:
         print(f"looped-hf fit: error: {exc}", file=sys.stderr)
         return 2

@@ -49,6 +49,11 @@ class Runs:
     width: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
     source: str = "<memory>"
+    shared: np.ndarray | None = None
+    """Rows taken from the base sweep to stand in for a probe's missing r = 1 runs (bool mask;
+    ``None``: no row is shared). See :func:`share_base_r1`."""
+    variant: str | None = None
+    """The probe's variant name when rows are shared (written back by :meth:`to_records`)."""
 
     def __len__(self) -> int:
         return int(self.loss.shape[0])
@@ -65,6 +70,16 @@ class Runs:
         if self.train_flops is None:
             return fallback
         return np.where(np.isfinite(self.train_flops), self.train_flops, fallback)
+
+    @property
+    def non_looped(self) -> np.ndarray:
+        """Runs without a loop (``r = 1`` or ``N_rec = 0``): the law's plain-model anchor."""
+        return (self.num_recurrences == 1) | (self.n_rec == 0)
+
+    @property
+    def n_shared(self) -> int:
+        """How many rows are shared from the base sweep (0 when none)."""
+        return 0 if self.shared is None else int(self.shared.sum())
 
     @property
     def flops_is_fallback(self) -> bool:
@@ -92,6 +107,8 @@ class Runs:
             width=take(self.width),
             notes=list(self.notes),
             source=self.source,
+            shared=take(self.shared),
+            variant=self.variant,
         )
 
     def to_records(self) -> list[dict[str, Any]]:
@@ -118,6 +135,9 @@ class Runs:
                     rec[key] = float(arr[i])
             if self.arch is not None:
                 rec["arch"] = self.arch[i]
+            if self.shared is not None:
+                # load_runs re-derives the sharing from these (see share_base_r1).
+                rec["variant"] = "base" if self.shared[i] else (self.variant or "probe")
             out.append(rec)
         return out
 
@@ -215,7 +235,10 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
         source: a ``.jsonl`` / ``.csv`` path, a pandas DataFrame, a list of dicts, or a
             :class:`Runs` (returned as is).
         variant: keep only rows whose ``variant`` equals this (rows without the key count as
-            ``"base"``). Required when the records mix variants.
+            ``"base"``). Required when the records mix variants, except in the study's probe
+            layout: one probe variant with no r = 1 runs plus ``"base"`` rows that are all r = 1
+            runs. A probe without r = 1 runs is fitted with the base's r = 1 runs of the same
+            records (as the study does; marked in ``Runs.shared``, see :func:`share_base_r1`).
 
     Returns:
         :class:`Runs`; ``kind`` is ``"looped"`` when ``n_once``, ``n_rec`` and
@@ -241,23 +264,134 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
     records = [records[i] for i in keep]
     labels = [labels[i] for i in keep]
 
-    # 2. variants: a probe and its baseline must not be fitted as one sweep.
-    variants = {str(r.get("variant") or "base") for r in records}
+    # 2. variants: a probe and its baseline are not one sweep, except as the study fits a probe
+    #    sweep that has no r = 1 runs: with the base's r = 1 runs (the same models, since
+    #    truncation and lanes only act on a loop).
+    def variant_of(rec: Mapping[str, Any]) -> str:
+        return str(rec.get("variant") or "base")
+
+    variants = {variant_of(r) for r in records}
+    if variant is None and len(variants) > 1:
+        variant = _probe_with_base_r1(records, variants)
+        if variant is None:
+            raise ValueError(
+                f"{where}the runs mix variants {sorted(variants)}; fit one at a time with "
+                "variant=... (CLI: --variant NAME) and compare them with compare_fits / --compare "
+                "(a probe file may hold the base's r = 1 runs besides its own r > 1 runs: the study's "
+                "probe fit)"
+            )
     if variant is not None:
-        sel = [i for i, r in enumerate(records) if str(r.get("variant") or "base") == variant]
+        sel = [i for i, r in enumerate(records) if variant_of(r) == variant]
         if not sel:
             raise ValueError(f"{where}no runs with variant {variant!r} (found: {sorted(variants)})")
+        shared = []
+        if variant != "base" and not any(_plain_record(records[i]) for i in sel):
+            shared = [i for i, r in enumerate(records) if variant_of(r) == "base" and _plain_record(r)]
+        notes.append(f"variant {variant!r}: {len(sel)} run(s)")
+        if shared:
+            base = _build_runs([records[i] for i in shared], [labels[i] for i in shared], src, where, [])
+            probe = _build_runs([records[i] for i in sel], [labels[i] for i in sel], src, where, notes)
+            return share_base_r1(probe, base, variant=variant)
         records = [records[i] for i in sel]
         labels = [labels[i] for i in sel]
-        notes.append(f"variant {variant!r}: {len(sel)} run(s)")
-    elif len(variants) > 1:
-        raise ValueError(
-            f"{where}the runs mix variants {sorted(variants)}; fit one at a time with "
-            "variant=... (CLI: --variant NAME) and compare them with compare_fits / --compare"
-        )
-    if not records:
-        raise ValueError(f"{where}no usable runs (all rows failed or the input is empty)")
+    return _build_runs(records, labels, src, where, notes)
 
+
+def _plain_record(rec: Mapping[str, Any]) -> bool:
+    """A record of a run without a loop (``r = 1`` or ``n_rec = 0``); unparsable fields: False
+    (the validation names them later)."""
+    for col, value in (("num_recurrences", 1.0), ("n_rec", 0.0)):
+        try:
+            if float(rec.get(col)) == value:  # type: ignore[arg-type]
+                return True
+        except (TypeError, ValueError):
+            pass
+    return False
+
+
+def _probe_with_base_r1(records: list[dict[str, Any]], variants: set[str]) -> str | None:
+    """The probe's variant when the records are one probe's runs plus base r = 1 runs and the
+    probe has no r = 1 run of its own (the study's probe fit); else ``None``."""
+    probes = variants - {"base"}
+    if "base" not in variants or len(probes) != 1:
+        return None
+    name = next(iter(probes))
+    for rec in records:
+        is_base = str(rec.get("variant") or "base") == "base"
+        if is_base != _plain_record(rec):  # a looped base run, or an r = 1 probe run
+            return None
+    return name
+
+
+def _cat(a: np.ndarray | None, b: np.ndarray | None, n_a: int, n_b: int, fill: bool) -> np.ndarray | None:
+    """Concatenate optional columns; a column missing on one side is NaN there (``fill``) or
+    dropped (``None``, for columns that must be complete)."""
+    if a is None and b is None:
+        return None
+    if (a is None or b is None) and not fill:
+        return None
+    a = np.full(n_a, np.nan) if a is None else a
+    b = np.full(n_b, np.nan) if b is None else b
+    return np.concatenate([a, b])
+
+
+def share_base_r1(probe: Runs, base: Runs, *, variant: str | None = None) -> Runs:
+    """The study's probe sweep: the base's r = 1 runs, then the probe's own runs.
+
+    A probe (truncated backprop, hyperconnections) changes only what a loop does, so its r = 1
+    runs would be the base's; the study trains none and fits the probe with the base's. phi is
+    then measured, as for the base, against the plain models of the same sweep. The shared rows
+    are marked (``shared``), so a paired bootstrap can resample them together with the base's.
+
+    Raises:
+        ValueError: the probe has r = 1 runs of its own, the base has none, or a side is plain.
+    """
+    if probe.kind != "looped" or base.kind != "looped":
+        raise ValueError(
+            "sharing r = 1 runs needs looped runs (n_once, n_rec, num_recurrences) on both sides"
+        )
+    if probe.non_looped.any():
+        raise ValueError(
+            f"the probe ({probe.source}) has {int(probe.non_looped.sum())} r = 1 run(s) of its own: nothing to share"
+        )
+    plain = base.non_looped
+    if not plain.any():
+        raise ValueError(f"the base ({base.source}) has no r = 1 run to share with the probe")
+    b, n_b, n_p = base.subset(plain), int(plain.sum()), len(probe)
+    same_source = b.source == probe.source
+    labels = [lab if same_source else f"base {lab}" for lab in b.labels] + list(probe.labels)
+    budget = _cat(b.budget, probe.budget, n_b, n_p, fill=False)
+    notes = list(probe.notes)
+    if budget is None and (b.budget is not None or probe.budget is not None):
+        notes.append("'budget' is recorded on one side only: ignored (no cell bootstrap)")
+    notes.append(
+        f"r = 1 runs shared from the base ({n_b} runs): the probe sweep has none, so, as in the study, "
+        "its phi is fitted against the base's r = 1 runs"
+    )
+    return Runs(
+        loss=np.concatenate([b.loss, probe.loss]),
+        tokens=np.concatenate([b.tokens, probe.tokens]),
+        n_once=np.concatenate([b.n_once, probe.n_once]),
+        n_rec=np.concatenate([b.n_rec, probe.n_rec]),
+        num_recurrences=np.concatenate([b.num_recurrences, probe.num_recurrences]),
+        kind="looped",
+        labels=labels,
+        budget=budget,
+        train_flops=_cat(b.train_flops, probe.train_flops, n_b, n_p, fill=True),
+        arch=None if b.arch is None or probe.arch is None else [*b.arch, *probe.arch],
+        seed=_cat(b.seed, probe.seed, n_b, n_p, fill=True),
+        width=_cat(b.width, probe.width, n_b, n_p, fill=False),
+        notes=notes,
+        source=probe.source if same_source else f"{probe.source} + r = 1 runs of {b.source}",
+        shared=np.r_[np.ones(n_b, bool), np.zeros(n_p, bool)],
+        variant=variant or probe.variant,
+    )
+
+
+def _build_runs(
+    records: list[dict[str, Any]], labels: list[str], src: str, where: str, notes: list[str]
+) -> Runs:
+    """Validate one variant's records (see :func:`load_runs`) into :class:`Runs`."""
     # 3. the form: looped if any looped column is present, plain if 'params' is.
     columns = set().union(*(r.keys() for r in records))
     if any(c in columns for c in LOOPED_COLUMNS):

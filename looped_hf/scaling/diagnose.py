@@ -246,6 +246,11 @@ def parameters_at_bound(
     return out
 
 
+NO_R1_LINE = (
+    "No r = 1 run: this phi compares the r > 1 runs with each other only, not a recurrence with a "
+    "unique layer of a non-looped model; fit a probe with its base's r = 1 runs (looped-hf fit BASE "
+    "--compare PROBE)."
+)
 _E_LOW = (
     "the runs cannot separate the irreducible loss E from the data term: the sweep needs models near "
     "their compute-optimal size and a wider compute range"
@@ -375,13 +380,19 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         reasons.append(advice)
         short.append(advice)
     shown = ", ".join(f"{n} {_fmt_interval(iv)}" for n, iv in intervals)
+    anchored = fit.runs is None or bool(fit.runs.non_looped.any())
     if ok:
         # Narrow, closed intervals: phi is measured. Widths on one side of the optimum still mean
         # the law extrapolates there (a precise phi need not be an accurate one): say so.
-        line = f"phi is identified: {phi:.3f}, 95% CI {shown}" + (f"; but {short[0]}." if short else ".")
+        what = "phi is identified" if anchored else "phi is identified among the r > 1 runs only"
+        line = f"{what}: {phi:.3f}, 95% CI {shown}" + (f"; but {short[0]}." if short else ".")
     else:
         line = f"phi is NOT identified ({phi:.3f}, 95% CI {shown}): " + "; ".join(short[:2]) + "."
-    return {"identified": ok, "reasons": reasons, "line": line}
+    if not anchored:
+        # Say what such a fit measures before anyone reads it as the study's phi of a probe (the
+        # fit's notes say it at length).
+        line += f" {NO_R1_LINE}"
+    return {"identified": ok, "reasons": reasons, "line": line, "r1_anchor": anchored}
 
 
 def diagnose(fit: ScalingLawFit) -> dict[str, Any]:

@@ -107,6 +107,48 @@ def resample_problems(
     raise ValueError(f"bootstrap_method must be one of {RESAMPLE_METHODS}, got {method!r}")
 
 
+def paired_resample_problems(
+    method: ResampleMethod,
+    n_resamples: int,
+    rng: np.random.Generator,
+    data_base: LawData,
+    data_probe: LawData,
+    theta_base: np.ndarray,
+    theta_probe: np.ndarray,
+    units_base: np.ndarray | None,
+    units_probe: np.ndarray | None,
+    match: np.ndarray,
+    n_free: int,
+) -> tuple[Problems, Problems]:
+    """Joint bootstrap problems of a base sweep and a probe that shares runs with it.
+
+    ``"cell"`` / ``"run"``: ``units_base`` / ``units_probe`` index every run's resampling unit in
+    one space (a shared run is in its base unit); each resample draws as many units as there
+    are, with replacement, and each fit weights its runs by their unit's count, so a shared unit
+    counts the same in both. ``"residual"``: each sweep's losses are redrawn from its own fit's
+    residuals, and a shared probe run (``match[j] >= 0``: its index in the base) takes its base
+    run's redrawn loss: one simulated data set, fitted twice.
+    """
+    if method in ("cell", "run"):
+        if units_base is None or units_probe is None:
+            raise ValueError(f"the {method!r} paired bootstrap needs the resampling units of both sweeps")
+        n_units = int(max(units_base.max(), units_probe.max())) + 1
+        counts = rng.multinomial(n_units, np.full(n_units, 1.0 / n_units), size=n_resamples).astype(float)
+        return (Problems(n_resamples, weights=counts[:, units_base]),
+                Problems(n_resamples, weights=counts[:, units_probe]))  # fmt: skip
+    if method == "residual":
+        ys = []
+        for data, theta in ((data_base, theta_base), (data_probe, theta_probe)):
+            pred = law.predict_log_loss(theta, data)[0]
+            res = data.log_l - pred
+            res = (res - res.mean()) * np.sqrt(data.n / max(1, data.n - n_free))
+            ys.append(pred[None, :] + res[rng.integers(0, data.n, size=(n_resamples, data.n))])
+        shared = np.flatnonzero(match >= 0)
+        ys[1][:, shared] = ys[0][:, match[shared]]
+        return Problems(n_resamples, log_l=ys[0]), Problems(n_resamples, log_l=ys[1])
+    raise ValueError(f"bootstrap_method must be one of {RESAMPLE_METHODS}, got {method!r}")
+
+
 def _with_log_l(data: LawData, log_l: np.ndarray | None) -> LawData:
     return data if log_l is None else replace(data, log_l=log_l)
 

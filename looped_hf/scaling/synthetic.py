@@ -93,8 +93,20 @@ def split_params(d: int, r: int) -> tuple[float, float]:
     return 4.0 * layer, (16.0 / r) * layer + 2.0 * d * d
 
 
+def training_flops_per_param(r: int, truncated: bool = False) -> float:
+    """FLOPs per token per recurrent parameter: ``6 r``, or with truncated backprop (the last
+    ``k = ceil(r / 2)`` recurrences with gradient) ``2 (r - k) + 6 k`` (a no-grad pass costs 2)."""
+    if not truncated:
+        return 6.0 * r
+    k = -(-r // 2)
+    return 2.0 * (r - k) + 6.0 * k
+
+
 def _study_cells(
-    budgets: tuple[float, ...], recurrences: tuple[int, ...], width_factors: tuple[float, ...] = WIDTH_FACTORS
+    budgets: tuple[float, ...],
+    recurrences: tuple[int, ...],
+    width_factors: tuple[float, ...] = WIDTH_FACTORS,
+    truncated: bool = False,
 ) -> tuple[Cell, ...]:
     cells = []
     for k, budget in enumerate(budgets):
@@ -105,7 +117,8 @@ def _study_cells(
         for r in recurrences:
             for s in widths:
                 n_once, n_rec = split_params(64 * s, r)
-                cells.append(Cell(budget, 64 * s, r, n_once, n_rec, 6.0 * (n_once + r * n_rec)))
+                fpt = 6.0 * n_once + training_flops_per_param(r, truncated) * n_rec
+                cells.append(Cell(budget, 64 * s, r, n_once, n_rec, fpt))
     return tuple(cells)
 
 
@@ -208,7 +221,7 @@ def design_runs(
             "num_recurrences": c.r,
             "train_flops": c.budget,
             "budget": c.budget,
-            "arch": "noloop" if c.r == 1 else f"loop{c.r}",
+            "arch": "base" if c.r == 1 else f"loop{c.r}",  # as looped_hf.train.arch_name names them
             "hidden_size": c.width,
             "seed": 0,
             "status": "ok",
@@ -228,14 +241,17 @@ def study_runs(
     budgets: tuple[float, ...] = BUDGETS,
     width_factors: tuple[float, ...] = WIDTH_FACTORS,
     variant: str | None = None,
+    truncated: bool = False,
 ) -> list[dict[str, object]]:
     """The study's design (116 runs for the defaults) under ``params`` (default :data:`TRUE_PARAMS`).
 
     ``width_factors``: the widths of a budget as multiples of the compute-optimal width of a
     plain model (20 tokens per parameter); the last budget uses the first four. Records are
-    ordered budget, then r, then width.
+    ordered budget, then r, then width. ``truncated``: the FLOPs per token of truncated backprop
+    (:func:`training_flops_per_param`), so each run trains on more tokens at its budget, as in the
+    study's truncated probe (``recurrences=(2, 4, 8)``, ``variant="truncated"``).
     """
-    cells = _study_cells(budgets, recurrences, width_factors)
+    cells = _study_cells(budgets, recurrences, width_factors, truncated)
     custom = Design("study", cells, noise, *([(0.0, 0.0)] * 5))
     return design_runs(custom, dict(TRUE_PARAMS if params is None else params), seed=seed, variant=variant)
 

@@ -1,0 +1,242 @@
+"""The study's probe sweeps: a probe without r = 1 runs is fitted with the base's r = 1 runs,
+compared with a paired bootstrap, and the recipes' written workflow runs as written."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from looped_hf.scaling import compare_fits, fit_scaling_law, load_runs
+from looped_hf.scaling.cli import main as fit_cli
+from looped_hf.scaling.data import share_base_r1
+from looped_hf.scaling.fit import ScalingLawFit, _match_rows, _paired_units
+from looped_hf.scaling.law import LawData
+from looped_hf.scaling.resample import paired_resample_problems
+from looped_hf.scaling.synthetic import TRUE_PARAMS, study_runs
+from looped_hf.sweep.results import append_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE_PHI = 0.35
+# The study's probe figure shows four budgets: they keep these tests fast.
+BUDGETS = (4.64e17, 1.0e18, 2.15e18, 4.64e18)
+
+
+def _base(seed: int = 0) -> list[dict]:
+    return study_runs(seed=seed, variant="base", budgets=BUDGETS)
+
+
+def _probe(seed: int = 1, variant: str = "truncated") -> list[dict]:
+    """A truncated-backprop probe of known phi, without r = 1 runs (as the study's)."""
+    return study_runs(params={**TRUE_PARAMS, "phi": PROBE_PHI}, seed=seed, recurrences=(2, 4, 8),
+                      budgets=BUDGETS, variant=variant, truncated=variant == "truncated")  # fmt: skip
+
+
+def _r1(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["num_recurrences"] == 1]
+
+
+N_R1 = len(_r1(_base()))  # 19: five widths per budget, four at the last
+SHARED = f"r = 1 runs shared from the base ({N_R1} runs)"
+
+
+# ----------------------------------------------------------------------------- loading
+def test_base_r1_rows_plus_a_probe_load_as_the_studys_probe_sweep() -> None:
+    runs = load_runs(_r1(_base()) + _probe())
+    assert len(runs) == N_R1 + 3 * N_R1 and runs.n_shared == N_R1 and runs.variant == "truncated"
+    assert np.all(runs.non_looped[runs.shared]) and not runs.non_looped[~runs.shared].any()
+    assert any(SHARED in note for note in runs.notes)
+    # The same from a file holding both whole sweeps, with the probe chosen by name.
+    both = load_runs(_base() + _probe(), variant="truncated")
+    assert both.n_shared == N_R1 and len(both) == 4 * N_R1
+    np.testing.assert_array_equal(np.sort(both.loss), np.sort(runs.loss))
+
+
+def test_variants_that_are_not_the_probe_layout_still_refuse_to_mix() -> None:
+    # A looped base run in the file: two sweeps, not a probe with shared r = 1 runs.
+    with pytest.raises(ValueError, match="mix variants"):
+        load_runs(_base() + _probe())
+    # A probe with r = 1 runs of its own shares nothing.
+    own = study_runs(
+        params={**TRUE_PARAMS, "phi": PROBE_PHI}, seed=2, variant="hyperconnection", budgets=BUDGETS
+    )
+    with pytest.raises(ValueError, match="mix variants"):
+        load_runs(_r1(_base()) + own)
+    assert load_runs(_base() + own, variant="hyperconnection").shared is None
+    # Two probes and the base's r = 1 runs: which probe is meant must be said.
+    with pytest.raises(ValueError, match="mix variants"):
+        load_runs(_r1(_base()) + _probe(variant="truncated") + _probe(seed=3, variant="hyperconnection"))
+
+
+def test_share_base_r1_refuses_what_it_cannot_share() -> None:
+    probe, base = load_runs(_probe()), load_runs(_base())
+    with pytest.raises(ValueError, match="r = 1 run\\(s\\) of its own"):
+        share_base_r1(base, base)
+    with pytest.raises(ValueError, match="no r = 1 run to share"):
+        share_base_r1(probe, load_runs(_probe(seed=4)))
+
+
+# ----------------------------------------------------------------------------- single fits
+def test_a_fit_without_r1_runs_says_what_is_identified() -> None:
+    alone = fit_scaling_law(_probe(), checks=False)
+    verdict = alone.diagnostics["verdict"]
+    assert verdict["r1_anchor"] is False and "No r = 1 run" in verdict["line"]
+    assert any(n.startswith("no r = 1 run") and "--compare" in n for n in alone.notes)
+    shared = fit_scaling_law(_r1(_base()) + _probe(), checks=False)
+    assert shared.diagnostics["verdict"]["r1_anchor"] is True
+    assert "No r = 1 run" not in shared.diagnostics["verdict"]["line"]
+    assert any(SHARED in n for n in shared.notes) and SHARED in shared.report()
+
+
+@pytest.mark.slow
+def test_an_identified_phi_without_r1_runs_is_called_relative() -> None:
+    verdict = fit_scaling_law(_probe()).diagnostics["verdict"]  # with the profile: an interval
+    assert verdict["identified"] and "phi is identified among the r > 1 runs only" in verdict["line"]
+
+
+def test_shared_rows_survive_the_json_round_trip() -> None:
+    fit = fit_scaling_law(_r1(_base()) + _probe(), checks=False)
+    back = ScalingLawFit.from_json(fit.to_json())
+    assert back.runs is not None and back.runs.n_shared == N_R1
+    np.testing.assert_array_equal(back.runs.shared, fit.runs.shared)
+    assert back.report() == fit.report()
+
+
+# ----------------------------------------------------------------------------- comparison
+@pytest.mark.slow
+def test_compare_fits_a_probe_without_r1_runs_with_the_bases() -> None:
+    base, probe = _base(), _probe()
+    cmp = compare_fits(base, probe, bootstrap=24, seed=0)
+    assert cmp.shared_r1 == N_R1 and cmp.probe.runs.n_shared == N_R1
+    # The probe's phi is the fit of (base r = 1 runs + probe runs), as a user gets from the file.
+    by_hand = fit_scaling_law(_r1(base) + probe, seed=1, checks=False)
+    assert cmp.probe.params["phi"] == pytest.approx(by_hand.params["phi"], abs=1e-6)
+    true_delta = PROBE_PHI - TRUE_PARAMS["phi"]
+    assert cmp.delta_phi == pytest.approx(true_delta, abs=0.03)
+    assert cmp.ci[0] < true_delta < cmp.ci[1] < 0.0
+    text = cmp.report()
+    assert SHARED in text and "paired cell resamples" in text and "excludes 0" in text
+    assert cmp.to_dict()["shared_r1"] == N_R1 and cmp.to_dict()["paired"] is True
+    # Fits made here carry the marginal of the paired draws as their bootstrap.
+    assert cmp.probe.settings["bootstrap_method_used"] == "paired cell"
+    assert cmp.probe.ci["phi"][0] < cmp.probe.params["phi"] < cmp.probe.ci["phi"][1]
+    # A probe fit made without the r = 1 runs is refitted, not compared as it is.
+    alone = fit_scaling_law(probe, bootstrap=2, checks=False)
+    again = compare_fits(base, alone, bootstrap=4, seed=0)
+    assert again.shared_r1 == N_R1 and again.probe.params["phi"] == pytest.approx(
+        by_hand.params["phi"], abs=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_probe_with_its_own_r1_runs_stays_an_independent_comparison() -> None:
+    own = study_runs(params={**TRUE_PARAMS, "phi": 0.65}, seed=5, budgets=BUDGETS)
+    cmp = compare_fits(_base(), own, bootstrap=6, seed=0)
+    assert cmp.shared_r1 == 0 and "independent" in cmp.report() and "shared" not in cmp.report()
+
+
+def _paired_setup(method: str) -> tuple[np.ndarray, ...]:
+    base = load_runs(_base())
+    probe = share_base_r1(load_runs(_probe()), base)
+    match = _match_rows(base, probe)
+    units_b, units_p, used = _paired_units(base, probe, match, method)
+    assert used == method
+    return base, probe, match, units_b, units_p
+
+
+def test_paired_cell_bootstrap_draws_a_shared_cell_once_for_both_fits() -> None:
+    base, probe, match, units_b, units_p = _paired_setup("cell")
+    assert (
+        (match >= 0).sum() == N_R1 and np.all(match[probe.shared] >= 0) and np.all(match[~probe.shared] < 0)
+    )
+    # 16 base cells + 12 probe cells, the 4 shared r = 1 cells counted once.
+    assert len(np.unique(np.r_[units_b, units_p])) == 16 + 12
+    theta = np.zeros(6)
+    data = LawData(np.ones(1), np.ones(1), np.zeros(1), np.ones(1), np.zeros(1))  # unused by cell draws
+    pb, pp = paired_resample_problems("cell", 50, np.random.default_rng(0), data, data, theta, theta,
+                                      units_b, units_p, match, 6)  # fmt: skip
+    shared = np.flatnonzero(match >= 0)
+    np.testing.assert_array_equal(pp.weights[:, shared], pb.weights[:, match[shared]])
+    # Runs of one cell share its count; the probe's own cells vary independently of the base's.
+    assert pb.weights.sum(axis=1).std() > 0 and not np.array_equal(pp.weights[:, ~probe.shared][:, 0],
+                                                                    pb.weights[:, ~base.non_looped][:, 0])  # fmt: skip
+
+
+def test_paired_residual_bootstrap_gives_a_shared_run_one_loss() -> None:
+    from looped_hf.scaling.fit import _law_data
+
+    base, probe, match, _, _ = _paired_setup("run")
+    fb = fit_scaling_law(base, checks=False)
+    fp = fit_scaling_law(probe, checks=False)
+    pb, pp = paired_resample_problems("residual", 10, np.random.default_rng(1), _law_data(base, True),
+                                      _law_data(probe, True), fb.theta, fp.theta, None, None, match, 6)  # fmt: skip
+    shared = np.flatnonzero(match >= 0)
+    np.testing.assert_array_equal(pp.log_l[:, shared], pb.log_l[:, match[shared]])
+    assert not np.allclose(pp.log_l[:, ~probe.shared], np.log(probe.loss[~probe.shared]))
+
+
+# ----------------------------------------------------------------------------- CLI and recipes
+def test_cli_compare_of_a_probe_without_r1_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, probe = tmp_path / "base.jsonl", tmp_path / "probe.jsonl"
+    for path, rows in ((base, _base()), (probe, _probe())):
+        for row in rows:
+            append_jsonl(path, row, unique_key=None)
+    out = tmp_path / "fit.json"
+    assert fit_cli([str(base), "--compare", str(probe), "--bootstrap", "6", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert SHARED in printed and "paired cell resamples" in printed
+    import json
+
+    cmp = json.loads(out.read_text())["comparison"]
+    assert cmp["shared_r1"] == N_R1 and cmp["probe"]["runs"]["records"][0]["variant"] == "base"
+
+
+def _workflow(recipe: Path) -> list[str]:
+    """The shell commands of a recipe's comment block (``#   looped-hf ...`` / ``#   grep ...``)."""
+    lines = [m.group(1) for m in re.finditer(r"^#   (\S.*)$", recipe.read_text(), re.M)]
+    assert lines, f"{recipe.name}: no workflow commands in its comments"
+    return lines
+
+
+@pytest.mark.slow  # two fits and a compare with a small bootstrap: 10-16 s on a busy 2-core machine
+@pytest.mark.parametrize(
+    ("recipe", "variant"),
+    [
+        ("iso_depth_paper_truncated.yaml", "truncated"),
+        ("iso_depth_paper_hyperconnection.yaml", "hyperconnection"),
+    ],
+)
+def test_probe_recipe_workflow_runs_as_written(
+    recipe: str, variant: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recipe's comment: concatenate the base's r = 1 rows and the probe's results, fit.
+    Results files are written as the sweep runner writes them (append_jsonl, one record per
+    run, arch 'base' for r = 1); the planning step (`sweep --dry-run`) is not rerun here."""
+    commands = _workflow(REPO / "recipes" / recipe)
+    stem = Path(recipe).stem
+    for name, rows in (("iso_depth_paper", _base()), (stem, _probe(variant=variant))):
+        for row in rows:
+            append_jsonl(tmp_path / "runs" / name / "results.jsonl", row, unique_key=None)
+    fitted = False
+    for command in commands:
+        if command.startswith("looped-hf sweep"):
+            continue
+        if command.startswith("looped-hf fit"):
+            argv = shlex.split(command)[2:]
+            # As written, but fewer bootstrap resamples (the number does not change the workflow).
+            argv = [("4" if prev == "--bootstrap" else a) for prev, a in zip(["", *argv], argv)]
+            argv = [str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv]
+            assert fit_cli(argv) == 0, capsys.readouterr().err
+            fitted = True
+        else:
+            subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True)
+    assert fitted
+    printed = capsys.readouterr().out
+    assert SHARED in printed and "phi is identified" in printed
+    assert "delta phi (probe - base)" in printed and "paired cell resamples" in printed
+    phi = float(re.search(r"^phi\s+(\S+)", printed, re.M).group(1))
+    assert phi == pytest.approx(PROBE_PHI, abs=0.05)
