@@ -290,3 +290,78 @@ def test_workers_get_one_gpu_each_round_robin_and_the_same_source(monkeypatch):
     assert envs[0]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)  # the workers import this looped_hf
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # one GPU: every worker shares it
     assert sweep_module._worker_env(2, 1)["CUDA_VISIBLE_DEVICES"] == "7"
+
+
+class _FakeClock:
+    """Stands in for the console's `time` module: a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _eta_seconds(text: str) -> float:
+    """'12m05s' / '1h03m' -> seconds."""
+    if "h" in text:
+        hours, minutes = text.rstrip("m").split("h")
+        return 3600 * int(hours) + 60 * int(minutes)
+    minutes, seconds = text.rstrip("s").split("m")
+    return 60 * int(minutes) + int(seconds)
+
+
+def test_eta_tracks_the_true_end_as_runs_of_very_different_flops_finish(tmp_path, monkeypatch):
+    """Issue 19: two workers, runs largest first, each taking a fixed start-up (build, eval, save)
+    plus time proportional to its FLOPs, each worker at the same FLOPs per second. After every
+    finished run the ETA must land within 10% of the true end: no jumps from extrapolating the
+    largest runs to the whole sweep, or from ignoring that a worker idles at the tail."""
+    from types import SimpleNamespace
+
+    clock = _FakeClock()
+    monkeypatch.setattr(sweep_console, "time", clock)
+    startup, seconds_per_unit = 20.0, 60.0  # a run of F units takes 20 s + 60 F s
+    sizes = [16, 12, 8, 8, 6, 4, 3, 2, 2, 1, 1, 0.5, 0.5, 0.25]
+    runs = [SimpleNamespace(run_id=f"run{i}", flops=1e15 * f) for i, f in enumerate(sizes)]
+    plan = SimpleNamespace(runs=runs)
+    # The runner's schedule: the next run goes to the first free worker.
+    free, events = [0.0, 0.0], []
+    for run in runs:
+        w = free.index(min(free))
+        start, end = free[w], free[w] + startup + seconds_per_unit * run.flops / 1e15
+        free[w] = end
+        events += [(start, 1, run), (end, 0, run)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    last_end = max(free)
+    lines: list[str] = []
+    console = sweep_console._Console(plan, [], list(runs), lines.append, verbose=False)
+    began: dict[str, float] = {}
+
+    def write_progress(now: float) -> None:
+        for run_id, start in began.items():
+            run = next(r for r in runs if r.run_id == run_id)
+            trained = max(0.0, now - start - startup) / (seconds_per_unit * run.flops / 1e15)
+            progress = {"step": int(100 * min(1.0, trained)), "max_steps": 100, "loss": 3.0,
+                        "started": start + startup, "time": now}  # fmt: skip
+            write_json_atomic(tmp_path / run_id / "progress.json", progress)
+
+    errors = []
+    for when, starting, run in events:
+        clock.now = when
+        if starting:
+            began[run.run_id] = when
+            write_progress(when)
+            console.started(run, tmp_path / run.run_id)
+            continue
+        began.pop(run.run_id)
+        write_progress(when)
+        console.finished(run, {"status": "ok", "loss": 3.0, "wall_time_s": when})
+        if when < last_end:
+            eta = _eta_seconds(lines[-1].rsplit("ETA ", 1)[1])
+            errors.append((run.run_id, round(eta), round(last_end - when)))
+    console.close()
+    off = [(rid, eta, true) for rid, eta, true in errors if abs(eta - true) > 0.1 * true + 1]
+    assert not off, f"ETA (run finished, ETA shown, true time left) off by > 10%: {off}"

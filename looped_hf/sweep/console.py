@@ -4,6 +4,7 @@ finished run otherwise (`_Console`)."""
 from __future__ import annotations
 
 import contextlib
+import heapq
 import io
 import json
 import os
@@ -56,8 +57,9 @@ class _Console:
 
     Live: `[sweep] ██████░░░░ 47%  17/36 runs, 1 failed | loop2-w48-b1 62% loss 2.31 | 4m12s, ETA 5m40s`,
     redrawn in place at most every `interval` seconds; failed runs also get a permanent line.
-    The bar and the ETA weigh runs by their planned FLOPs and count the finished fraction of the
-    running ones (their `progress.json`), so the ETA reflects all runs in flight."""
+    The bar weighs runs by their planned FLOPs and counts the finished fraction of the running
+    ones (their `progress.json`). The ETA (`_eta`) schedules the runs left on the workers from the
+    time per run measured on the runs done, as a function of their planned FLOPs."""
 
     def __init__(
         self, plan: SweepPlan, records: list[dict[str, Any]], todo: list[PlannedRun], log: Any, verbose: bool
@@ -72,12 +74,13 @@ class _Console:
         self.done = set(recorded)
         self.failed = sum(r.get("status") != "ok" for r in recorded.values())
         self.done_flops = sum(self.flops[i] for i in self.done)
-        self.todo_flops = sum(r.flops for r in todo)
-        self.session_flops = 0.0
-        self.running: dict[str, tuple[Path, float | None]] = {}  # run_id -> (run_dir, fraction at start)
+        self.running: dict[str, tuple[Path, float]] = {}  # run_id -> (run_dir, fraction at its start)
         self.waiting = 0
         self.start = time.time()
-        self.clock: float | None = None  # when the first run of this session began training
+        self.queue = list(todo)  # the runner's order: the runs left start in this order
+        self.began: dict[str, float] = {}  # run_id -> when this session started it
+        self.measured: list[tuple[float, float]] = []  # (FLOPs trained this session, seconds) per ok run
+        self.workers = 1  # the most runs seen in flight at once: the runner's parallelism
         self._drawn = 0.0
         self._width = 0
 
@@ -93,16 +96,24 @@ class _Console:
         self.write(text + "\n")
 
     def started(self, run: PlannedRun, run_dir: Path) -> None:
-        self.running[run.run_id] = (run_dir, None)
+        now = time.time()
+        # A progress file written before this start is an earlier session's: the run resumes from
+        # about there, and that part is not this session's work.
+        progress = _read_progress(run_dir)
+        earlier = progress is not None and isinstance(progress.get("time"), (int, float)) and progress["time"] < now
+        self.running[run.run_id] = (run_dir, _fraction(progress) if earlier else 0.0)
+        self.began[run.run_id] = now
+        self.workers = max(self.workers, len(self.running))
         self.refresh(force=True)
 
     def finished(self, run: PlannedRun, record: dict[str, Any]) -> None:
-        self._fractions()  # sets the ETA clock from this run's start if it is the first seen
-        self.running.pop(run.run_id, None)
+        _, first = self.running.pop(run.run_id, (None, 0.0))
+        began = self.began.pop(run.run_id, None)
+        if record.get("status") == "ok" and began is not None:
+            self.measured.append(((1.0 - first) * run.flops, time.time() - began))
         if run.run_id not in self.done:
             self.done.add(run.run_id)
             self.done_flops += run.flops
-        self.session_flops += run.flops
         ok = record.get("status") == "ok"
         self.failed += not ok
         if ok:
@@ -123,31 +134,58 @@ class _Console:
 
     def _fractions(self) -> dict[str, float]:
         out = {}
-        for run_id, (run_dir, first) in list(self.running.items()):
-            progress = _read_progress(run_dir) or {}
-            began = progress.get("started")
-            if isinstance(began, (int, float)) and began >= self.start and (self.clock is None or began < self.clock):
-                self.clock = began
-            step, total = progress.get("step"), progress.get("max_steps")
-            frac = min(1.0, step / total) if isinstance(step, int) and isinstance(total, int) and total > 0 else 0.0
-            if first is None and progress:
-                self.running[run_id] = (run_dir, frac)  # a resumed run: its earlier progress is not this session's
-            out[run_id] = frac
+        for run_id, (run_dir, _) in list(self.running.items()):
+            out[run_id] = _fraction(_read_progress(run_dir))
         return out
 
-    def _eta(self, fractions: dict[str, float] | None = None) -> str:
-        fractions = self._fractions() if fractions is None else fractions
-        partial = sum(
-            max(0.0, frac - (self.running[rid][1] or 0.0)) * self.flops[rid] for rid, frac in fractions.items()
-        )
-        progressed = self.session_flops + partial
-        remaining = self.todo_flops - progressed
-        if progressed <= 0:
+    def _seconds_per_run(self) -> tuple[float, float] | None:
+        """(start-up seconds, seconds per FLOP) of one run on one worker, measured this session.
+
+        From the ok runs done: t = a + b F fitted when their FLOPs differ enough (>= 1.5x) to
+        separate the fixed cost of a run (build, eval, save) from its training; otherwise b = total
+        seconds / total FLOPs. Before any run is done: the FLOPs the running runs have trained so
+        far over the seconds since they started. None: nothing measured yet."""
+        points = [(f, t) for f, t in self.measured if f > 0 and t >= 0]
+        if not points:
+            now = time.time()
+            fractions = self._fractions()
+            trained = sum(max(0.0, frac - self.running[rid][1]) * self.flops[rid] for rid, frac in fractions.items())
+            seconds = sum(now - self.began.get(rid, now) for rid in fractions)
+            return (0.0, seconds / trained) if trained > 0 and seconds > 0 else None
+        flops = [f for f, _ in points]
+        if len(points) >= 2 and max(flops) >= 1.5 * min(flops):
+            n = len(points)
+            mean_f, mean_t = sum(flops) / n, sum(t for _, t in points) / n
+            var = sum((f - mean_f) ** 2 for f in flops)
+            slope = sum((f - mean_f) * (t - mean_t) for f, t in points) / var
+            startup = mean_t - slope * mean_f
+            if slope > 0 and startup >= 0:
+                return startup, slope
+        return 0.0, sum(t for _, t in points) / sum(flops)
+
+    def _eta(self) -> str:
+        """Time until the last run ends: the runs left, each taking the measured start-up plus its
+        planned FLOPs at the measured seconds per FLOP (`_seconds_per_run`), handed in the runner's
+        order to the first free of `workers` workers, after the runs in flight (their predicted
+        time minus the time they have run). A plain extrapolation of the FLOPs done so far jumps
+        when the largest runs finish first and ignores the workers that idle at the tail."""
+        model = self._seconds_per_run()
+        left = [r for r in self.queue if r.run_id not in self.done and r.run_id not in self.running]
+        if not left and not self.running:
+            return _fmt_time(0)
+        if model is None:
             return "?"
-        # The rate is measured from the first training start: imports and worker start-up happen
-        # once, before it, and would inflate an ETA taken early.
-        since = time.time() - (self.clock if self.clock is not None else self.start)
-        return _fmt_time(max(0.0, since * remaining / progressed))
+        startup, per_flop = model
+        now = time.time()
+        free = [
+            max(0.0, startup + per_flop * (1.0 - first) * self.flops[rid] - (now - self.began.get(rid, now)))
+            for rid, (_, first) in self.running.items()
+        ]
+        free += [0.0] * max(0, self.workers - len(free))
+        heapq.heapify(free)
+        for run in left:
+            heapq.heappush(free, heapq.heappop(free) + startup + per_flop * run.flops)
+        return _fmt_time(max(free))
 
     def refresh(self, force: bool = False, interval: float = 0.5) -> None:
         if not self.live or (not force and time.monotonic() - self._drawn < interval):
@@ -158,7 +196,7 @@ class _Console:
         filled = int(round(16 * min(1.0, share)))
         head = f"[sweep] {'█' * filled}{'░' * (16 - filled)} {100 * share:3.0f}%  {len(self.done)}/{self.total} runs"
         head += f", {self.failed} failed" if self.failed else ""
-        tail = f" | {_fmt_time(time.time() - self.start)}, ETA {self._eta(fractions)}"
+        tail = f" | {_fmt_time(time.time() - self.start)}, ETA {self._eta()}"
         parts = []
         for run_id, (run_dir, _) in self.running.items():
             progress = _read_progress(run_dir) or {}
@@ -184,6 +222,13 @@ class _Console:
         if self._owned:
             with contextlib.suppress(OSError):
                 self.stream.close()
+
+
+def _fraction(progress: dict[str, Any] | None) -> float:
+    """The finished fraction of a run from its progress file (0 without one)."""
+    progress = progress or {}
+    step, total = progress.get("step"), progress.get("max_steps")
+    return min(1.0, step / total) if isinstance(step, int) and isinstance(total, int) and total > 0 else 0.0
 
 
 def _isatty(stream: Any) -> bool:
