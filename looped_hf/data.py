@@ -741,9 +741,9 @@ def build_datasets(
     """
     args.validate()
     if args.prepacked:
-        from looped_hf.prepack import load_prepacked
+        from looped_hf.prepacked import load_prepacked
 
-        return load_prepacked(args, tokenizer)
+        return load_prepacked(args, tokenizer, cache_dir=str(_cache_root(args) / "hf"))
     kind, kwargs, identity = _resolve_source(args)
     key = _cache_key(args, tokenizer, identity)
     root = _cache_root(args) / "tokenized"
@@ -847,7 +847,7 @@ def collator(
     """
     del tokenizer  # kept in the signature so the call site reads like transformers' collators
     if data_args is not None and data_args.prepacked:
-        from looped_hf.prepack import PrepackedRowCollator
+        from looped_hf.prepacked import PrepackedRowCollator
 
         return PrepackedRowCollator(data_args.seq_len)
     return PackedBlockCollator()
