@@ -9,6 +9,7 @@ the fit was made on).
 - :func:`plot_loss_vs_flops`: runs by r, with the law's compute-optimal frontier for each r;
 - :func:`plot_phi_bootstrap`: the bootstrap distribution of phi with its 95% interval;
 - :func:`plot_residuals`: log residuals against training FLOPs, by r;
+- :func:`plot_isoflop_study`: IsoFLOP curves as the study draws them (a panel per variant);
 - :func:`plot_fit`: all of the above into a folder.
 """
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from looped_hf.scaling import load_runs
@@ -159,6 +161,115 @@ def plot_isoflop(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path:
         fontsize=10,
     )
     fig.legend(loc="outside lower center", ncols=len(colors) + 1, fontsize=8)
+    return _save(fig, path)
+
+
+#: Line style per r in the study's IsoFLOP figure (other r get dash patterns of their own).
+_STUDY_LINESTYLES: dict[float, Any] = {1.0: "-", 2.0: "--", 4.0: "-.", 8.0: ":"}
+
+
+def _study_linestyle(r: float, k: int) -> Any:
+    return _STUDY_LINESTYLES.get(float(r), (0, (5, 1 + k, 1, 1)))
+
+
+def _isoflop_curve(
+    fit: ScalingLawFit, runs: Runs, budget: float, r: float, m: np.ndarray, curves: str
+) -> tuple[np.ndarray, np.ndarray, tuple[float, float]] | None:
+    """One (budget, r) curve of the study-style figure over unique parameters N, and its minimum.
+
+    ``"parabola"``: loss quadratic in log N through the runs (at least 3 widths); the star is the
+    vertex when the parabola opens upwards and its vertex lies within 1.5x of the widths, else the
+    lowest run. ``"law"``: the fitted law along the sweep's models at r, the star at its
+    compute-optimal size (``None``: nothing to draw).
+    """
+    n = runs.params[m]
+    lo, hi = float(n.min()) / 1.3, float(n.max()) * 1.3
+    if curves == "law":
+        fam = size_family(runs, r)
+        opt = compute_optimal(fit.params, fam, float(budget), lo / 1.2, hi * 1.2)
+        lo, hi = min(lo, opt["n"] / 1.1), max(hi, opt["n"] * 1.1)
+        grid = np.geomspace(lo, hi, 200)
+        return grid, law_loss(fit.params, fam, float(budget), grid), (opt["n"], opt["loss"])
+    if len(np.unique(n)) < 3:
+        return None
+    x = np.log(n)
+    c2, c1, c0 = np.polyfit(x, runs.loss[m], 2)
+    grid = np.geomspace(lo, hi, 200)
+    best = int(np.argmin(runs.loss[m]))
+    star = (float(n[best]), float(runs.loss[m][best]))
+    if c2 > 0:
+        v = -c1 / (2 * c2)
+        if np.log(n.min() / 1.5) <= v <= np.log(n.max() * 1.5):
+            star = (float(np.exp(v)), float(c0 + c1 * v + c2 * v * v))
+            grid = np.geomspace(min(lo, star[0] / 1.1), max(hi, star[0] * 1.1), 200)
+    lg = np.log(grid)
+    return grid, c0 + c1 * lg + c2 * lg**2, star
+
+
+def plot_isoflop_study(
+    fits: ScalingLawFit | list[tuple[str, ScalingLawFit]], path: PathLike, *, curves: str = "parabola"
+) -> Path:
+    """IsoFLOP curves drawn as the study draws them, to set beside the paper's figure.
+
+    One panel per ``(title, fit)`` (a probe and its base side by side; one fit: one panel),
+    sharing the y axis; x: unique parameters N (= N_once + N_rec, not N_eff); colour: compute
+    budget (one colour per budget across all panels); line style: r (solid 1, dashed 2,
+    dash-dot 4, dotted 8); stars: each curve's minimum. ``curves="parabola"`` fits loss to a
+    quadratic in log N per (budget, r) through the runs, ``"law"`` draws the fitted law along the
+    sweep's models (see :func:`_isoflop_curve`). Panel titles carry each fit's phi. Needs a
+    ``budget`` column.
+    """
+    if curves not in ("parabola", "law"):
+        raise ValueError(f"curves must be 'parabola' or 'law', got {curves!r}")
+    panels = [("", fits)] if not isinstance(fits, list) else list(fits)
+    if not panels:
+        raise ValueError("plot_isoflop_study needs at least one fit")
+    all_runs = []
+    for title, fit in panels:
+        runs = _runs_of(fit, None)
+        if runs.budget is None:
+            raise ValueError(f"panel {title or 0!r}: IsoFLOP curves need a 'budget' column in the runs")
+        all_runs.append(runs)
+    colors = _colors(np.concatenate([r.budget for r in all_runs]))
+    r_all = np.unique(np.concatenate([r.num_recurrences for r in all_runs]))
+    styles = {float(r): _study_linestyle(r, k) for k, r in enumerate(r_all)}
+    fig = _new_figure(5.2 * len(panels), 4.2)
+    axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
+    for ax, (title, fit), runs in zip(axes, panels, all_runs):
+        for budget in np.unique(runs.budget):
+            color = colors[budget]
+            for r in np.unique(runs.num_recurrences):
+                m = (runs.budget == budget) & (runs.num_recurrences == r)
+                if not m.any():
+                    continue
+                ax.scatter(
+                    runs.params[m], runs.loss[m], s=22, color=color, alpha=0.45, linewidths=0, zorder=2
+                )
+                curve = _isoflop_curve(fit, runs, float(budget), float(r), m, curves)
+                if curve is None:
+                    continue
+                grid, loss, star = curve
+                ax.plot(grid, loss, color=color, ls=styles[float(r)], lw=1.3, alpha=0.9, zorder=3)
+                ax.scatter([star[0]], [star[1]], marker="*", s=120, color=color, edgecolors="k",
+                           linewidths=0.4, zorder=4)  # fmt: skip
+        phi = fit.params.get("phi")
+        head = title or "IsoFLOP curves"
+        ax.set_title(head + (f", phi = {phi:.2f}" if phi is not None else ""), fontsize=10)
+        ax.set_xscale("log")
+        ax.set_xlabel("unique parameters N")
+        ax.grid(True, which="both", alpha=0.2)
+        arch = [
+            Line2D([], [], color="k", ls=styles[float(r)], label=f"r = {r:g}")
+            for r in np.unique(runs.num_recurrences)
+        ]
+        leg = ax.legend(handles=arch, title="architecture", fontsize=7, title_fontsize=7, loc="upper right")
+        ax.add_artist(leg)
+        budgets = [
+            Line2D([], [], color=colors[b], lw=2, label=f"{b:.3g}".replace("e+", "e"))
+            for b in np.unique(runs.budget)
+        ]
+        ax.legend(handles=budgets, title="FLOPs budget", fontsize=7, title_fontsize=7, loc="lower left")
+    axes[0].set_ylabel("held-out loss L (nats/token)")
     return _save(fig, path)
 
 

@@ -195,8 +195,21 @@ def best_run(records: Iterable[Mapping[str, Any]], looped_only: bool = True) -> 
     return min(pool, key=lambda r: r["loss"]) if pool else None
 
 
-def _plots(fit: ScalingLawFit, plots_dir: Path) -> list[dict[str, str]]:
-    """Write the fit's figures with ``looped_hf.plotting`` and describe them for the template."""
+ISOFLOP_STYLES = ("law", "study")
+
+
+def _plots(
+    fit: ScalingLawFit,
+    plots_dir: Path,
+    isoflop_style: str = "law",
+    compare: Mapping[str, ScalingLawFit] | None = None,
+) -> list[dict[str, str]]:
+    """Write the fit's figures with ``looped_hf.plotting`` and describe them for the template.
+
+    ``isoflop_style="study"`` draws ``isoflop.png`` as the study's figure
+    (:func:`looped_hf.plotting.plot_isoflop_study`), with one more panel per ``compare`` entry
+    (title -> fit of a probe sweep).
+    """
     from looped_hf import plotting
 
     captions = {
@@ -216,7 +229,18 @@ def _plots(fit: ScalingLawFit, plots_dir: Path) -> list[dict[str, str]]:
         "residuals.png": ("residuals of the fit by r", "Residuals log L - log L_hat (%) against training FLOPs, by r."),
     }  # fmt: skip
     out = []
-    for path in plotting.plot_fit(fit, plots_dir):
+    paths = plotting.plot_fit(fit, plots_dir)
+    if isoflop_style == "study" and fit.runs is not None and fit.runs.budget is not None:
+        panels = [("base" if compare else "", fit), *(compare or {}).items()]
+        plotting.plot_isoflop_study(panels, plots_dir / "isoflop.png")
+        captions["isoflop.png"] = (
+            "IsoFLOP curves as the study draws them",
+            "IsoFLOP curves drawn as the study's figure: held-out loss against unique parameters N, one colour "
+            "per compute budget, one line style per r (solid 1, dashed 2, dash-dot 4, dotted 8), a quadratic "
+            "in log N through each budget's runs at each r, a star at each curve's minimum"
+            + ("; one panel per variant." if compare else "."),
+        )
+    for path in paths:
         alt, caption = captions.get(path.name, (path.stem.replace("_", " "), path.stem.replace("_", " ")))
         out.append({"path": f"{PLOTS_DIR}/{path.name}", "alt": alt, "caption": caption})
     return out
@@ -375,13 +399,23 @@ def write_sweep_card(
     best: Mapping[str, Any] | None = None,
     best_where: str = "",
     license: str = "apache-2.0",
+    isoflop_style: str = "law",
+    compare: Mapping[str, ScalingLawFit] | None = None,
 ) -> Path:
     """Write ``out_dir/README.md`` + ``plots/*.png`` + ``fit.json``; returns the card's path.
 
-    The folder is built next to ``out_dir`` and moved into place at the end, so a failure
+    ``isoflop_style``: ``"law"`` (the default: a panel per budget, loss against N_eff with the
+    fitted law) or ``"study"`` (as the paper's figure, to hold beside it); ``compare``: probe fits
+    by panel title (e.g. ``{"truncated backprop": fit}``), drawn as extra panels of the study-style
+    figure. The folder is built next to ``out_dir`` and moved into place at the end, so a failure
     leaves the previous card (or nothing), never half a card.
     """
     from looped_hf.sweep import RESULTS_NAME
+
+    if isoflop_style not in ISOFLOP_STYLES:
+        raise ValueError(f"isoflop_style must be one of {ISOFLOP_STYLES}, got {isoflop_style!r}")
+    if compare and isoflop_style != "study":
+        raise ValueError("compare= draws extra panels of the study-style figure: pass isoflop_style='study'")
 
     sweep = Path(sweep_dir)
     if not (sweep / RESULTS_NAME).is_file():
@@ -390,7 +424,7 @@ def write_sweep_card(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        plots = _plots(fit, tmp / PLOTS_DIR)
+        plots = _plots(fit, tmp / PLOTS_DIR, isoflop_style, compare)
         from looped_hf.sweep import RECIPE_COPY
 
         plan = plan_section(fit, sweep / RECIPE_COPY, tmp / PLOTS_DIR)

@@ -388,11 +388,14 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         line = f"{what}: {phi:.3f}, 95% CI {shown}" + (f"; but {short[0]}." if short else ".")
     else:
         line = f"phi is NOT identified ({phi:.3f}, 95% CI {shown}): " + "; ".join(short[:2]) + "."
+    out: dict[str, Any] = {"identified": ok, "reasons": reasons, "line": line}
     if not anchored:
         # Say what such a fit measures before anyone reads it as the study's phi of a probe (the
-        # fit's notes say it at length).
-        line += f" {NO_R1_LINE}"
-    return {"identified": ok, "reasons": reasons, "line": line, "r1_anchor": anchored}
+        # fit's notes say it at length). The key only where it is False: fits with r = 1 runs
+        # serialise as before.
+        out["line"] = f"{line} {NO_R1_LINE}"
+        out["r1_anchor"] = False
+    return out
 
 
 def diagnose(fit: ScalingLawFit) -> dict[str, Any]:
