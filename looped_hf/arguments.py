@@ -271,6 +271,14 @@ class LoopedTrainingArguments(TrainingArguments):
             "OpenMP oversubscription, which slows tiny models several-fold."
         },
     )
+    peak_flops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dense bf16 peak of one training device in FLOP/s, for the MFU the run logs (e.g. 989e12 for "
+            "an H100 SXM). None: looped_hf.hardware's table by device name; a CPU or an unlisted GPU then logs "
+            "tokens/s and model FLOPs/s but no MFU."
+        },
+    )
     run_id: str | None = field(
         default=None, metadata={"help": "Name of the run (default: output_dir's name)."}
     )
@@ -316,6 +324,10 @@ class LoopedTrainingArguments(TrainingArguments):
         if self.torch_num_threads is not None and self.torch_num_threads < 1:
             raise RecipeError(
                 f"LoopedTrainingArguments.torch_num_threads={self.torch_num_threads}: must be >= 1"
+            )
+        if self.peak_flops is not None and not (self.peak_flops > 0 and math.isfinite(self.peak_flops)):
+            raise RecipeError(
+                f"LoopedTrainingArguments.peak_flops={self.peak_flops}: must be a positive number of FLOP/s"
             )
         if self.train_tokens is not None and self.train_tokens < 1:
             raise RecipeError(f"LoopedTrainingArguments.train_tokens={self.train_tokens}: must be >= 1")

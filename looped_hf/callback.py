@@ -18,6 +18,16 @@ and to every `report_to` backend):
 and records `n_once`, `n_rec`, `num_recurrences`, `effective_num_layers` and
 `backprop_recurrences` (in the final training log entry and in `summary()`).
 
+Throughput: every training log entry also carries `tokens_per_second` (all processes) and
+`model_flops_per_second` (the looped-aware FLOPs above, all processes) over the optimizer steps
+since the previous training log entry, and `mfu` = model FLOPs/s / (num_processes x the device's
+dense bf16 peak) where that peak is known (`peak_flops=`, else `looped_hf.hardware.device_peak_flops`
+of the training device; no key at all on a CPU or an unlisted GPU). The clock counts training
+only: the time of evaluation and checkpoint saving is left out (it stops at the log entry, at
+an evaluation's log entry and at `on_save`, and restarts there). The final log entry and
+`summary()` carry the run's average (`tokens_per_second`, `model_flops_per_second`, `mfu`,
+`peak_flops`, `train_seconds`).
+
 Why it reorders callbacks: `Trainer.log` copies `logs` into `log_history` BEFORE calling the
 callbacks, and the integration (reporter) callbacks come first in the list, so editing `logs` in
 an ordinary `on_log` reaches neither. This callback (a) moves itself to the front of the
@@ -40,6 +50,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -55,10 +66,27 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
     Args:
         seq_len: Sequence length used for the attention term of the FLOP count. `None` (default):
             read from the training batches (a forward pre-hook sees each micro-batch's shape).
+        peak_flops: Dense bf16 peak of ONE training device in FLOP/s, for `mfu`. `None` (default):
+            `looped_hf.hardware.device_peak_flops` of the Trainer's device (None on CPUs and GPUs
+            it does not list: then no `mfu` is logged).
     """
 
-    def __init__(self, seq_len: int | None = None) -> None:
+    def __init__(self, seq_len: int | None = None, peak_flops: float | None = None) -> None:
+        if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0
+                                           and math.isfinite(peak_flops)):  # fmt: skip
+            raise ValueError(f"LoopedComputeCallback peak_flops={peak_flops!r}: must be a positive number of FLOP/s")
         self.seq_len = seq_len
+        self.peak_flops = None if peak_flops is None else float(peak_flops)
+        self._peak: float | None = self.peak_flops  # the one in use (given, or the device's)
+        self._world = 1
+        # Training clock (perf_counter): `_clock` is where the current training stretch began;
+        # `_window_s` / `_run_s` the training seconds since the last training log / train begin,
+        # `_window_start` / `_run_start` the (tokens, FLOPs) there.
+        self._clock: float | None = None
+        self._window_s = 0.0
+        self._run_s = 0.0
+        self._window_start: tuple[int, float] = (0, 0.0)
+        self._run_start: tuple[int, float] = (0, 0.0)
         self._model: torch.nn.Module | None = None
         self._hook: Any = None
         self._handler_found = False
@@ -120,6 +148,11 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
 
     def _setup(self, args: TrainingArguments, model: torch.nn.Module | None) -> None:
         self._find_handler()
+        self._world = max(1, int(getattr(args, "world_size", 1) or 1))
+        if self.peak_flops is None:
+            from looped_hf.hardware import device_peak_flops
+
+            self._peak = device_peak_flops(args.device)
         if args.include_num_input_tokens_seen in ("no", False):
             # The Trainer reads this flag every micro-batch; "all" makes it count (and gather
             # across processes) the tokens the FLOP count multiplies.
@@ -246,6 +279,45 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
         out.update(self.current(state))
         out["train_flops_per_token"] = self.flops_per_token()
         out["trainer_total_flos"] = float(state.total_flos)
+        out.update(self.run_throughput(state))
+        return out
+
+    # --- throughput -----------------------------------------------------------------------------
+    def _tick(self, count: bool) -> None:
+        """Close the current stretch of the training clock (adding it if `count`) and start another."""
+        now = time.perf_counter()
+        if count and self._clock is not None:
+            self._window_s += now - self._clock
+            self._run_s += now - self._clock
+        self._clock = now
+
+    def _rates(self, seconds: float, tokens: int, flops: float) -> dict[str, Any]:
+        if not seconds > 0:
+            return {}
+        out: dict[str, Any] = {"tokens_per_second": tokens / seconds}
+        if math.isfinite(flops):
+            out["model_flops_per_second"] = flops / seconds
+            if self._peak is not None:
+                out["mfu"] = flops / seconds / (self._peak * self._world)
+        return out
+
+    def run_throughput(self, state: TrainerState) -> dict[str, Any]:
+        """The run's average since `train()` began, over training time only: `tokens_per_second`,
+        `model_flops_per_second`, `mfu` (None where the peak is not known), `peak_flops` (per
+        device, None likewise) and `train_seconds`."""
+        now = self.current(state)
+        tokens, flops = now["train_tokens"] - self._run_start[0], now["train_flops"] - self._run_start[1]
+        out = {"tokens_per_second": None, "model_flops_per_second": None, "mfu": None}
+        out.update(self._rates(self._run_s, tokens, flops))
+        out.update(peak_flops=self._peak, train_seconds=self._run_s)
+        return out
+
+    def _window_throughput(self, state: TrainerState, now: dict[str, Any]) -> dict[str, Any]:
+        """Rates over the steps since the previous training log entry; the window restarts."""
+        tokens = now["train_tokens"] - self._window_start[0]
+        flops = now["train_flops"] - self._window_start[1]
+        out = self._rates(self._window_s, tokens, flops)
+        self._window_s, self._window_start = 0.0, (now["train_tokens"], now["train_flops"])
         return out
 
     # --- events ---------------------------------------------------------------------------------
@@ -260,6 +332,10 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
         if state.stateful_callbacks is None:
             state.stateful_callbacks = {}
         state.stateful_callbacks.setdefault(type(self).__name__, self.state())
+        start = self.current(state)
+        self._window_start = self._run_start = (start["train_tokens"], start["train_flops"])
+        self._window_s = self._run_s = 0.0
+        self._tick(count=False)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         # Fold this optimizer step in: its tokens over all processes x its FLOPs per token here.
@@ -271,6 +347,13 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
             self._flops += (tokens - self._counted_tokens) * self._pending_fpt()
             self._counted_tokens = tokens
         self._step_tokens, self._step_flops = 0, 0.0
+        self._tick(count=True)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._tick(count=False)  # evaluation is not training time
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._tick(count=False)  # nor is writing a checkpoint
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs
@@ -279,8 +362,17 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
             return
         extra = self.current(state)
         if "train_loss" in logs:
-            # The end-of-training summary entry: also the static description of the loop.
+            # The end-of-training summary entry: also the static description of the loop and the
+            # run's average throughput (no mfu key where the peak is unknown).
             extra.update({k: v for k, v in self.static.items() if v is not None})
+            self._tick(count=True)
+            extra.update({k: v for k, v in self.run_throughput(state).items() if v is not None})
+        elif "loss" in logs:
+            # A training log entry: rates over the steps since the previous one.
+            self._tick(count=True)
+            extra.update(self._window_throughput(state, extra))
+        else:
+            self._tick(count=False)  # an evaluation's entry: the evaluation was not training time
         logs.update(extra)
         # Trainer.log appended {**logs, "step": ...} to log_history just before calling us.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

@@ -11,9 +11,10 @@ length is `max_steps`, `train_tokens` or `train_flops_budget` (FLOPs from the mo
 `training_flops_per_token`). At the end the held-out loss is measured token-weighted (our own
 loop: Trainer's `eval_loss` is a mean of batch means) and the run directory (`output_dir`) gets:
 
-    config.json, model.safetensors, configuration_looped.py, modeling_looped.py,
+    config.json, model.safetensors, configuration_looped.py, modeling_looped.py (+ the two files it imports),
     generation_config.json, tokenizer files      (save_pretrained: loads with trust_remote_code)
-    run_record.json                               (the record below; the fit's columns)
+    run_record.json                               (the record below; the fit's columns; the run's average
+                                                   tokens/s, model FLOPs/s and MFU where the device's peak is known)
     recipe.yaml                                   (the resolved recipe: reruns this run)
     checkpoints/                                  (Trainer checkpoints; a rerun resumes from the last)
 
@@ -45,7 +46,7 @@ from looped_hf.arguments import (
     steps_for_tokens,
     tokens_per_step,
 )
-from looped_hf.fileio import write_json_atomic, write_yaml_atomic
+from looped_hf.fileio import append_jsonl, write_json_atomic, write_yaml_atomic
 
 RECORD_NAME = "run_record.json"
 RECIPE_NAME = "recipe.yaml"
@@ -60,6 +61,7 @@ RECORD_KEYS = (
     "train_loss", "train_runtime_s", "train_flops_per_token", "trainer_total_flos", "max_steps", "tokens_per_step",
     "seq_len", "num_processes", "config", "recipe", "versions", "wall_time_s", "run_id", "run_dir",
     "learning_rates", "recurrence_sampling", "sampled_recurrences",
+    "tokens_per_second", "model_flops_per_second", "mfu", "peak_flops",
 )  # fmt: skip
 
 
@@ -131,6 +133,40 @@ def last_checkpoint(checkpoint_dir: str | os.PathLike) -> str | None:
     return str(max(done)[1]) if done else None
 
 
+def compile_forward(model: torch.nn.Module, training_args: LoopedTrainingArguments, sampled: bool) -> bool:
+    """`torch_compile: true`: compile the model's `forward` here instead of letting the Trainer
+    compile the whole module; returns whether it did (undo with `uncompile_forward`).
+
+    Why not the Trainer's `torch.compile(model)`: that traces the module's forward pre-hooks too, and
+    the hooks of `RecurrenceSamplingCallback` (numpy's RNG: graph breaks) and `LoopedComputeCallback`
+    (Python counters) belong outside the graph. Compiling `forward` keeps every hook eager and the
+    whole loop in one graph (the model is `_can_compile_fullgraph`; r is a Python int, so each r
+    is its own graph). A sampled r therefore compiles at most one graph per distinct r: the
+    recompile limit is raised so that no r falls back to eager. The recipe still records
+    `torch_compile: true`; backend and mode come from `torch_compile_backend` / `_mode`.
+    """
+    if not training_args.torch_compile:
+        return False
+    kwargs = {"backend": training_args.torch_compile_backend or "inductor", "mode": training_args.torch_compile_mode}
+    # Switch the Trainer's (accelerate's) own compile off: the flag, and the environment that
+    # TrainingArguments.__post_init__ set for accelerate's TorchDynamoPlugin.
+    training_args.torch_compile = False
+    training_args.torch_compile_backend = training_args.torch_compile_mode = None
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE"):
+        os.environ.pop(name, None)
+    if sampled:
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    model.forward = torch.compile(model.forward, **kwargs)
+    return True
+
+
+def uncompile_forward(model: torch.nn.Module) -> None:
+    """Back to the class's eager forward (held-out evaluation and saving run eagerly)."""
+    model.__dict__.pop("forward", None)
+
+
 class NonFiniteLossGuard(TrainerCallback):
     """Stops training at the first logged non-finite loss (the run is then recorded as failed)."""
 
@@ -186,7 +222,7 @@ def heldout_loss(
 
     Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
     across processes, so the mean is exact whatever the batch split. `num_recurrences` runs the
-    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.test_time`).
+    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.recurrence_curves`).
     """
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
@@ -321,6 +357,7 @@ def train(
     try:
         set_seed(training_args.seed)
         model = LoopedForCausalLM(config)
+        compile_forward(model, training_args, sampled=sampling != "fixed")
         with training_args.main_process_first(desc="tokenize and pack"):
             train_ds, eval_ds = build_datasets(data_args, tokenizer)
         optimizer, scheduler = build_optimizer_and_scheduler(
@@ -334,7 +371,7 @@ def train(
             lr_text = ", ".join(f"{k} {v:.4g}" for k, v in used.items())
             print(f"[train] {record['run_id']}: {max_steps:,} steps x {step_tokens:,} tokens; held-out "
                   f"{len(eval_ds):,} blocks x {seq_len:,} = {len(eval_ds) * seq_len:,} tokens; peak lrs: {lr_text}")  # fmt: skip
-        compute = LoopedComputeCallback(seq_len=seq_len)
+        compute = LoopedComputeCallback(seq_len=seq_len, peak_flops=training_args.peak_flops)
         guard = NonFiniteLossGuard()
         sampler = None
         if sampling != "fixed":
@@ -353,6 +390,7 @@ def train(
         )
         resume = training_args.resume_from_checkpoint or last_checkpoint(training_args.output_dir)
         output = trainer.train(resume_from_checkpoint=resume)
+        uncompile_forward(model)
         summary = compute.summary(trainer.state)
         loss, eval_tokens = heldout_loss(
             model, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator
@@ -371,6 +409,12 @@ def train(
             resumed_from=resume,
             recurrence_sampling=sampling,
             sampled_recurrences=sampler.summary(trainer.state.global_step) if sampler else None,
+            # The run's average over training time (evaluation and checkpoint writes left out);
+            # mfu only where the device's dense bf16 peak is known (recipe peak_flops or the table).
+            tokens_per_second=summary["tokens_per_second"],
+            model_flops_per_second=summary["model_flops_per_second"],
+            mfu=summary["mfu"],
+            peak_flops=summary["peak_flops"],
         )
         if sampler is not None:  # the mean over the r actually run, not the planning value at mean r
             record["train_flops_per_token"] = summary["train_flops_per_token"]
@@ -395,8 +439,6 @@ def train(
     if is_main:
         write_json_atomic(run_dir / RECORD_NAME, record)
         if training_args.results_file:
-            from looped_hf.sweep import append_jsonl
-
             append_jsonl(training_args.results_file, record)
     return record
 

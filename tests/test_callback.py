@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import RandomBlocks
@@ -111,3 +113,71 @@ def test_resume_from_a_checkpoint_without_a_saved_flop_total_prices_it_at_the_co
     assert resumed.state.log_history[-1]["train_flops"] == pytest.approx(
         model.training_flops_per_token(SEQ) * tokens
     )
+
+
+class _SleepInForward:
+    """A forward pre-hook that sleeps `seconds` in training or in evaluation mode (a slow step or a
+    slow evaluation, whatever the machine's load)."""
+
+    def __init__(self, seconds: float, training: bool) -> None:
+        self.seconds, self.training, self.calls = seconds, training, 0
+
+    def __call__(self, module, args):
+        if module.training == self.training:
+            self.calls += 1
+            time.sleep(self.seconds)
+
+
+def test_throughput_in_every_training_log_entry_and_no_mfu_without_a_peak(tmp_path):
+    model = _model(None)
+    sleep = _SleepInForward(0.05, training=True)
+    model.register_forward_pre_hook(sleep)
+    compute = LoopedComputeCallback()
+    trainer = _train(tmp_path, model, [compute])
+    per_token = model.training_flops_per_token(SEQ)
+    entries = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(entries) == STEPS
+    for entry in entries:
+        # Each window is one step of BATCH x ACCUM x SEQ tokens that slept ACCUM x 0.05 s.
+        assert 0 < entry["tokens_per_second"] < BATCH * ACCUM * SEQ / (ACCUM * 0.05)
+        assert entry["model_flops_per_second"] == pytest.approx(per_token * entry["tokens_per_second"], rel=1e-9)
+        assert "mfu" not in entry  # a CPU has no known peak: nothing is logged as MFU
+    final = trainer.state.log_history[-1]
+    run = compute.summary(trainer.state)
+    assert run["mfu"] is None and run["peak_flops"] is None
+    assert run["train_seconds"] >= sleep.calls * 0.05
+    assert final["tokens_per_second"] == pytest.approx(STEPS * BATCH * ACCUM * SEQ / final["train_seconds"])
+    assert run["tokens_per_second"] == pytest.approx(STEPS * BATCH * ACCUM * SEQ / run["train_seconds"])
+
+
+def test_mfu_against_the_given_or_the_devices_peak_and_evaluation_time_left_out(tmp_path, monkeypatch):
+    model = _model(None)
+    slow_eval = _SleepInForward(0.3, training=False)
+    model.register_forward_pre_hook(slow_eval)
+    compute = LoopedComputeCallback(peak_flops=1e9)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "eval"), per_device_train_batch_size=BATCH, max_steps=STEPS, logging_steps=1,
+        eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=64, report_to="none", disable_tqdm=True,
+        use_cpu=True, dataloader_num_workers=0, save_strategy="no",
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=RandomBlocks(64, 64, SEQ),
+                      eval_dataset=RandomBlocks(64, 64, SEQ), callbacks=[compute])  # fmt: skip
+    trainer.train()
+    entries = [e for e in trainer.state.log_history if "loss" in e]
+    for entry in entries:
+        assert entry["mfu"] == pytest.approx(entry["model_flops_per_second"] / 1e9, rel=1e-9)
+    run = compute.summary(trainer.state)
+    assert slow_eval.calls == STEPS  # one eval batch per step, 0.3 s each ...
+    assert run["train_seconds"] < STEPS * 0.3  # ... none of it counted as training time
+    assert run["mfu"] == pytest.approx(run["model_flops_per_second"] / 1e9) and run["peak_flops"] == 1e9
+    # Without peak_flops=, the device's dense bf16 peak from looped_hf.hardware (here: faked).
+    monkeypatch.setattr("looped_hf.hardware.device_peak_flops", lambda device=None: 2e9)
+    auto = LoopedComputeCallback()
+    trainer = _train(tmp_path, _model(None), [auto])
+    assert all("mfu" in e for e in trainer.state.log_history if "loss" in e)
+    assert auto.summary(trainer.state)["peak_flops"] == 2e9
+
+
+def test_peak_flops_must_be_positive():
+    with pytest.raises(ValueError, match="peak_flops"):
+        LoopedComputeCallback(peak_flops=0)

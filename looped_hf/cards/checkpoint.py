@@ -202,6 +202,7 @@ def _training_section(record: Mapping[str, Any], tokenizer_name: str) -> dict[st
         "lr_schedule": recipe.get("lr_schedule", _TRAINING_DEFAULTS["lr_schedule"]),
         "seed": record.get("seed", "-"),
         "wall_time": _duration(record.get("wall_time_s")),
+        "throughput": _throughput(record),
         "versions": ", ".join(f"{k} {v}" for k, v in versions.items()) or "-",
         "trainer_total_flos": f"{record['trainer_total_flos']:.3g}"
         if record.get("trainer_total_flos")
@@ -209,6 +210,20 @@ def _training_section(record: Mapping[str, Any], tokenizer_name: str) -> dict[st
         "recipe_yaml": yaml.safe_dump(_public_recipe(recipe), sort_keys=False).rstrip() or "{}",
         "recurrences": _training_recurrences(record),
     }
+
+
+def _throughput(record: Mapping[str, Any]) -> str | None:
+    """'12.3k tokens/s, 4.56 TFLOP/s model FLOPs, MFU 38.2% (of 989 TFLOP/s per device)' from the run
+    record; MFU only where the record has one (a device with a known peak); None for older records."""
+    tokens = record.get("tokens_per_second")
+    if not tokens:
+        return None
+    text = f"{si(tokens)} tokens/s"
+    if record.get("model_flops_per_second"):
+        text += f", {si(record['model_flops_per_second'])}FLOP/s model FLOPs"
+    if record.get("mfu") is not None and record.get("peak_flops"):
+        text += f", MFU {record['mfu']:.1%} (of {si(record['peak_flops'])}FLOP/s bf16 peak per device)"
+    return text
 
 
 def _training_recurrences(record: Mapping[str, Any]) -> str | None:
