@@ -181,3 +181,13 @@ def test_mfu_against_the_given_or_the_devices_peak_and_evaluation_time_left_out(
 def test_peak_flops_must_be_positive():
     with pytest.raises(ValueError, match="peak_flops"):
         LoopedComputeCallback(peak_flops=0)
+
+
+def test_checkpoint_card_shows_the_runs_average_throughput_and_mfu_only_when_known():
+    from looped_hf.cards.checkpoint import _throughput
+
+    record = {"tokens_per_second": 12345.0, "model_flops_per_second": 4.5e12, "mfu": None, "peak_flops": None}
+    assert _throughput(record) == "12.3k tokens/s, 4.5TFLOP/s model FLOPs"
+    record.update(mfu=0.382, peak_flops=989.4e12)
+    assert _throughput(record).endswith("MFU 38.2% (of 989TFLOP/s bf16 peak per device)")
+    assert _throughput({}) is None  # records written before throughput was kept
