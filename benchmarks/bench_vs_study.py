@@ -1,0 +1,452 @@
+"""looped_hf's `Trainer` step against the study's own training step, and the `Trainer`'s own cost.
+
+    python benchmarks/bench_vs_study.py --study-src /work/study_src              # the table (~2 min, 1 thread)
+    python benchmarks/bench_vs_study.py --study-src DIR --steps 30 --compile     # + compiled sides (slow on CPU)
+
+DIR is a checkout of kschwethelm/looped-lm-scaling (the study's nanochat fork); its `nanochat.gpt`
+and `nanochat.optim` are imported from there at run time, nothing of it is in this repository.
+Without `--study-src` the script says what it needs and exits 0.
+
+One process trains three copies of the study's loop4 model (prelude 2, block 4 x r = 4, coda 2,
+linear injection W [e; h] = [I | 0], QK-norm after RoPE, relu2, soft-cap 15, the study's init),
+scaled to a CPU (default width 256, head dim 128, seq 256, batch 4, the embedded BPE's vocabulary), with the study's
+optimizer on every side (MuonH for the layer and injection matrices, AdamW groups for the rest):
+
+- study:   scripts/base_train.py's per-step body with the study's GPT and MuonAdamW: forward
+           (`model(x, y)`), backward, next batch, `compute_gradient_stats` (its default
+           `--track-gradients basic`), lr multiplier into every group, `optimizer.step()`,
+           `zero_grad`, `loss.item()`. "study core" is the same step without the statistics.
+- looped_hf: one optimizer step of `looped_hf.train.train` (the vanilla `transformers.Trainer` with
+           `optimizer: muonh`, `LoopedComputeCallback`, the run's other callbacks, its dataloader),
+           timed between consecutive `on_step_end` events, so everything the Trainer does per step
+           is inside.
+- bare:    the same `LoopedForCausalLM`, optimizer (`build_optimizer_and_scheduler`) and batch shape
+           in a hand-written loop: forward with labels, backward, `optimizer.step()`,
+           `scheduler.step()`, `zero_grad`. trainer - bare is the Trainer's own cost.
+
+The study and bare steps run inside the Trainer's `on_step_end` (excluded from the Trainer's
+time), alternating their order every step, so the three sides interleave step by step and a
+shared machine's load drift hits all of them alike. Cells are medians over the timed steps with
+the [min, max] spread; ratios are medians of the per-step ratios. Tokens/s = batch x seq / step
+time (the same forward shape on every side: the study feeds x = row[:-1] of 257-token rows, looped_hf
+256-token blocks with the shift inside the loss).
+
+Eager on both sides by default: `nanochat/optim.py` decorates its fused AdamW and MuonH steps
+with `torch.compile`; the script replaces `torch.compile` by the identity while it imports
+nanochat (as the study-checkpoint fixtures were made, shared/data/study_checkpoints/PROVENANCE.md),
+so the study's steps run eagerly, like ours. `--compile` adds a second, compiled session:
+the study's loop as base_train runs it (`torch.compile(model)`, its compiled optimizer kernels),
+looped_hf with `torch_compile: true`, bare with `torch.compile(model)`; compiled / eager is per side.
+
+It also prints the Trainer's per-step cost by part (timers around `Trainer._get_grad_norm`,
+`_track_num_input_tokens`, `floating_point_ops`, the callback events, the batch fetch), and what
+trainer - bare would be of a step of the study's smallest paper run (recipes/iso_depth_paper.yaml,
+262,144 tokens per step) on 8 H100s at 40% of the dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import importlib
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STUDY_URL = "https://github.com/kschwethelm/looped-lm-scaling (commit ad7d8f3)"
+PAPER_RECIPE = REPO / "recipes" / "iso_depth_paper.yaml"
+#: The share of bf16 peak the projection assumes for the study's GPUs, and their count.
+PROJECTED_MFU, PROJECTED_GPUS = 0.40, 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The study's side
+# ---------------------------------------------------------------------------------------------
+def import_study(src: Path, compile_kernels: bool) -> tuple[Any, Any]:
+    """`(nanochat.gpt, nanochat.common)` imported from `src`; eager kernels unless `compile_kernels`.
+
+    nanochat/optim.py applies `torch.compile` as a decorator at import, so eager means replacing
+    it by the identity during the import (nothing of the study's files changes).
+    """
+    if not (src / "nanochat" / "gpt.py").is_file():
+        raise SystemExit(f"--study-src {src}: no nanochat/gpt.py there (a checkout of {STUDY_URL})")
+    sys.path.insert(0, str(src))
+    for name in [m for m in sys.modules if m == "nanochat" or m.startswith("nanochat.")]:
+        del sys.modules[name]  # a second session may switch compile on or off
+    real = torch.compile
+
+    def identity(fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    if not compile_kernels:
+        torch.compile = identity
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # its "Flash Attention backend" banner
+            gpt = importlib.import_module("nanochat.gpt")
+            common = importlib.import_module("nanochat.common")
+    finally:
+        torch.compile = real
+    return gpt, common
+
+
+class StudyStep:
+    """scripts/base_train.py's training step (grad accumulation 1) with the study's GPT and optimizer."""
+
+    def __init__(self, gpt: Any, common: Any, shape: dict[str, int], lrs: dict[str, float], compiled: bool) -> None:
+        cfg = gpt.GPTConfig(
+            sequence_len=shape["seq"], vocab_size=shape["vocab"], n_head=shape["width"] // shape["head_dim"],
+            n_kv_head=shape["width"] // shape["head_dim"], n_embd=shape["width"], n_prelude=2, n_recur_block=4,
+            n_coda=2, num_recur=4, bptt_k=4, input_injection="inject_init_prelude",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = gpt.GPT(cfg)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        with contextlib.redirect_stdout(sys.stderr):
+            # base_train multiplies these by its HyperP factors; the values only set the update sizes.
+            self.optimizer = model.setup_optimizer(
+                unembedding_lr=lrs["lm_head"], embedding_lr=lrs["embedding"], matrix_lr=lrs["matrix"], d_ref=640
+            )
+        self.orig_model = model
+        self.model = torch.compile(model) if compiled else model
+        self.stats = common.compute_gradient_stats
+        self.batches = _random_batches(shape, rows=shape["seq"] + 1, split=True)
+        self.x, self.y = next(self.batches)
+        self.step_index = 0
+
+    def __call__(self, phases: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        loss = self.model(self.x, self.y, num_recur=4)
+        train_loss = loss.detach()
+        t1 = time.perf_counter()
+        loss.backward()
+        self.x, self.y = next(self.batches)  # base_train prefetches the next batch here
+        t2 = time.perf_counter()
+        self.stats(self.orig_model, "basic")  # base_train's default --track-gradients basic
+        t3 = time.perf_counter()
+        lrm = 1.0 - 0.9 * min(1.0, self.step_index / 1000)  # warmdown 1.0 to final 0.1 (1000-step run)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        train_loss.item()
+        t4 = time.perf_counter()
+        self.step_index += 1
+        for name, dt in (("fwd", t1 - t0), ("bwd", t2 - t1), ("stats", t3 - t2), ("opt", t4 - t3)):
+            phases[name] = dt
+
+
+def _random_batches(shape: dict[str, int], rows: int, split: bool) -> Iterator[Any]:
+    """Endless batches of uniform random tokens (timing does not depend on their values)."""
+    gen = torch.Generator().manual_seed(1)
+    while True:
+        ids = torch.randint(0, shape["vocab"], (shape["batch"], rows), generator=gen)
+        yield (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()) if split else ids
+
+
+# ---------------------------------------------------------------------------------------------
+# looped_hf's bare loop and the interleaving callback
+# ---------------------------------------------------------------------------------------------
+class BareStep:
+    """The Trainer's model, optimizer and schedule in a hand-written loop (no Trainer around it)."""
+
+    def __init__(self, model: torch.nn.Module, training_args: Any, shape: dict[str, int], compiled: bool) -> None:
+        from looped_hf.arguments import tokens_per_step
+        from looped_hf.optim import build_optimizer_and_scheduler
+
+        self.model = copy.deepcopy(model)
+        self.model.train()
+        step_tokens = tokens_per_step(training_args, shape["seq"])
+        self.optimizer, self.scheduler = build_optimizer_and_scheduler(
+            self.model, training_args, training_args.max_steps, tokens_per_step=step_tokens,
+            train_tokens=training_args.max_steps * step_tokens,
+        )  # fmt: skip
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.batches = _random_batches(shape, rows=shape["seq"], split=False)
+        self.ids = next(self.batches)
+
+    def __call__(self, phases: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        loss = self.forward(input_ids=self.ids, labels=self.ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        self.ids = next(self.batches)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.model.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        for name, dt in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
+            phases[name] = dt
+
+
+def _interleave_callback(session: Session) -> Any:
+    from transformers import TrainerCallback
+
+    class Interleave(TrainerCallback):
+        """Times the Trainer between consecutive `on_step_end`s and runs the other sides in between."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            session.start(model, args)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            session.trainer_step_done(state.global_step, state.max_steps)
+
+    return Interleave()
+
+
+class PartTimers:
+    """Wall time per step inside named Trainer methods (class-level wrappers, removed by `close`)."""
+
+    PARTS = {
+        "grad norm (_get_grad_norm)": ("Trainer", "_get_grad_norm"),
+        "token count (_track_num_input_tokens)": ("Trainer", "_track_num_input_tokens"),
+        "Trainer FLOPs (floating_point_ops)": ("Trainer", "floating_point_ops"),
+        "batch fetch (get_batch_samples)": ("Trainer", "get_batch_samples"),
+        "log/save/eval (_maybe_log_save_evaluate)": ("Trainer", "_maybe_log_save_evaluate"),
+        "callback events (CallbackHandler.call_event)": ("CallbackHandler", "call_event"),
+    }
+
+    def __init__(self) -> None:
+        import transformers
+        from transformers.trainer_callback import CallbackHandler
+
+        self.totals: dict[str, float] = defaultdict(float)
+        self.excluded = 0.0  # time of the benchmark's own sides, run inside on_step_end
+        self.active = False
+        owners = {"Trainer": transformers.Trainer, "CallbackHandler": CallbackHandler}
+        self._saved: list[tuple[type, str, Any]] = []
+        for label, (owner_name, attr) in self.PARTS.items():
+            owner = owners[owner_name]
+            original = owner.__dict__[attr]
+            self._saved.append((owner, attr, original))
+            setattr(owner, attr, self._wrap(label, original))
+
+    def _wrap(self, label: str, fn: Callable) -> Callable:
+        timers = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not timers.active:
+                return fn(*args, **kwargs)
+            excluded = timers.excluded
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.totals[label] += time.perf_counter() - t0 - (timers.excluded - excluded)
+
+        return timed
+
+    def close(self) -> None:
+        for owner, attr, original in self._saved:
+            setattr(owner, attr, original)
+
+
+class Session:
+    """One interleaved measurement: looped_hf's Trainer run, with the study and bare steps in between."""
+
+    def __init__(self, study: StudyStep, shape: dict[str, int], warmup: int, compiled: bool) -> None:
+        self.study, self.shape, self.warmup, self.compiled = study, shape, warmup, compiled
+        self.bare: BareStep | None = None
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.phases: dict[str, dict[str, list[float]]] = {"study": defaultdict(list), "bare": defaultdict(list)}
+        self.mark: float | None = None
+        self.timers: PartTimers | None = None
+        self.timed_steps = 0
+
+    def start(self, model: torch.nn.Module, training_args: Any) -> None:
+        self.bare = BareStep(model, training_args, self.shape, self.compiled)
+
+    def trainer_step_done(self, step: int, max_steps: int) -> None:
+        now = time.perf_counter()
+        timing = step > self.warmup
+        if self.mark is not None and timing:
+            self.times["looped_hf"].append(now - self.mark)
+            self.timed_steps += 1
+        sides = [("study", self.study), ("bare", self.bare)]
+        for name, side in sides if step % 2 else sides[::-1]:
+            phases: dict[str, float] = {}
+            t0 = time.perf_counter()
+            side(phases)
+            dt = time.perf_counter() - t0
+            if timing:
+                self.times[name].append(dt)
+                if name == "study":
+                    self.times["study core"].append(dt - phases["stats"])
+                for phase, value in phases.items():
+                    self.phases[name][phase].append(value)
+        if self.timers is not None:
+            # The part timers count from the first timed Trainer step on; our sides are not theirs.
+            self.timers.active = self.warmup <= step < max_steps
+            self.timers.excluded += time.perf_counter() - now
+        self.mark = time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a session
+# ---------------------------------------------------------------------------------------------
+def recipe(shape: dict[str, int], steps: int, threads: int, out: str, compiled: bool) -> dict[str, Any]:
+    """The looped_hf run: the study's loop4 model and optimizer at the benchmark's shape."""
+    return {
+        "hidden_size": shape["width"], "head_dim": shape["head_dim"], "num_prelude_layers": 2,
+        "num_recurrent_layers": 4, "num_coda_layers": 2, "num_recurrences": 4, "input_injection": "linear",
+        "init_scheme": "study", "seq_len": shape["seq"], "eval_blocks": 2,
+        "per_device_train_batch_size": shape["batch"], "per_device_eval_batch_size": shape["batch"],
+        "optimizer": "muonh", "max_grad_norm": 0.0, "max_steps": steps, "logging_steps": 10,
+        "save_strategy": "no", "report_to": "none", "torch_num_threads": threads, "output_dir": out,
+        "torch_compile": compiled, "seed": 0,
+    }  # fmt: skip
+
+
+def run_session(gpt: Any, common: Any, shape: dict[str, int], args: argparse.Namespace, compiled: bool) -> dict:
+    """Train looped_hf for warmup + steps Trainer steps with the other sides interleaved; the timings."""
+    from looped_hf.arguments import parse_recipe
+    from looped_hf.train import train
+
+    study = StudyStep(gpt, common, shape, STUDY_LRS, compiled)
+    session = Session(study, shape, args.warmup, compiled)
+    session.timers = PartTimers()
+    with tempfile.TemporaryDirectory() as tmp:
+        fields = recipe(shape, args.warmup + args.steps, args.threads, str(Path(tmp) / "run"), compiled)
+        model_args, data_args, training_args = parse_recipe(fields)
+        try:
+            record = train(model_args, data_args, training_args, callbacks=[_interleave_callback(session)])
+        finally:
+            session.timers.close()
+    if record["status"] != "ok":
+        raise SystemExit(f"looped_hf run failed: {record['error']}\n{record.get('traceback', '')}")
+    parts = {k: v / max(1, session.timed_steps) for k, v in session.timers.totals.items()}
+    return {"times": dict(session.times), "phases": {k: dict(v) for k, v in session.phases.items()}, "parts": parts,
+            "fpt": record["train_flops_per_token"]}  # fmt: skip
+
+
+#: The study's reference lrs (scripts/base_train.py defaults), used on both sides.
+STUDY_LRS = {"matrix": 0.014, "embedding": 0.3, "lm_head": 0.004}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------
+def median_spread(values: list[float], scale: float = 1.0) -> str:
+    """'median [min, max]' of `values` x `scale`."""
+    if not values:
+        return "-"
+    v = sorted(x * scale for x in values)
+    return f"{statistics.median(v):.4g} [{v[0]:.4g}, {v[-1]:.4g}]"
+
+
+def paired_ratio(a: list[float], b: list[float]) -> list[float]:
+    """Per-step a_i / b_i (the steps ran back to back, so each pair saw the same machine load)."""
+    return [x / y for x, y in zip(a, b) if y > 0]
+
+
+def smallest_paper_step_s() -> tuple[float, str]:
+    """Seconds per optimizer step of the study's smallest paper run on 8 H100s at 40% of bf16 peak."""
+    from looped_hf.hardware import peak_flops_for_name
+    from looped_hf.sweep.plan import make_plan
+
+    plan = make_plan(PAPER_RECIPE)
+    run = min(plan.runs, key=lambda r: r.flops_per_token)
+    step_flops = run.flops_per_token * plan.tokens_per_step
+    peak = peak_flops_for_name("NVIDIA H100 80GB HBM3")
+    seconds = step_flops / (PROJECTED_GPUS * peak * PROJECTED_MFU)
+    return seconds, f"{run.run_id}: {step_flops:.3g} FLOPs/step ({plan.tokens_per_step:,} tokens)"
+
+
+def report(results: dict[str, dict], shape: dict[str, int]) -> dict[str, Any]:
+    """Print the table; return its numbers (also written with --json)."""
+    tokens = shape["batch"] * shape["seq"]
+    out: dict[str, Any] = {"shape": shape, "sessions": {}}
+    for label, res in results.items():
+        t = res["times"]
+        print(f"\n== {label}: {len(t['looped_hf'])} timed steps, {tokens:,} tokens/step; median [min, max] ==")
+        print(f"{'side':<12} {'ms/step':>28} {'tokens/s':>28}")
+        for side in ("study", "study core", "looped_hf", "bare"):
+            print(f"{side:<12} {median_spread(t[side], 1e3):>28} {median_spread([1 / x for x in t[side]], tokens):>28}")
+        vs_study = paired_ratio(t["study"], t["looped_hf"])  # tokens/s ratio = time ratio inverted
+        vs_core = paired_ratio(t["study core"], t["looped_hf"])
+        bare_vs_core = paired_ratio(t["study core"], t["bare"])
+        overhead = [(a - b) * 1e3 for a, b in zip(t["looped_hf"], t["bare"])]
+        print(f"looped_hf / study  tokens/s: {median_spread(vs_study)}")
+        print(f"looped_hf / study core     : {median_spread(vs_core)}")
+        print(f"bare / study core          : {median_spread(bare_vs_core)}")
+        print(f"Trainer - bare (ms/step)   : {median_spread(overhead)}")
+        for side in ("study", "bare"):
+            phases = "  ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in res["phases"][side].items())
+            print(f"  {side} phases (median ms): {phases}")
+        print("  Trainer parts (mean ms/step): "
+              + "; ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(res["parts"].items(), key=lambda kv: -kv[1])))  # fmt: skip
+        out["sessions"][label] = {
+            "ms": {side: statistics.median(t[side]) * 1e3 for side in ("study", "study core", "looped_hf", "bare")},
+            "looped_hf_over_study_tokens_per_s": statistics.median(vs_study),
+            "looped_hf_over_study_core_tokens_per_s": statistics.median(vs_core),
+            "trainer_overhead_ms": statistics.median(overhead),
+            "trainer_overhead_ms_range": [min(overhead), max(overhead)],
+            "trainer_parts_ms": {k: v * 1e3 for k, v in res["parts"].items()},
+        }
+    step_s, what = smallest_paper_step_s()
+    eager = out["sessions"]["eager"]
+    share = eager["trainer_overhead_ms"] / (step_s * 1e3)
+    print(f"\nThe study's smallest paper run ({what}) on {PROJECTED_GPUS} H100s at {PROJECTED_MFU:.0%} of bf16 peak: "
+          f"{step_s * 1e3:.1f} ms/step; the Trainer's {eager['trainer_overhead_ms']:.2f} ms/step (measured here, "
+          f"CPU, eager) would be {share:.1%} of it.")  # fmt: skip
+    out["paper_smallest_step_ms"] = step_s * 1e3
+    out["trainer_overhead_share_of_paper_step"] = share
+    if "compiled" in out["sessions"]:
+        for side in ("study", "looped_hf", "bare"):
+            ratio = eager["ms"][side] / out["sessions"]["compiled"]["ms"][side]
+            print(f"compiled / eager tokens/s, {side}: {ratio:.3g}")
+            out[f"compiled_over_eager_{side}"] = ratio
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--study-src", type=Path, help=f"a checkout of {STUDY_URL}")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
+    parser.add_argument("--compile", action="store_true", help="also a compiled session (minutes on a CPU)")
+    parser.add_argument("--json", type=Path, help="write the numbers here too")
+    args = parser.parse_args(argv)
+    if args.study_src is None:
+        print(f"bench_vs_study needs the study's code to compare against: a checkout of {STUDY_URL},\n"
+              "given as --study-src DIR (its nanochat package is imported from there at run time).")  # fmt: skip
+        return 0
+    torch.set_num_threads(args.threads)
+    from looped_hf.data import load_tokenizer
+
+    vocab = len(load_tokenizer())  # the Trainer trains on the embedded corpus; every side gets its vocabulary
+    shape = {"width": args.width, "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch, "vocab": vocab}
+    results = {}
+    for compiled in (False, True) if args.compile else (False,):
+        gpt, common = import_study(args.study_src.resolve(), compile_kernels=compiled)
+        results["compiled" if compiled else "eager"] = run_session(gpt, common, shape, args, compiled)
+    numbers = report(results, shape)
+    numbers["command"] = " ".join(["python benchmarks/bench_vs_study.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.json:
+        from looped_hf.fileio import write_json_atomic
+
+        write_json_atomic(args.json, numbers)
+    return 0 if all(math.isfinite(v["trainer_overhead_ms"]) for v in numbers["sessions"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
