@@ -212,7 +212,12 @@ class MuonH(torch.optim.Optimizer):
         weights = torch.stack(params)
         weights.sub_(update, alpha=group["lr"])
         weights.mul_(target / torch.linalg.matrix_norm(weights, keepdim=True).clamp_min(1e-10))
-        torch._foreach_copy_(params, list(weights.unbind(0)))
+        if any(hasattr(p, "full_tensor") for p in params):
+            # FSDP2 shards parameters as DTensors, which have no sharding rule for _foreach_copy_.
+            for p, w in zip(params, weights.unbind(0)):
+                p.copy_(w)
+        else:
+            torch._foreach_copy_(params, list(weights.unbind(0)))
 
 
 # ---------------------------------------------------------------------------------------------

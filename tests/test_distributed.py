@@ -78,6 +78,7 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from looped_hf import LoopedConfig, LoopedForCausalLM
+from looped_hf.optim import MuonH
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,14 +93,21 @@ if world > 1:
         if type(module).__name__ in model._no_split_modules:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+if sys.argv[1] == "muonh":  # the paper recipes' optimizer: MuonH on the matrices, AdamW on the rest
+    matrices = [p for p in model.parameters() if p.ndim == 2 and p.shape[0] != 64]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    # fp32 orthogonalisation: the default bf16 one rounds differently for gathered shards (~1e-3).
+    opts = [MuonH(matrices, lr=1e-2, ortho_dtype=torch.float32), torch.optim.AdamW(rest, lr=1e-2)]
+else:
+    opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
 rows = ids[rank * 4 // world:(rank + 1) * 4 // world]
 losses = []
 for step in range(4):
     loss = model(input_ids=rows, labels=rows).loss
     loss.backward()
-    opt.step()
-    opt.zero_grad()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
     total = loss.detach().clone()
     dist.all_reduce(total)
     losses.append(float(total) / world)
@@ -111,19 +119,20 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(script, n: int) -> dict:
+def _torchrun(script, n: int, *args: str) -> dict:
     proc = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                           str(script)], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                           str(script), *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_fsdp2_sharding_each_layer_trains_the_shared_block_as_one_process_does(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muonh"])
+def test_fsdp2_sharding_each_layer_trains_the_shared_block_as_one_process_does(tmp_path, optimizer):
     script = tmp_path / "fsdp2.py"
     script.write_text(textwrap.dedent(_FSDP2_SCRIPT))
-    sharded, single = _torchrun(script, 2), _torchrun(script, 1)
+    sharded, single = _torchrun(script, 2, optimizer), _torchrun(script, 1, optimizer)
     assert sharded["losses"] == pytest.approx(single["losses"], rel=REL_TOL)
     assert sharded["losses"][-1] < sharded["losses"][0]
     # The block runs 3 times per forward: its gradient (reduce-scattered once per step) must hold all 3 uses.
