@@ -102,15 +102,18 @@ def resolve_max_steps(
     training_args: LoopedTrainingArguments, flops_per_token: float, seq_len: int
 ) -> tuple[int, int]:
     """`(max_steps, tokens_per_step)` from whichever of max_steps / train_tokens /
-    train_flops_budget is set (rounded up to whole steps; see `steps_for_tokens`)."""
+    train_flops_budget is set (rounded to whole steps by `train_steps_rounding`: up, or to the
+    nearest as the study; see `steps_for_tokens`)."""
     step_tokens = tokens_per_step(training_args, seq_len)
+    rounding = training_args.train_steps_rounding
     if training_args.train_flops_budget is not None:
         budget = training_args.train_flops_budget
         tokens = budget / flops_per_token
-        return steps_for_tokens(tokens, step_tokens, "train_flops_budget", f"{budget:.4g}"), step_tokens
+        steps = steps_for_tokens(tokens, step_tokens, "train_flops_budget", f"{budget:.4g}", rounding=rounding)
+        return steps, step_tokens
     if training_args.train_tokens is not None:
         steps = steps_for_tokens(
-            training_args.train_tokens, step_tokens, "train_tokens", training_args.train_tokens
+            training_args.train_tokens, step_tokens, "train_tokens", training_args.train_tokens, rounding=rounding
         )
         return steps, step_tokens
     if training_args.max_steps is None or training_args.max_steps <= 0:
@@ -381,7 +384,7 @@ def train(
         trainer = Trainer(
             model=model,
             args=training_args,
-            data_collator=collator(tokenizer),
+            data_collator=collator(tokenizer, data_args),
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,

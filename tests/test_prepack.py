@@ -453,3 +453,27 @@ def test_val_files_of_a_hub_source_are_its_last_data_files():
     assert splits["train"].load_kwargs["data_files"] == [url.format(0), url.format(1)]
     assert splits["val"].load_kwargs["data_files"] == [url.format(2)]
     assert splits["train"].load_kwargs["path"] == "parquet" and identity["rule"] == {"val_files": 1}
+
+
+@needs_fixture
+def test_looped_hf_train_on_prepacked_rows_counts_the_studys_tokens_and_steps(tmp_path, fixture_tok, one_torch_thread):
+    """Through `looped_hf.train.train`: a row trains seq_len tokens (inputs row[:-1]), not seq_len + 1,
+    and `train_steps_rounding: nearest` gives the study's round(tokens / tokens_per_step)."""
+    from looped_hf.arguments import parse_recipe
+    from looped_hf.train import train
+
+    tok_path = tmp_path / "tok.json"
+    fixture_tok.backend_tokenizer.save(str(tok_path))
+    recipe = {
+        "hidden_size": 16, "num_attention_heads": 2, "num_prelude_layers": 0, "num_recurrent_layers": 1,
+        "num_coda_layers": 0, "num_recurrences": 1, "input_injection": "none",
+        "dataset": str(SHARED), "prepacked": True, "seq_len": 64, "eval_blocks": 8, "tokenizer": str(tok_path),
+        "data_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "run"),
+        "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8, "train_sampling_strategy": "sequential",
+        # 2.4 steps of 4 x 64 tokens: "up" would train 3 steps, the study's nearest trains 2.
+        "train_tokens": int(2.4 * 4 * 64), "train_steps_rounding": "nearest",
+        "save_strategy": "no", "report_to": "none", "logging_steps": 1, "use_cpu": True,
+    }  # fmt: skip
+    record = train(*parse_recipe(recipe))
+    assert record["status"] == "ok", record.get("error")
+    assert record["tokens"] == 2 * 4 * 64  # 2 steps of 4 rows x 64 tokens (2 x 4 x 65 if rows counted whole)
