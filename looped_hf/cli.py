@@ -27,7 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: looped-hf <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`looped-hf <command> --help` shows a command's options."]
     return "\n".join(lines)
 
