@@ -35,8 +35,10 @@ Eager on both sides by default: `nanochat/optim.py` decorates its fused AdamW an
 with `torch.compile`; the script replaces `torch.compile` by the identity while it imports
 nanochat (as the study-checkpoint fixtures were made, shared/data/study_checkpoints/PROVENANCE.md),
 so the study's steps run eagerly, like ours. `--compile` adds a second, compiled session:
-the study's loop as base_train runs it (`torch.compile(model)`, its compiled optimizer kernels),
-looped_hf with `torch_compile: true`, bare with `torch.compile(model)`; compiled / eager is per side.
+the study's loop as base_train runs it (`torch.compile(model)`; its compiled optimizer kernels only
+with `--study-compiled-kernels`: on CPU, torch 2.13's inductor fails on its fused MuonH step with
+"KeyError: 'buf28'", so by default its optimizer stays eager, like ours), looped_hf with
+`torch_compile: true`, bare with `torch.compile(model)`; compiled / eager is per side.
 
 It also prints the Trainer's per-step cost by part (timers around `Trainer._get_grad_norm`,
 `_track_num_input_tokens`, `floating_point_ops`, the callback events, the batch fetch), and what
@@ -167,6 +169,9 @@ class BareStep:
         from looped_hf.optim import build_optimizer_and_scheduler
 
         self.model = copy.deepcopy(model)
+        # `torch_compile: true` sets the Trainer's model's `forward` to a compiled bound method of
+        # that model; a deep copy would keep calling it (the original's weights): drop it.
+        self.model.__dict__.pop("forward", None)
         self.model.train()
         step_tokens = tokens_per_step(training_args, shape["seq"])
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
@@ -428,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
     parser.add_argument("--compile", action="store_true", help="also a compiled session (minutes on a CPU)")
+    parser.add_argument("--study-compiled-kernels", action="store_true",
+                        help="compiled session: also compile the study's optimizer kernels (GPU; inductor fails on CPU)")
     parser.add_argument("--json", type=Path, help="write the numbers here too")
     args = parser.parse_args(argv)
     if args.study_src is None:
@@ -441,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = {"width": args.width, "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch, "vocab": vocab}
     results = {}
     for compiled in (False, True) if args.compile else (False,):
-        gpt, common = import_study(args.study_src.resolve(), compile_kernels=compiled)
+        gpt, common = import_study(args.study_src.resolve(), compile_kernels=compiled and args.study_compiled_kernels)
         results["compiled" if compiled else "eager"] = run_session(gpt, common, shape, args, compiled)
     numbers = report(results, shape)
     numbers["command"] = " ".join(["python benchmarks/bench_vs_study.py", *(argv if argv is not None else sys.argv[1:])])
