@@ -362,6 +362,61 @@ def training(rec: dict[str, Any], s: Sizes, device: torch.device, peak: float | 
             torch.cuda.empty_cache()
 
 
+def _trainer_row(s: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
+    """The same loop4 model, AdamW, batch and autocast as ``_train_row``, trained by the HF ``Trainer``
+    with ``LoopedComputeCallback`` (what ``looped-hf train`` runs per step): tokens/s over the same
+    timed steps, clocked from the end of the warm-up to the end of training (a sync at each end)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from looped_hf.callback import LoopedComputeCallback
+
+    torch.manual_seed(0)
+    model = LoopedForCausalLM(loop4_config(s)).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    g = torch.Generator().manual_seed(0)
+    steps = s.warmup_steps + s.timed_steps
+    rows = [{"input_ids": torch.randint(0, s.vocab, (s.seq_len,), generator=g)} for _ in range(s.batch * steps)]
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == s.warmup_steps:
+                _sync(device)
+                marks["start"] = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            _sync(device)
+            marks["end"] = time.perf_counter()
+
+    args = TrainingArguments(
+        str(work / "trainer_overhead"), max_steps=steps, per_device_train_batch_size=s.batch, max_grad_norm=0.0,
+        bf16=device.type == "cuda", use_cpu=device.type == "cpu", logging_steps=max(1, s.timed_steps // 2),
+        save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    collate = lambda feats: {"input_ids": (x := torch.stack([f["input_ids"] for f in feats])), "labels": x}  # noqa: E731
+    Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, optimizers=(opt, sched),
+            callbacks=[LoopedComputeCallback(), Clock()]).train()  # fmt: skip
+    seconds = marks["end"] - marks["start"]
+    return {"tokens_per_s": s.batch * s.seq_len * s.timed_steps / seconds, "step_ms": 1e3 * seconds / s.timed_steps}
+
+
+def trainer_overhead(rec: dict[str, Any], s: Sizes, device: torch.device, work: Path, repeats: int = 2) -> None:
+    """Issue 17's "Trainer's own cost", on the device: the Trainer step against the bare loop of
+    ``_train_row`` (same model, optimizer, batch, bf16 autocast, eager), interleaved ``repeats``
+    times; ms/step added and its share of the bare step."""
+    rows = rec.setdefault("rows", [])
+    for i in range(repeats):
+        bare = _train_row("loop4", LoopedForCausalLM(loop4_config(s)), 0.0, s, device, None, None)
+        trainer = _trainer_row(s, device, work)
+        rows.append({"repeat": i, "bare_step_ms": bare["step_ms"], "trainer_step_ms": trainer["step_ms"],
+                     "overhead_ms": trainer["step_ms"] - bare["step_ms"],
+                     "overhead_share": trainer["step_ms"] / bare["step_ms"] - 1})  # fmt: skip
+        _say(f"  Trainer vs bare: {trainer['step_ms']:.1f} vs {bare['step_ms']:.1f} ms/step")
+    shares = sorted(r["overhead_share"] for r in rows)
+    rec["overhead_share_median"] = shares[len(shares) // 2]
+
+
 def _timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, Any]:
     """Median seconds of ``fn`` over ``repeats`` calls after one warm-up call, and its last output."""
     out = fn()
@@ -544,11 +599,16 @@ def markdown(result: dict[str, Any]) -> str:
             lines += _table(["backend (bf16)", "rel L2 vs fp32 eager", "max abs", "top-1 = fp32", "agrees"],
                             [[r["backend"], r.get("rel_l2_vs_fp32"), r.get("max_abs_vs_fp32"), r.get("top1_agree_fp32"),
                               r.get("agrees", r.get("error"))] for r in sec["rows"]])  # fmt: skip
-        elif name.startswith("train") and sec.get("rows"):
+        elif name in ("train_eager", "train_compiled") and sec.get("rows"):
             lines += _table(["model", "torch.compile", "tokens/s", "step ms", "MFU", "peak GiB", "warm-up s", "FLOPs/token"],
                             [[r["model"], r["compiled"] or "off", r["tokens_per_s"], r["step_ms"],
                               None if r["mfu"] is None else f"{r['mfu']:.1%}", r["peak_memory_gib"], r["warmup_s"],
                               r["flops_per_token"]] for r in sec["rows"]])  # fmt: skip
+        elif name == "trainer_overhead" and sec.get("rows"):
+            lines += ["HF Trainer (+ LoopedComputeCallback) vs a bare loop, same model, AdamW, batch, bf16, eager.", ""]
+            lines += _table(["repeat", "bare ms/step", "Trainer ms/step", "added ms", "added share"],
+                            [[r["repeat"], r["bare_step_ms"], r["trainer_step_ms"], r["overhead_ms"],
+                              f"{r['overhead_share']:.1%}"] for r in sec["rows"]])  # fmt: skip
         elif name == "decode" and sec.get("rows"):
             lines += [f"Batch 1, greedy; {sec.get('note', '')}.", ""]
             lines += _table(["setting", "tokens/s", "x plain", "mean r", "acceptance", "= plain greedy"],
@@ -579,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: hardware table)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; tiny: eager)")
     parser.add_argument("--only", action="append", default=None,
-                        choices=["logits", "train_eager", "decode", "micro_sweep", "train_compiled"])  # fmt: skip
+                        choices=["logits", "train_eager", "trainer_overhead", "decode", "micro_sweep",
+                                 "train_compiled"])  # fmt: skip
     args = parser.parse_args(argv)
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error(f"--time-limit={args.time_limit}: must be > 0")
@@ -594,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     check = Check(args.out, args.time_limit or (300.0 if args.tiny else 450.0), args.tiny)
     check.result.update(sizes=asdict(sizes), compile_backend=backend)
-    only = set(args.only or ["logits", "train_eager", "decode", "micro_sweep", "train_compiled"])
+    only = set(args.only or ["logits", "train_eager", "trainer_overhead", "decode", "micro_sweep", "train_compiled"])
     _say(f"gpu_check: device {device}, peak {peak or 'unknown'} FLOP/s, out {args.out}, limit {check.limit:.0f} s")
     check.section("environment", lambda rec: environment(rec, device, peak), 0)
     # Cheapest and most telling first; the compiles (minutes) last, where the guard can cut them.
@@ -602,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         plan: list[tuple[str, Callable[[dict[str, Any]], None], float]] = [
             ("logits", lambda rec: logits_agreement(rec, sizes, device), 5),
             ("train_eager", lambda rec: training(rec, sizes, device, peak, None), 10),
+            ("trainer_overhead", lambda rec: trainer_overhead(rec, sizes, device, Path(work)), 10),
             ("decode", lambda rec: decoding(rec, sizes, device), 10),
             ("micro_sweep", lambda rec: micro_sweep(rec, args.tiny, sizes.sweep_jobs, Path(work), args.out), 30),
             ("train_compiled", lambda rec: training(rec, sizes, device, peak, backend), 30),

@@ -38,7 +38,8 @@ def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops
     assert "[micro_sweep] start" in proc.stdout  # progress is printed as it goes
     result = json.loads((out / "gpu_check.json").read_text())
     sections = result["sections"]
-    assert list(sections) == ["environment", "logits", "train_eager", "decode", "micro_sweep", "train_compiled"]
+    assert list(sections) == ["environment", "logits", "train_eager", "trainer_overhead", "decode", "micro_sweep",
+                              "train_compiled"]  # fmt: skip
     assert {name: sec["status"] for name, sec in sections.items()} == dict.fromkeys(sections, "ok")
 
     logits = sections["logits"]
@@ -56,6 +57,11 @@ def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops
             assert row["tokens_per_s"] > 0 and row["peak_memory_gib"] is None  # CPU: no CUDA allocator
             assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / peak)
     assert [r["compiled"] for r in sections["train_compiled"]["rows"]] == ["eager", "eager"]  # tiny: dynamo only
+
+    overhead = sections["trainer_overhead"]["rows"]
+    assert len(overhead) == 2 and all(r["trainer_step_ms"] > 0 and r["bare_step_ms"] > 0 for r in overhead)
+    for r in overhead:
+        assert r["overhead_ms"] == pytest.approx(r["trainer_step_ms"] - r["bare_step_ms"])
 
     decode = {r["setting"]: r for r in sections["decode"]["rows"]}
     assert set(decode) == {"plain r=4", "kv_budget=1", "exit kl 1e-3", "self-draft k=1"}
