@@ -139,7 +139,9 @@ class LoopedConfig(PreTrainedConfig):
         head), ``"entropy_diff"`` |H(p_c) - H(p_(c-1))|, ``"argmax_stability"`` recurrences the
         arg-max token has not changed, ``"cosine"`` 1 - cos(s_c, s_(c-1)) and ``"latent_diff"``
         ||s_c - s_(c-1)|| / ||s_c|| of the states (no head pass). ``exit_threshold=None`` is the
-        criterion's default (``EXIT_DEFAULT_THRESHOLDS``). An exited token's state is frozen and,
+        criterion's default (``EXIT_DEFAULT_THRESHOLDS``); one outside the range the criterion's quantity can
+        take (``EXIT_THRESHOLD_RANGES``: negative, NaN or infinite, a cosine distance over 2, a
+        fractional stability count) is refused. An exited token's state is frozen and,
         at every later recurrence, it offers the KV of its last computed recurrence (Huginn's
         "latest" lookup), in the cache and to the tokens of the same call. ``forward`` and
         ``generate`` accept all three per call (``exit_criterion="none"`` turns a configured one
@@ -429,4 +431,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
