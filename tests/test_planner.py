@@ -50,6 +50,16 @@ def demo_fit() -> ScalingLawFit:
     return ScalingLawFit.from_json(DEMO_FIT)
 
 
+def _fit_without_its_sweep(tmp_path: Path) -> Path:
+    """The demo fit, its results file named in a folder with no sweep.yaml (after `make demo`,
+    runs/iso_depth_tiny/ holds one beside the committed fit's source, so that path cannot serve)."""
+    data = json.loads(DEMO_FIT.read_text())
+    data["runs"]["source"] = str(tmp_path / "elsewhere" / "results.jsonl")
+    path = tmp_path / "fit_without_sweep.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
 def _brute_force(params: dict, family: ArchitectureFamily, r: int, budget: float) -> tuple[int, float, float]:
     """Every width of the family up to 400 head dims x 6,000 token counts; the feasible point
     (training FLOPs <= budget) with the lowest loss of the law: (width, tokens, loss)."""
@@ -222,9 +232,9 @@ def test_bad_input_names_field_and_value(demo_fit, tiny_family, paper_family, tm
         plan(demo_fit, [1e12], family=tiny_family, kv_budget=0)
     with pytest.raises(ValueError, match=r"recurrences: this fit has no phi"):
         plan(law_fit({**EPOCH, "phi": None}, kind="plain"), [1e20], family=paper_family, recurrences=[4])
-    # The committed demo fit names its results file, but no sweep.yaml lies beside it here.
+    # A fit whose results file has no sweep.yaml beside it, and no recipe given.
     with pytest.raises(ValueError, match=r"recipe: the fit records no sweep recipe \(runs.source="):
-        family_for_fit(demo_fit)
+        family_for_fit(ScalingLawFit.from_json(_fit_without_its_sweep(tmp_path)))
     # A recipe whose models are not the fitted runs.
     with pytest.raises(ValueError, match=r"recipe: .*does not describe the fitted runs"):
         family_for_fit(demo_fit, PAPER)
@@ -239,7 +249,7 @@ def test_cli(tmp_path, capsys):
     assert "best in" in capsys.readouterr().out
     assert main([str(DEMO_FIT), "--budget", "0", "--recipe", str(TINY)]) == 2
     assert "budgets[0]=0" in capsys.readouterr().err
-    assert main([str(DEMO_FIT), "--budget", "1e12"]) == 2
+    assert main([str(_fit_without_its_sweep(tmp_path)), "--budget", "1e12"]) == 2
     assert "--recipe" in capsys.readouterr().err
     assert main([str(DEMO_FIT), "--budget", "1e12", "--recipe", str(TINY), "--recurrences", "3"]) == 2
     assert "r=3" in capsys.readouterr().err
