@@ -38,7 +38,6 @@ val_loss, the study's config).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import pickle
@@ -53,6 +52,7 @@ from typing import Any
 
 import torch
 
+from .fileio import sha256_file
 from .publish import PathLike, PublishError
 
 #: The source formats ``looped-hf convert`` reads (the first positional).
@@ -222,15 +222,7 @@ def load_nanochat_checkpoint(ckpt_dir: PathLike, step: int | str | None = None) 
     target = _STEP_FILE.match(model_path.resolve().name)
     resolved: int | str = int(target.group(1)) if target else infix
     return NanochatCheckpoint(model_path=model_path, meta_path=meta_path, step=resolved, state_dict=state,
-                              meta=meta, sha256=_sha256(model_path), notes=notes)  # fmt: skip
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+                              meta=meta, sha256=sha256_file(model_path), notes=notes)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,8 +54,13 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """The file's SHA-256, hex (cards and curves record which checkpoint they describe)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """The file's SHA-256, hex (cards, curves and conversions record which checkpoint they describe).
+    Read in 1 MiB chunks: checkpoints can be many GB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
