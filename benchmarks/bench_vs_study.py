@@ -16,10 +16,9 @@ optimizer on every side (MuonH for the layer and injection matrices, AdamW group
            (`model(x, y)`), backward, next batch, `compute_gradient_stats` (its default
            `--track-gradients basic`), lr multiplier into every group, `optimizer.step()`,
            `zero_grad`, `loss.item()`. "study core" is the same step without the statistics.
-- looped_hf: one optimizer step of `looped_hf.train.train` (the vanilla `transformers.Trainer` with
-           `optimizer: muonh`, `LoopedComputeCallback`, the run's other callbacks, its dataloader),
-           timed between consecutive `on_step_end` events, so everything the Trainer does per step
-           is inside.
+- looped_hf: one optimizer step of `looped_hf.train.train` (`LoopedTrainer` with `optimizer: muonh`,
+           `LoopedComputeCallback`, the run's other callbacks, its dataloader), timed between
+           consecutive `on_step_end` events, so everything the Trainer does per step is inside.
 - bare:    the same `LoopedForCausalLM`, optimizer (`build_optimizer_and_scheduler`) and batch shape
            in a hand-written loop: forward with labels, backward, `optimizer.step()`,
            `scheduler.step()`, `zero_grad`. trainer - bare is the Trainer's own cost.
@@ -40,10 +39,14 @@ with `--study-compiled-kernels`: on CPU, torch 2.13's inductor fails on its fuse
 "KeyError: 'buf28'", so by default its optimizer stays eager, like ours), looped_hf with
 `torch_compile: true`, bare with `torch.compile(model)`; compiled / eager is per side.
 
-It also prints the Trainer's per-step cost by part (timers around `Trainer._get_grad_norm`,
-`_track_num_input_tokens`, `floating_point_ops`, the callback events, the batch fetch), and what
-trainer - bare would be of a step of the study's smallest paper run (recipes/iso_depth_paper.yaml,
-262,144 tokens per step) on 8 H100s at 40% of the dense bf16 peak.
+It also prints the Trainer's per-step cost by part (timers around `_get_grad_norm`,
+`_track_num_input_tokens`, `floating_point_ops`, the callback events, the batch fetch), and its
+whole cost where it is not lost in the noise of a ~3 s CPU step: a second table trains a model
+small enough for steps of ~20 ms (`--overhead-steps` per session) with `LoopedTrainer` and with the
+vanilla `transformers.Trainer` (alternating sessions), each against its own bare loop step by
+step. Both are put against a step of the study's smallest paper run (recipes/iso_depth_paper.yaml,
+262,144 tokens per step) on 8 H100s at 40% of the dense bf16 peak: an upper bound, since on a GPU
+the host queues kernels ahead and only waits at syncs.
 """
 
 from __future__ import annotations
@@ -213,7 +216,8 @@ def _interleave_callback(session: Session) -> Any:
 
 
 class PartTimers:
-    """Wall time per step inside named Trainer methods (class-level wrappers, removed by `close`)."""
+    """Wall time per step inside named Trainer methods (class-level wrappers on the Trainer class the
+    run uses, so an override such as LoopedTrainer's is what is timed; removed by `close`)."""
 
     PARTS = {
         "grad norm (_get_grad_norm)": ("Trainer", "_get_grad_norm"),
@@ -224,20 +228,18 @@ class PartTimers:
         "callback events (CallbackHandler.call_event)": ("CallbackHandler", "call_event"),
     }
 
-    def __init__(self) -> None:
-        import transformers
+    def __init__(self, trainer_class: type) -> None:
         from transformers.trainer_callback import CallbackHandler
 
         self.totals: dict[str, float] = defaultdict(float)
         self.excluded = 0.0  # time of the benchmark's own sides, run inside on_step_end
         self.active = False
-        owners = {"Trainer": transformers.Trainer, "CallbackHandler": CallbackHandler}
-        self._saved: list[tuple[type, str, Any]] = []
+        owners = {"Trainer": trainer_class, "CallbackHandler": CallbackHandler}
+        self._saved: list[tuple[type, str, Any]] = []  # (owner, attr, what its __dict__ had: None = nothing)
         for label, (owner_name, attr) in self.PARTS.items():
             owner = owners[owner_name]
-            original = owner.__dict__[attr]
-            self._saved.append((owner, attr, original))
-            setattr(owner, attr, self._wrap(label, original))
+            self._saved.append((owner, attr, owner.__dict__.get(attr)))
+            setattr(owner, attr, self._wrap(label, getattr(owner, attr)))
 
     def _wrap(self, label: str, fn: Callable) -> Callable:
         timers = self
@@ -257,13 +259,16 @@ class PartTimers:
 
     def close(self) -> None:
         for owner, attr, original in self._saved:
-            setattr(owner, attr, original)
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
 
 
 class Session:
     """One interleaved measurement: looped_hf's Trainer run, with the study and bare steps in between."""
 
-    def __init__(self, study: StudyStep, shape: dict[str, int], warmup: int, compiled: bool) -> None:
+    def __init__(self, study: StudyStep | None, shape: dict[str, int], warmup: int, compiled: bool) -> None:
         self.study, self.shape, self.warmup, self.compiled = study, shape, warmup, compiled
         self.bare: BareStep | None = None
         self.times: dict[str, list[float]] = defaultdict(list)
@@ -281,7 +286,7 @@ class Session:
         if self.mark is not None and timing:
             self.times["looped_hf"].append(now - self.mark)
             self.timed_steps += 1
-        sides = [("study", self.study), ("bare", self.bare)]
+        sides = [("study", self.study), ("bare", self.bare)] if self.study is not None else [("bare", self.bare)]
         for name, side in sides if step % 2 else sides[::-1]:
             phases: dict[str, float] = {}
             t0 = time.perf_counter()
@@ -303,32 +308,46 @@ class Session:
 # ---------------------------------------------------------------------------------------------
 # Running a session
 # ---------------------------------------------------------------------------------------------
-def recipe(shape: dict[str, int], steps: int, threads: int, out: str, compiled: bool) -> dict[str, Any]:
-    """The looped_hf run: the study's loop4 model and optimizer at the benchmark's shape."""
+def recipe(shape: dict[str, int], steps: int, threads: int, out: str, compiled: bool, **overrides: Any) -> dict[str, Any]:
+    """The looped_hf run: the study's loop4 model and optimizer at the benchmark's shape, logging
+    every 50 steps as the paper recipes do; `overrides` replace fields."""
     return {
         "hidden_size": shape["width"], "head_dim": shape["head_dim"], "num_prelude_layers": 2,
         "num_recurrent_layers": 4, "num_coda_layers": 2, "num_recurrences": 4, "input_injection": "linear",
         "init_scheme": "study", "seq_len": shape["seq"], "eval_blocks": 2,
         "per_device_train_batch_size": shape["batch"], "per_device_eval_batch_size": shape["batch"],
-        "optimizer": "muonh", "max_grad_norm": 0.0, "max_steps": steps, "logging_steps": 10,
+        "optimizer": "muonh", "max_grad_norm": 0.0, "max_steps": steps, "logging_steps": 50,
         "save_strategy": "no", "report_to": "none", "torch_num_threads": threads, "output_dir": out,
-        "torch_compile": compiled, "seed": 0,
+        "torch_compile": compiled, "seed": 0, "disable_tqdm": True, **overrides,
     }  # fmt: skip
 
 
-def run_session(gpt: Any, common: Any, shape: dict[str, int], args: argparse.Namespace, compiled: bool) -> dict:
-    """Train looped_hf for warmup + steps Trainer steps with the other sides interleaved; the timings."""
+def run_session(
+    study_mod: tuple[Any, Any] | None,
+    shape: dict[str, int],
+    args: argparse.Namespace,
+    compiled: bool,
+    steps: int,
+    warmup: int,
+    trainer_class: type | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict:
+    """Train looped_hf for warmup + steps Trainer steps with the other sides interleaved (the study's
+    when `study_mod` = (nanochat.gpt, nanochat.common) is given; always the bare loop); the timings.
+    `trainer_class`: what `train()` runs (default its LoopedTrainer)."""
     from looped_hf.arguments import parse_recipe
     from looped_hf.train import train
+    from looped_hf.trainer import LoopedTrainer
 
-    study = StudyStep(gpt, common, shape, STUDY_LRS, compiled)
-    session = Session(study, shape, args.warmup, compiled)
-    session.timers = PartTimers()
+    study = StudyStep(*study_mod, shape, STUDY_LRS, compiled) if study_mod is not None else None
+    session = Session(study, shape, warmup, compiled)
+    session.timers = PartTimers(trainer_class or LoopedTrainer)
     with tempfile.TemporaryDirectory() as tmp:
-        fields = recipe(shape, args.warmup + args.steps, args.threads, str(Path(tmp) / "run"), compiled)
+        fields = recipe(shape, warmup + steps, args.threads, str(Path(tmp) / "run"), compiled, **(overrides or {}))
         model_args, data_args, training_args = parse_recipe(fields)
         try:
-            record = train(model_args, data_args, training_args, callbacks=[_interleave_callback(session)])
+            record = train(model_args, data_args, training_args, callbacks=[_interleave_callback(session)],
+                           trainer_class=trainer_class)  # fmt: skip
         finally:
             session.timers.close()
     if record["status"] != "ok":
@@ -336,6 +355,32 @@ def run_session(gpt: Any, common: Any, shape: dict[str, int], args: argparse.Nam
     parts = {k: v / max(1, session.timed_steps) for k, v in session.timers.totals.items()}
     return {"times": dict(session.times), "phases": {k: dict(v) for k, v in session.phases.items()}, "parts": parts,
             "fpt": record["train_flops_per_token"]}  # fmt: skip
+
+
+def overhead_sessions(args: argparse.Namespace) -> dict[str, dict]:
+    """The Trainer's whole per-step cost, measured where it is not lost in the noise: a model small
+    enough for a step of milliseconds (width 32, one layer per stack, r = 2, AdamW: on a CPU the
+    bf16 Polar-Express of MuonH alone takes ~60 ms per matrix stack), Trainer against the bare loop
+    (same model, optimizer, batches) step by step, for LoopedTrainer and the vanilla
+    transformers.Trainer, in alternating sessions."""
+    from transformers import Trainer
+
+    from looped_hf.data import load_tokenizer
+    from looped_hf.trainer import LoopedTrainer
+
+    shape = {"width": 32, "head_dim": 16, "seq": 32, "batch": 2, "vocab": len(load_tokenizer())}
+    small = {"num_prelude_layers": 1, "num_recurrent_layers": 1, "num_coda_layers": 1, "num_recurrences": 2,
+             "optimizer": "adamw"}  # fmt: skip
+    merged: dict[str, dict] = {}
+    for _ in range(args.overhead_rounds):
+        for name, cls in (("LoopedTrainer", LoopedTrainer), ("transformers.Trainer", Trainer)):
+            res = run_session(None, shape, args, False, args.overhead_steps, 5, trainer_class=cls, overrides=small)
+            into = merged.setdefault(name, {"times": defaultdict(list), "parts": defaultdict(list)})
+            for side, values in res["times"].items():
+                into["times"][side].extend(values)
+            for part, value in res["parts"].items():
+                into["parts"][part].append(value)
+    return {"shape": shape, "classes": merged}
 
 
 #: The study's reference lrs (scripts/base_train.py defaults), used on both sides.
@@ -371,7 +416,7 @@ def smallest_paper_step_s() -> tuple[float, str]:
     return seconds, f"{run.run_id}: {step_flops:.3g} FLOPs/step ({plan.tokens_per_step:,} tokens)"
 
 
-def report(results: dict[str, dict], shape: dict[str, int]) -> dict[str, Any]:
+def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | None = None) -> dict[str, Any]:
     """Print the table; return its numbers (also written with --json)."""
     tokens = shape["batch"] * shape["seq"]
     out: dict[str, Any] = {"shape": shape, "sessions": {}}
@@ -384,11 +429,11 @@ def report(results: dict[str, dict], shape: dict[str, int]) -> dict[str, Any]:
         vs_study = paired_ratio(t["study"], t["looped_hf"])  # tokens/s ratio = time ratio inverted
         vs_core = paired_ratio(t["study core"], t["looped_hf"])
         bare_vs_core = paired_ratio(t["study core"], t["bare"])
-        overhead = [(a - b) * 1e3 for a, b in zip(t["looped_hf"], t["bare"])]
+        gap = [(a - b) * 1e3 for a, b in zip(t["looped_hf"], t["bare"])]
         print(f"looped_hf / study  tokens/s: {median_spread(vs_study)}")
         print(f"looped_hf / study core     : {median_spread(vs_core)}")
         print(f"bare / study core          : {median_spread(bare_vs_core)}")
-        print(f"Trainer - bare (ms/step)   : {median_spread(overhead)}")
+        print(f"Trainer - bare (ms/step)   : {median_spread(gap)}")
         for side in ("study", "bare"):
             phases = "  ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in res["phases"][side].items())
             print(f"  {side} phases (median ms): {phases}")
@@ -398,27 +443,61 @@ def report(results: dict[str, dict], shape: dict[str, int]) -> dict[str, Any]:
             "ms": {side: statistics.median(t[side]) * 1e3 for side in ("study", "study core", "looped_hf", "bare")},
             "looped_hf_over_study_tokens_per_s": statistics.median(vs_study),
             "looped_hf_over_study_core_tokens_per_s": statistics.median(vs_core),
-            "trainer_overhead_ms": statistics.median(overhead),
-            "trainer_overhead_ms_range": [min(overhead), max(overhead)],
+            "trainer_overhead_ms": statistics.median(gap),
+            "trainer_overhead_ms_range": [min(gap), max(gap)],
             "trainer_parts_ms": {k: v * 1e3 for k, v in res["parts"].items()},
         }
     step_s, what = smallest_paper_step_s()
     eager = out["sessions"]["eager"]
-    share = eager["trainer_overhead_ms"] / (step_s * 1e3)
-    print(f"\nThe study's smallest paper run ({what}) on {PROJECTED_GPUS} H100s at {PROJECTED_MFU:.0%} of bf16 peak: "
-          f"{step_s * 1e3:.1f} ms/step; the Trainer's {eager['trainer_overhead_ms']:.2f} ms/step (measured here, "
-          f"CPU, eager) would be {share:.1%} of it.")  # fmt: skip
+    step_ms = step_s * 1e3
     parts_ms = sum(eager["trainer_parts_ms"].values())
-    print(f"The timed Trainer parts alone (less noisy than trainer - bare): {parts_ms:.2f} ms/step, "
-          f"{parts_ms / (step_s * 1e3):.1%} of that step.")  # fmt: skip
-    out["trainer_parts_share_of_paper_step"] = parts_ms / (step_s * 1e3)
-    out["paper_smallest_step_ms"] = step_s * 1e3
-    out["trainer_overhead_share_of_paper_step"] = share
+    print(f"\nThe study's smallest paper run ({what}) on {PROJECTED_GPUS} H100s at {PROJECTED_MFU:.0%} of bf16 peak: "
+          f"{step_ms:.1f} ms/step. Host time of the Trainer measured here (CPU), as a share of it (an upper "
+          "bound: on a GPU the host runs ahead of the kernels except at syncs):")  # fmt: skip
+    print(f"  timed Trainer parts at this shape (LoopedTrainer): {parts_ms:.2f} ms/step = {parts_ms / step_ms:.1%}")
+    out["paper_smallest_step_ms"] = step_ms
+    out["trainer_parts_share_of_paper_step"] = parts_ms / step_ms
+    if overhead is not None:
+        out["overhead"] = report_overhead(overhead, step_ms)
     if "compiled" in out["sessions"]:
         for side in ("study", "looped_hf", "bare"):
             ratio = eager["ms"][side] / out["sessions"]["compiled"]["ms"][side]
             print(f"compiled / eager tokens/s, {side}: {ratio:.3g}")
             out[f"compiled_over_eager_{side}"] = ratio
+    return out
+
+
+def report_overhead(overhead: dict, step_ms: float) -> dict[str, Any]:
+    """The Trainer-class table of `overhead_sessions`; its numbers."""
+    classes = overhead["classes"]
+    names = list(classes)
+    shape = overhead["shape"]
+    n = {name: len(c["times"]["looped_hf"]) for name, c in classes.items()}
+    print(f"\n== The Trainer's own cost (width {shape['width']}, 1+1x2+1 layers, seq {shape['seq']}, batch {shape['batch']}, AdamW; "
+          f"{', '.join(f'{k} {v} steps' for k, v in n.items())}, alternating sessions) ==")  # fmt: skip
+    print(f"{'ms/step':<46}" + "".join(f"{name:>28}" for name in names))
+    out: dict[str, Any] = {"shape": shape, "classes": {}}
+    rows = {"Trainer - bare, median [min, max]": {}}
+    for name, c in classes.items():
+        diff = [(a - b) * 1e3 for a, b in zip(c["times"]["looped_hf"], c["times"]["bare"])]
+        rows["Trainer - bare, median [min, max]"][name] = median_spread(diff)
+        out["classes"][name] = {"trainer_minus_bare_ms": statistics.median(diff),
+                                "trainer_minus_bare_ms_range": [min(diff), max(diff)],
+                                "bare_ms": statistics.median(c["times"]["bare"]) * 1e3,
+                                "parts_ms": {k: statistics.mean(v) * 1e3 for k, v in c["parts"].items()}}  # fmt: skip
+    for part in PartTimers.PARTS:
+        rows[f"  {part}, mean"] = {
+            name: median_spread(c["parts"].get(part, []), 1e3) for name, c in classes.items()
+        }
+    rows["  bare step (model + optimizer), median"] = {
+        name: f"{out['classes'][name]['bare_ms']:.4g}" for name in names
+    }
+    for label, cells in rows.items():
+        print(f"{label:<46}" + "".join(f"{cells[name]:>28}" for name in names))
+    for name in names:
+        ms = out["classes"][name]["trainer_minus_bare_ms"]
+        out["classes"][name]["share_of_paper_step"] = ms / step_ms
+        print(f"  {name}: {ms:.2f} ms/step over the bare loop = {ms / step_ms:.1%} of the paper step")
     return out
 
 
@@ -435,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also a compiled session (minutes on a CPU)")
     parser.add_argument("--study-compiled-kernels", action="store_true",
                         help="compiled session: also compile the study's optimizer kernels (GPU; inductor fails on CPU)")
+    parser.add_argument("--overhead-steps", type=int, default=300,
+                        help="timed steps per Trainer-cost session (tiny width; 0: skip that table)")
+    parser.add_argument("--overhead-rounds", type=int, default=2, help="Trainer-cost sessions per Trainer class")
     parser.add_argument("--json", type=Path, help="write the numbers here too")
     args = parser.parse_args(argv)
     if args.study_src is None:
@@ -448,9 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = {"width": args.width, "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch, "vocab": vocab}
     results = {}
     for compiled in (False, True) if args.compile else (False,):
-        gpt, common = import_study(args.study_src.resolve(), compile_kernels=compiled and args.study_compiled_kernels)
-        results["compiled" if compiled else "eager"] = run_session(gpt, common, shape, args, compiled)
-    numbers = report(results, shape)
+        study_mod = import_study(args.study_src.resolve(), compile_kernels=compiled and args.study_compiled_kernels)
+        results["compiled" if compiled else "eager"] = run_session(
+            study_mod, shape, args, compiled, args.steps, args.warmup
+        )
+    overhead = overhead_sessions(args) if args.overhead_steps > 0 else None
+    numbers = report(results, shape, overhead)
     numbers["command"] = " ".join(["python benchmarks/bench_vs_study.py", *(argv if argv is not None else sys.argv[1:])])
     if args.json:
         from looped_hf.fileio import write_json_atomic

@@ -362,13 +362,15 @@ def training(rec: dict[str, Any], s: Sizes, device: torch.device, peak: float | 
             torch.cuda.empty_cache()
 
 
-def _trainer_row(s: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
+def _trainer_row(s: Sizes, device: torch.device, work: Path, looped: bool) -> dict[str, Any]:
     """The same loop4 model, AdamW, batch and autocast as ``_train_row``, trained by the HF ``Trainer``
-    with ``LoopedComputeCallback`` (what ``looped-hf train`` runs per step): tokens/s over the same
+    with ``LoopedComputeCallback``; ``looped``: by ``LoopedTrainer`` with the GPU recipes'
+    ``logging_nan_inf_filter: false`` (what ``looped-hf train`` runs per step). Tokens/s over the same
     timed steps, clocked from the end of the warm-up to the end of training (a sync at each end)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from looped_hf.callback import LoopedComputeCallback
+    from looped_hf.trainer import LoopedTrainer
 
     torch.manual_seed(0)
     model = LoopedForCausalLM(loop4_config(s)).to(device).train()
@@ -393,28 +395,35 @@ def _trainer_row(s: Sizes, device: torch.device, work: Path) -> dict[str, Any]:
         str(work / "trainer_overhead"), max_steps=steps, per_device_train_batch_size=s.batch, max_grad_norm=0.0,
         bf16=device.type == "cuda", use_cpu=device.type == "cpu", logging_steps=max(1, s.timed_steps // 2),
         save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True,
+        logging_nan_inf_filter=not looped,
     )  # fmt: skip
     collate = lambda feats: {"input_ids": (x := torch.stack([f["input_ids"] for f in feats])), "labels": x}  # noqa: E731
-    Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, optimizers=(opt, sched),
+    (LoopedTrainer if looped else Trainer)(model=model, args=args, train_dataset=rows, data_collator=collate, optimizers=(opt, sched),
             callbacks=[LoopedComputeCallback(), Clock()]).train()  # fmt: skip
     seconds = marks["end"] - marks["start"]
     return {"tokens_per_s": s.batch * s.seq_len * s.timed_steps / seconds, "step_ms": 1e3 * seconds / s.timed_steps}
 
 
 def trainer_overhead(rec: dict[str, Any], s: Sizes, device: torch.device, work: Path, repeats: int = 2) -> None:
-    """Issue 17's "Trainer's own cost", on the device: the Trainer step against the bare loop of
-    ``_train_row`` (same model, optimizer, batch, bf16 autocast, eager), interleaved ``repeats``
-    times; ms/step added and its share of the bare step."""
+    """Issue 17's "Trainer's own cost", on the device: the vanilla Trainer's and LoopedTrainer's
+    steps against the bare loop of ``_train_row`` (same model, optimizer, batch, bf16 autocast,
+    eager), interleaved ``repeats`` times; ms/step added and its share of the bare step."""
     rows = rec.setdefault("rows", [])
     for i in range(repeats):
         bare = _train_row("loop4", LoopedForCausalLM(loop4_config(s)), 0.0, s, device, None, None)
-        trainer = _trainer_row(s, device, work)
-        rows.append({"repeat": i, "bare_step_ms": bare["step_ms"], "trainer_step_ms": trainer["step_ms"],
-                     "overhead_ms": trainer["step_ms"] - bare["step_ms"],
-                     "overhead_share": trainer["step_ms"] / bare["step_ms"] - 1})  # fmt: skip
-        _say(f"  Trainer vs bare: {trainer['step_ms']:.1f} vs {bare['step_ms']:.1f} ms/step")
-    shares = sorted(r["overhead_share"] for r in rows)
-    rec["overhead_share_median"] = shares[len(shares) // 2]
+        vanilla = _trainer_row(s, device, work, looped=False)
+        looped = _trainer_row(s, device, work, looped=True)
+        rows.append({"repeat": i, "bare_step_ms": bare["step_ms"], "trainer_step_ms": vanilla["step_ms"],
+                     "looped_trainer_step_ms": looped["step_ms"],
+                     "overhead_ms": vanilla["step_ms"] - bare["step_ms"],
+                     "overhead_share": vanilla["step_ms"] / bare["step_ms"] - 1,
+                     "looped_overhead_ms": looped["step_ms"] - bare["step_ms"],
+                     "looped_overhead_share": looped["step_ms"] / bare["step_ms"] - 1})  # fmt: skip
+        _say(f"  Trainer / LoopedTrainer vs bare: {vanilla['step_ms']:.1f} / {looped['step_ms']:.1f} vs "
+             f"{bare['step_ms']:.1f} ms/step")  # fmt: skip
+    for key in ("overhead_share", "looped_overhead_share"):
+        shares = sorted(r[key] for r in rows)
+        rec[f"{key}_median"] = shares[len(shares) // 2]
 
 
 def _timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, Any]:
@@ -605,10 +614,14 @@ def markdown(result: dict[str, Any]) -> str:
                               None if r["mfu"] is None else f"{r['mfu']:.1%}", r["peak_memory_gib"], r["warmup_s"],
                               r["flops_per_token"]] for r in sec["rows"]])  # fmt: skip
         elif name == "trainer_overhead" and sec.get("rows"):
-            lines += ["HF Trainer (+ LoopedComputeCallback) vs a bare loop, same model, AdamW, batch, bf16, eager.", ""]
-            lines += _table(["repeat", "bare ms/step", "Trainer ms/step", "added ms", "added share"],
-                            [[r["repeat"], r["bare_step_ms"], r["trainer_step_ms"], r["overhead_ms"],
-                              f"{r['overhead_share']:.1%}"] for r in sec["rows"]])  # fmt: skip
+            lines += ["transformers.Trainer and LoopedTrainer (+ LoopedComputeCallback; LoopedTrainer without the "
+                      "per-step NaN check, as the GPU recipes) vs a bare loop, same model, AdamW, batch, bf16, eager.", ""]
+            lines += _table(["repeat", "bare ms/step", "Trainer ms/step", "LoopedTrainer ms/step", "Trainer added",
+                             "LoopedTrainer added"],
+                            [[r["repeat"], r["bare_step_ms"], r["trainer_step_ms"], r["looped_trainer_step_ms"],
+                              f"{r['overhead_ms']:.2f} ms ({r['overhead_share']:.1%})",
+                              f"{r['looped_overhead_ms']:.2f} ms ({r['looped_overhead_share']:.1%})"]
+                             for r in sec["rows"]])  # fmt: skip
         elif name == "decode" and sec.get("rows"):
             lines += [f"Batch 1, greedy; {sec.get('note', '')}.", ""]
             lines += _table(["setting", "tokens/s", "x plain", "mean r", "acceptance", "= plain greedy"],

@@ -49,9 +49,14 @@ for _auto, _head in (
 if TYPE_CHECKING:
     from .callback import LoopedComputeCallback
     from .recurrence import RecurrenceSamplingCallback
+    from .trainer import LoopedTrainer
 
 # Heavier pieces (Trainer, datasets) load on first use, so `import looped_hf` stays quick.
-_LAZY = {"LoopedComputeCallback": "callback", "RecurrenceSamplingCallback": "recurrence"}
+_LAZY = {
+    "LoopedComputeCallback": "callback",
+    "LoopedTrainer": "trainer",
+    "RecurrenceSamplingCallback": "recurrence",
+}
 
 
 def __getattr__(name: str):
@@ -71,6 +76,7 @@ __all__ = [
     "LoopedForTokenClassification",
     "LoopedForQuestionAnswering",
     "LoopedComputeCallback",
+    "LoopedTrainer",
     "RecurrenceSamplingCallback",
     "__version__",
 ]

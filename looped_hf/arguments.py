@@ -517,8 +517,15 @@ def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArgu
                 out[f.name] = _plain(getattr(obj, f.name))
     for f in dataclasses.fields(training_args):
         raw = getattr(training_args, f.name) if f.init else None
-        if not f.init or dataclasses.is_dataclass(raw):
-            continue  # objects built in __post_init__ (e.g. accelerator_config) are not recipe values
+        if not f.init:
+            continue
+        if dataclasses.is_dataclass(raw):
+            # Built in __post_init__ from a mapping (accelerator_config): the keys set away from
+            # the defaults, which parse_recipe accepts back as a mapping.
+            changed = _changed_fields(raw)
+            if changed:
+                out[f.name] = changed
+            continue
         value = _plain(raw)
         if f.default is not dataclasses.MISSING:
             default = _plain(f.default)
@@ -529,6 +536,19 @@ def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArgu
         if value != default and not f.name.endswith("_token") and f.name != "hub_token":
             out[f.name] = value
     return out
+
+
+def _changed_fields(obj: Any) -> dict[str, Any]:
+    """The fields of dataclass instance `obj` that differ from a default-built one (plain values)."""
+    try:
+        default = type(obj)()
+    except TypeError:  # required fields: record them all
+        default = None
+    return {
+        f.name: _plain(getattr(obj, f.name))
+        for f in dataclasses.fields(obj)
+        if f.init and (default is None or _plain(getattr(obj, f.name)) != _plain(getattr(default, f.name)))
+    }
 
 
 def _plain(value: Any) -> Any:

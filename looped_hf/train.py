@@ -4,7 +4,8 @@
     looped-hf train recipes/tiny.yaml --num_recurrences 8 --dataset roneneldan/TinyStories
     accelerate launch -m looped_hf.train recipes/tiny.yaml        # many processes / GPUs
 
-The run is the vanilla `transformers.Trainer` plus `LoopedComputeCallback`; the optimizer is
+The run is `LoopedTrainer` (the `transformers.Trainer` less per-step bookkeeping nobody reads,
+`looped_hf.trainer`) plus `LoopedComputeCallback`; the optimizer is
 AdamW, Muon + AdamW, or the study's MuonH + AdamW groups with HyperP per-run lrs (`optimizer:
 muonh`), with the study's schedule (`looped_hf.optim`); the record keeps the peak lr of each group. The run's
 length is `max_steps`, `train_tokens` or `train_flops_budget` (FLOPs from the model's own
@@ -268,8 +269,12 @@ def train(
     data_args: Any,
     training_args: LoopedTrainingArguments,
     callbacks: list[TrainerCallback] | None = None,
+    trainer_class: type[Trainer] | None = None,
 ) -> dict[str, Any]:
     """Train one model and return its run record (also written to `<output_dir>/run_record.json`).
+
+    `trainer_class` (default `LoopedTrainer`): a `Trainer` subclass to run instead, e.g. the vanilla
+    `transformers.Trainer` to compare against.
 
     Recipe errors (`RecipeError`: bad field, budget below one step) are raised before training.
     Failures during training (exception, out of memory, non-finite loss) do not raise: the record
@@ -277,7 +282,7 @@ def train(
     """
     from looped_hf import LoopedForCausalLM
     from looped_hf.callback import LoopedComputeCallback
-    from looped_hf.data import build_datasets, collator, load_tokenizer
+    from looped_hf.data import TokenBlocks, build_datasets, collator, load_tokenizer
     from looped_hf.optim import (
         build_optimizer_and_scheduler,
         hyperp_learning_rates,
@@ -285,6 +290,7 @@ def train(
         lr_train_tokens,
         muonh_parameter_groups,
     )
+    from looped_hf.trainer import LoopedTrainer
 
     started = time.time()
     run_dir = Path(training_args.output_dir)
@@ -347,10 +353,12 @@ def train(
             raise RecipeError(str(err)) from err
     training_args.max_steps = max_steps
     training_args.output_dir = str(run_dir / CHECKPOINTS_DIR)
-    if training_args.dataloader_pin_memory and not _has_accelerator():
-        # Pinned memory only speeds host-to-accelerator copies; without one, torch warns once per
-        # run that it is ignored. (After resolved_recipe: the recorded recipe stays as written.)
+    if not _has_accelerator():
+        # Pinned memory and non-blocking copies only speed host-to-accelerator copies; without one,
+        # torch and the Trainer warn that they are ignored. (After resolved_recipe: the recorded
+        # recipe stays as written.)
         training_args.dataloader_pin_memory = False
+        training_args.accelerator_config.non_blocking = False
     is_main = training_args.process_index == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -363,6 +371,7 @@ def train(
         compile_forward(model, training_args, sampled=sampling != "fixed")
         with training_args.main_process_first(desc="tokenize and pack"):
             train_ds, eval_ds = build_datasets(data_args, tokenizer)
+        train_ds = TokenBlocks.wrap(train_ds)  # same rows, read without a per-batch Arrow take
         optimizer, scheduler = build_optimizer_and_scheduler(
             model, training_args, max_steps, tokens_per_step=step_tokens, train_tokens=lr_tokens
         )
@@ -381,7 +390,7 @@ def train(
             from looped_hf.recurrence import RecurrenceSamplingCallback
 
             sampler = RecurrenceSamplingCallback(seed=training_args.seed, scheme=sampling)
-        trainer = Trainer(
+        trainer = (trainer_class or LoopedTrainer)(
             model=model,
             args=training_args,
             data_collator=collator(tokenizer, data_args),

@@ -15,6 +15,7 @@ from transformers import DataCollatorForLanguageModeling, HfArgumentParser, PreT
 from looped_hf import data as data_mod
 from looped_hf.data import (
     DataArguments,
+    TokenBlocks,
     build_datasets,
     collator,
     data_stats,
@@ -323,3 +324,41 @@ def test_embedded_default_builds_with_embedded_tokenizer(tmp_path: Path) -> None
     assert 3_000_000 < stats["tokens"] < 5_000_000
     text = tok.decode(held_out[0]["input_ids"])
     assert len(text) > 256 * 2.5
+
+
+# --------------------------------------------------------------------------------------------
+# TokenBlocks: the training rows as zero-copy views
+# --------------------------------------------------------------------------------------------
+def test_token_blocks_give_the_datasets_rows(marked_jsonl, tmp_path, bytes_tok):
+    """Every row, any batch of indices (also negative), in one chunk or many: the same int64
+    tensors as the torch-formatted dataset; pickles by reference to the dataset, not its arrays."""
+    import pickle
+
+    from datasets import concatenate_datasets
+
+    train, _ = build_datasets(_args(marked_jsonl, tmp_path / "c"), bytes_tok)
+    many = concatenate_datasets([train.select(range(0, 10)).flatten_indices(), train.select(range(10, len(train))).flatten_indices()]).with_format("torch")
+    for ds in (train, many):
+        blocks = TokenBlocks.wrap(ds)
+        assert isinstance(blocks, TokenBlocks) and len(blocks) == len(ds)
+        whole = _ids(ds)
+        assert torch.equal(torch.stack([blocks[i]["input_ids"] for i in range(len(ds))]), whole)
+        assert blocks[-1]["input_ids"].dtype == whole.dtype == torch.int64
+        idx = [7, 0, len(ds) - 1, 3, 3, -2]
+        got = [row["input_ids"] for row in blocks.__getitems__(idx)]
+        assert all(torch.equal(g, whole[i]) for g, i in zip(got, idx))
+        with pytest.raises(IndexError, match="out of range"):
+            blocks.__getitems__([len(ds)])
+    assert len(many.data.table.column("input_ids").chunks) >= 2
+    clone = pickle.loads(pickle.dumps(TokenBlocks.wrap(train)))
+    assert torch.equal(clone[5]["input_ids"], train[5]["input_ids"])
+    assert len(pickle.dumps(TokenBlocks.wrap(train))) < 0.2 * whole.numel() * 4
+
+
+def test_token_blocks_leave_other_datasets_as_they_are(marked_jsonl, tmp_path, bytes_tok):
+    train, _ = build_datasets(_args(marked_jsonl, tmp_path / "c"), bytes_tok)
+    selected = train.select([3, 1, 2])  # an index mapping: rows are not the table's order
+    ragged = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]}).with_format("torch")
+    extra = Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "mask": [[1, 1], [1, 0]]})
+    for ds in (selected, ragged, extra, [{"input_ids": torch.zeros(2)}]):
+        assert TokenBlocks.wrap(ds) is ds

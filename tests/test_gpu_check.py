@@ -62,6 +62,7 @@ def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops
     assert len(overhead) == 2 and all(r["trainer_step_ms"] > 0 and r["bare_step_ms"] > 0 for r in overhead)
     for r in overhead:
         assert r["overhead_ms"] == pytest.approx(r["trainer_step_ms"] - r["bare_step_ms"])
+        assert r["looped_overhead_ms"] == pytest.approx(r["looped_trainer_step_ms"] - r["bare_step_ms"])
 
     decode = {r["setting"]: r for r in sections["decode"]["rows"]}
     assert set(decode) == {"plain r=4", "kv_budget=1", "exit kl 1e-3", "self-draft k=1"}

@@ -19,6 +19,7 @@ import yaml
 from looped_hf import prepack
 from looped_hf.data import (
     DataArguments,
+    TokenBlocks,
     build_datasets,
     collator,
     embedded_tokenizer_path,
@@ -299,13 +300,17 @@ def test_streaming_reader_keeps_file_order(tmp_path, fixture_tok):
 # --------------------------------------------------------------------------------------------
 # Training reads exactly the fixture's rows
 # --------------------------------------------------------------------------------------------
-def _rows_the_trainer_model_receives(tmp_path: Path, tok, batch: int, steps: int | None):
-    """Train a tiny model with the Trainer on the fixture; record what its forward receives."""
+def _rows_the_trainer_model_receives(tmp_path: Path, tok, batch: int, steps: int | None, wrap: bool = True):
+    """Train a tiny model with the Trainer on the fixture; record what its forward receives.
+    `wrap`: the train split as `looped_hf.train` gives it (TokenBlocks), else the datasets rows."""
     from conftest import tiny_looped_model
     from transformers import Trainer, TrainingArguments
 
     args = _prepacked_args(tmp_path, eval_blocks=8)
     train, held = build_datasets(args, tok)
+    if wrap:
+        train = TokenBlocks.wrap(train)
+        assert isinstance(train, TokenBlocks)
     model = tiny_looped_model(vocab_size=len(tok), hidden_size=16, num_attention_heads=2, num_recurrences=1).train()
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -324,8 +329,9 @@ def _rows_the_trainer_model_receives(tmp_path: Path, tok, batch: int, steps: int
 
 
 @needs_fixture
-def test_trainer_model_receives_the_fixture_rows_in_order(tmp_path, fixture_tok, one_torch_thread):
-    inputs, targets = _rows_the_trainer_model_receives(tmp_path, fixture_tok, batch=8, steps=3)
+@pytest.mark.parametrize("wrap", [True, False], ids=["TokenBlocks", "datasets"])
+def test_trainer_model_receives_the_fixture_rows_in_order(tmp_path, fixture_tok, one_torch_thread, wrap):
+    inputs, targets = _rows_the_trainer_model_receives(tmp_path, fixture_tok, batch=8, steps=3, wrap=wrap)
     rows = torch.tensor(_fixture_rows("train")[:24])
     assert torch.equal(inputs, rows[:, :-1]) and torch.equal(targets, rows[:, 1:])
 

@@ -108,6 +108,9 @@ def test_paper_recipes_are_the_studys_grid_and_recipe(name):
     assert training_args.optimizer == "muonh" and training_args.max_grad_norm == 0
     assert training_args.lr_schedule == "study" and training_args.final_lr_ratio == 0.1
     assert training_args.get_warmup_steps(100) == 0
+    # No host-device sync per step for the loss check or the batch copy (pinned, non-blocking).
+    assert training_args.logging_nan_inf_filter is False and training_args.accelerator_config.non_blocking
+    assert training_args.dataloader_pin_memory
     for run in plan.runs:
         model_args, _, _ = parse_recipe({k: v for k, v in run.recipe.items() if k not in gpu_only})
         assert model_args.init_scheme == "study" and model_args.qk_norm == "after_rope"
@@ -149,6 +152,17 @@ def test_learning_rate_by_r_gives_each_architecture_its_lr():
 
 
 # --- bad recipes ------------------------------------------------------------------------------
+def test_recorded_recipe_keeps_accelerator_config(tiny_recipe):
+    """accelerator_config is built into an object; the recorded recipe keeps what was set, as a mapping."""
+    from looped_hf.arguments import resolved_recipe
+
+    args = parse_recipe(dict(tiny_recipe, accelerator_config={"non_blocking": True}))
+    recorded = resolved_recipe(*args)
+    assert recorded["accelerator_config"] == {"non_blocking": True}
+    assert parse_recipe(recorded)[2].accelerator_config.non_blocking is True
+    assert "accelerator_config" not in resolved_recipe(*parse_recipe(tiny_recipe))
+
+
 def test_unknown_field_is_named(tiny_recipe):
     with pytest.raises(RecipeError, match="num_recurrence'.*did you mean num_recurrences"):
         parse_recipe(dict(tiny_recipe, num_recurrence=3))

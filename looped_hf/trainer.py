@@ -1,0 +1,81 @@
+"""`LoopedTrainer`: the `transformers.Trainer`, less the per-step host work whose result a run never reads.
+
+`looped_hf.train` runs it; any script may use it in place of `Trainer` (same arguments). It
+changes what the Trainer does every optimizer step, never what it logs or saves:
+
+- `floating_point_ops`: the Trainer's `total_flos` (6 x tokens x unique non-embedding
+  parameters) walks every parameter each micro-batch (`num_parameters`); the count is taken once.
+  The value is the vanilla one (`LoopedComputeCallback` reports the looped-aware count beside it).
+- `_get_grad_norm`: without clipping (`max_grad_norm: 0`, the study's recipe) the Trainer still
+  runs `clip_grad_norm_(..., inf)` every step, which reads every gradient and multiplies it by 1.0,
+  only to log the norm at logging steps. Here the norm is computed on the steps that log
+  (`DefaultFlowCallback`'s rule), so every logged `grad_norm` is the one the vanilla Trainer
+  logs. (A callback that forces `should_log` on another step gets an entry without
+  `grad_norm`.) With clipping the norm is needed every step and nothing changes.
+- `_track_num_input_tokens`: the vanilla count puts the batch's token count on the device,
+  gathers it and reads it back (`.item()`), a host-device sync every micro-batch. In one process
+  with `include_num_input_tokens_seen: all` it is a Python sum of the same numbers. (With several
+  processes the gather is kept: batches may differ in size between processes.)
+
+Host-device syncs per step (on a GPU the host queues kernels ahead, so host time costs only
+where it must wait): the vanilla Trainer has three by default, the token count above, the
+non-finite-loss check of every micro-batch (`logging_nan_inf_filter`) and the blocking copy of
+each batch to the device (`accelerator_config.non_blocking`). The GPU recipes set the last two
+off (`recipes/iso_depth_gpu.yaml`, `recipes/iso_depth_paper*.yaml`); what is left is a sync per
+logging step (the logged values) and, with several processes, the token count's gather.
+
+`benchmarks/bench_vs_study.py` times these parts under both classes (its Trainer-cost table).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import IntervalStrategy
+
+
+class LoopedTrainer(Trainer):
+    """`transformers.Trainer` with cheaper per-step bookkeeping (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._flops_params: tuple[int, int] | None = None  # (id of the model, its non-embedding parameters)
+
+    def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        if self._flops_params is None or self._flops_params[0] != id(self.model):
+            self._flops_params = (id(self.model), self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main_input].numel() * self._flops_params[1]
+
+    def logs_next_step(self) -> bool:
+        """Whether the optimizer step now in progress (global_step + 1) will be logged, by the rule
+        `DefaultFlowCallback.on_step_end` applies to it. Epoch logging: always True (the last
+        step of an epoch is not known here)."""
+        args, state = self.args, self.state
+        if args.logging_strategy == IntervalStrategy.NO:
+            return False
+        if args.logging_strategy != IntervalStrategy.STEPS:
+            return True
+        step = state.global_step + 1
+        if step == 1 and args.logging_first_step:
+            return True
+        return bool(state.logging_steps) and step % state.logging_steps == 0
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None):
+        if grad_norm is None and not self.logs_next_step():
+            return None  # nothing reads it: the Trainer only logs it (same decision on every process)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _track_num_input_tokens(self, inputs: dict[str, torch.Tensor | Any]) -> None:
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self.args.include_num_input_tokens_seen == "all" and self.args.world_size == 1 and main_input in inputs:
+            self.state.num_input_tokens_seen += int(inputs[main_input].numel())
+            return
+        super()._track_num_input_tokens(inputs)
+
+
+__all__ = ["LoopedTrainer"]
