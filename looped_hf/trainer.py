@@ -13,16 +13,17 @@ changes what the Trainer does every optimizer step, never what it logs or saves:
   logs. (A callback that forces `should_log` on another step gets an entry without
   `grad_norm`.) With clipping the norm is needed every step and nothing changes.
 - `_track_num_input_tokens`: the vanilla count puts the batch's token count on the device,
-  gathers it and reads it back (`.item()`), a host-device sync every micro-batch. In one process
-  with `include_num_input_tokens_seen: all` it is a Python sum of the same numbers. (With several
-  processes the gather is kept: batches may differ in size between processes.)
+  gathers it and reads it back (`.item()`), a host-device sync every micro-batch. With
+  `include_num_input_tokens_seen: all` it is a Python sum of the same numbers: in one process,
+  and with several when every process's batch is known to hold as many tokens (rows of one
+  length, `TokenBlocks`, dealt with accelerate's `even_batches`); otherwise the gather stays.
 
 Host-device syncs per step (on a GPU the host queues kernels ahead, so host time costs only
 where it must wait): the vanilla Trainer has three by default, the token count above, the
 non-finite-loss check of every micro-batch (`logging_nan_inf_filter`) and the blocking copy of
 each batch to the device (`accelerator_config.non_blocking`). The GPU recipes set the last two
 off (`recipes/iso_depth_gpu.yaml`, `recipes/iso_depth_paper*.yaml`); what is left is a sync per
-logging step (the logged values) and, with several processes, the token count's gather.
+logging step (the logged values).
 
 `benchmarks/bench_vs_study.py` times these parts under both classes (its Trainer-cost table).
 """
@@ -72,10 +73,28 @@ class LoopedTrainer(Trainer):
 
     def _track_num_input_tokens(self, inputs: dict[str, torch.Tensor | Any]) -> None:
         main_input = getattr(self.model, "main_input_name", "input_ids")
-        if self.args.include_num_input_tokens_seen == "all" and self.args.world_size == 1 and main_input in inputs:
-            self.state.num_input_tokens_seen += int(inputs[main_input].numel())
-            return
+        if self.args.include_num_input_tokens_seen == "all" and main_input in inputs:
+            if self.args.world_size == 1:
+                self.state.num_input_tokens_seen += int(inputs[main_input].numel())
+                return
+            if self._equal_batches_on_every_process():
+                self.state.num_input_tokens_seen += int(inputs[main_input].numel()) * self.args.world_size
+                return
         super()._track_num_input_tokens(inputs)
+
+    def _equal_batches_on_every_process(self) -> bool:
+        """Every process's micro-batch has as many tokens as this one's: rows of one length
+        (`TokenBlocks`, what `looped_hf.train` trains on) dealt by accelerate with `even_batches`
+        (every process gets full batches of the same size, the last one topped up)."""
+        from looped_hf.data import TokenBlocks
+
+        accelerator = self.accelerator
+        return (
+            isinstance(self.train_dataset, TokenBlocks)
+            and bool(accelerator.even_batches)
+            and not accelerator.dispatch_batches
+            and not accelerator.split_batches
+        )
 
 
 __all__ = ["LoopedTrainer"]

@@ -145,3 +145,25 @@ def test_without_the_nan_filter_a_non_finite_loss_ends_the_run_at_the_next_log(t
     assert record["status"] == "failed"
     assert record["error"] == "non-finite training loss nan at step 4"
     assert [e["step"] for e in keep.log_history if "loss" in e] == [4]
+
+
+def test_tokens_are_counted_without_a_gather_only_where_batches_are_equal(tiny_recipe, tmp_path):
+    """With several processes the count is numel x processes only for rows of one length dealt by
+    accelerate's even_batches (`looped_hf.train`'s TokenBlocks); otherwise the Trainer's gather
+    stays. (tests/test_distributed.py checks the 2-process count against 1 process.)"""
+    from transformers import TrainingArguments
+
+    from looped_hf import LoopedConfig, LoopedForCausalLM
+    from looped_hf.data import DataArguments, TokenBlocks, build_datasets, load_tokenizer
+
+    tok = load_tokenizer("bytes")
+    args = DataArguments(dataset=tiny_recipe["dataset"], tokenizer="bytes", seq_len=32, eval_blocks=8,
+                         data_cache_dir=tiny_recipe["data_cache_dir"])  # fmt: skip
+    rows, _ = build_datasets(args, tok)
+    model = LoopedForCausalLM(LoopedConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=2))
+    targs = TrainingArguments(str(tmp_path / "t"), report_to="none", use_cpu=True)
+    assert LoopedTrainer(model=model, args=targs, train_dataset=TokenBlocks.wrap(rows))._equal_batches_on_every_process()
+    assert not LoopedTrainer(model=model, args=targs, train_dataset=rows)._equal_batches_on_every_process()
+    uneven = LoopedTrainer(model=model, args=targs, train_dataset=TokenBlocks.wrap(rows))
+    uneven.accelerator.even_batches = False
+    assert not uneven._equal_batches_on_every_process()
