@@ -9,9 +9,10 @@ numpy/scipy only (pandas optional): importing this package never imports torch o
 'phi is identified: 0.46, 95% CI profile [0.42, 0.51], bootstrap [0.41, 0.53].'
 """
 
+from .compare import FitComparison, compare_fits
 from .data import Runs, load_chinchilla_svg, load_runs
 from .diagnose import diagnose
-from .fit import FitComparison, ScalingLawFit, compare_fits, fit_scaling_law, rebootstrap
+from .fit import ScalingLawFit, fit_scaling_law, rebootstrap
 
 __all__ = [
     "FitComparison",

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from ..fileio import write_text_atomic
-from .fit import compare_fits, fit_scaling_law
+from .compare import compare_fits
+from .fit import fit_scaling_law
 
 
 def _parser() -> argparse.ArgumentParser:
