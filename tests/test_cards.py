@@ -285,6 +285,33 @@ def test_card_cli_writes_the_card_from_a_fit_file(sweep_and_fit, tmp_path: Path,
     assert "missing.json" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+def test_card_cli_draws_the_study_style_figure_with_probe_panels(sweep_and_fit, tmp_path: Path, capsys):
+    """--isoflop-style study draws the paper's figure; --compare TITLE=FIT_JSON adds a panel per
+    probe (and implies the study style); bad entries name themselves and write nothing."""
+    from PIL import Image
+
+    sweep, fit = sweep_and_fit
+    fit.to_json(tmp_path / "fit.json")
+    law = tmp_path / "law"
+    assert cards.main([str(sweep), "--fit", str(tmp_path / "fit.json"), "--out", str(law)]) == 0
+    study = tmp_path / "study"
+    assert cards.main([str(sweep), "--fit", str(tmp_path / "fit.json"), "--out", str(study),
+                       "--isoflop-style", "study"]) == 0  # fmt: skip
+    assert "IsoFLOP curves drawn as the study's figure" in (study / "README.md").read_text()
+    assert "IsoFLOP curves drawn as the study's figure" not in (law / "README.md").read_text()
+    two = tmp_path / "two"
+    assert cards.main([str(sweep), "--fit", str(tmp_path / "fit.json"), "--out", str(two),
+                       "--compare", f"probe={tmp_path / 'fit.json'}"]) == 0  # fmt: skip
+    one_panel = Image.open(study / "plots" / "isoflop.png").size
+    two_panels = Image.open(two / "plots" / "isoflop.png").size
+    assert two_panels[0] > 1.5 * one_panel[0] and two_panels[1] == one_panel[1]
+    capsys.readouterr()
+    for bad, named in (("probe", "expected TITLE=FIT_JSON"), (f"p={tmp_path / 'nope.json'}", "nope.json")):
+        assert cards.main([str(sweep), "--fit", str(tmp_path / "fit.json"), "--out", str(tmp_path / "bad"),
+                           "--compare", bad]) == 2  # fmt: skip
+        assert named in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # The evaluate metric shipped in the package
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .common import FIT_NAME, PLOTS_DIR, _ci
-from .sweep import best_run, write_sweep_card
+from .sweep import ISOFLOP_STYLES, best_run, write_sweep_card
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +30,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--license", default="apache-2.0", help="license id in the card metadata (default apache-2.0)"
     )
+    p.add_argument(
+        "--isoflop-style",
+        choices=ISOFLOP_STYLES,
+        default="law",
+        help="isoflop.png: 'law' (a panel per budget, loss vs N_eff with the law; default) or 'study' "
+        "(the paper's figure: loss vs unique parameters, colour = budget, line style = r)",
+    )
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="TITLE=FIT_JSON",
+        help="a probe's fit (`looped-hf fit --out`) drawn as one more panel of the study-style figure "
+        "(implies --isoflop-style study; repeatable), e.g. 'truncated backprop=runs/trunc/fit.json'",
+    )
     return p
+
+
+def _compare_fits(specs: list[str]) -> dict:
+    """``TITLE=FIT_JSON`` entries -> {title: fit}; a malformed entry or missing file names itself."""
+    from looped_hf.scaling import ScalingLawFit
+
+    out = {}
+    for spec in specs:
+        title, sep, path = spec.partition("=")
+        if not sep or not title.strip() or not path:
+            raise ValueError(f"--compare {spec!r}: expected TITLE=FIT_JSON")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--compare {spec!r}: no such file {path}")
+        out[title.strip()] = ScalingLawFit.from_json(path)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         best = best_run(read_jsonl(sweep / RESULTS_NAME))
         where = (f"Publish it with `looped-hf publish {sweep / str(best['run_id'])} --repo-id ORG/NAME`."
                  if best is not None else "")  # fmt: skip
-        path = write_sweep_card(sweep, fit, out, best=best, best_where=where, license=args.license)
+        compare = _compare_fits(args.compare)
+        style = "study" if compare else args.isoflop_style
+        path = write_sweep_card(sweep, fit, out, best=best, best_where=where, license=args.license,
+                                isoflop_style=style, compare=compare or None)  # fmt: skip
     except (FileNotFoundError, ValueError) as err:
         print(f"looped-hf card: error: {err}", file=sys.stderr)
         return 2
