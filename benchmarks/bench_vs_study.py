@@ -1,7 +1,11 @@
 """looped_hf's `Trainer` step against the study's own training step, and the `Trainer`'s own cost.
 
-    python benchmarks/bench_vs_study.py --study-src /work/study_src              # the table (~2 min, 1 thread)
+    python benchmarks/bench_vs_study.py --study-src DIR                          # default shape: ~9 min on 1 thread
+    python benchmarks/bench_vs_study.py --study-src DIR --width 128 --head-dim 64  # ~3 min (+ the Trainer-cost table)
     python benchmarks/bench_vs_study.py --study-src DIR --steps 30 --compile     # + compiled sides (slow on CPU)
+
+(On a CPU without bf16 matrix units the step is mostly the study's bf16 Polar-Express in MuonH,
+on both sides: ~22 s of a ~24 s step at width 256, ~1.8 of ~2.7 s at width 128.)
 
 DIR is a checkout of kschwethelm/looped-lm-scaling (the study's nanochat fork); its `nanochat.gpt`
 and `nanochat.optim` are imported from there at run time, nothing of it is in this repository.
@@ -275,6 +279,8 @@ class Session:
         self.phases: dict[str, dict[str, list[float]]] = {"study": defaultdict(list), "bare": defaultdict(list)}
         self.mark: float | None = None
         self.timers: PartTimers | None = None
+        self.part_steps: list[dict[str, float]] = []  # per timed step: seconds in each part
+        self.parts_seen: dict[str, float] = {}
         self.timed_steps = 0
 
     def start(self, model: torch.nn.Module, training_args: Any) -> None:
@@ -299,6 +305,10 @@ class Session:
                 for phase, value in phases.items():
                     self.phases[name][phase].append(value)
         if self.timers is not None:
+            if self.timers.active:  # the step that just ended was timed: its share of each part
+                snap = dict(self.timers.totals)
+                self.part_steps.append({k: snap.get(k, 0.0) - self.parts_seen.get(k, 0.0) for k in PartTimers.PARTS})
+                self.parts_seen = snap
             # The part timers count from the first timed Trainer step on; our sides are not theirs.
             self.timers.active = self.warmup <= step < max_steps
             self.timers.excluded += time.perf_counter() - now
@@ -353,8 +363,10 @@ def run_session(
     if record["status"] != "ok":
         raise SystemExit(f"looped_hf run failed: {record['error']}\n{record.get('traceback', '')}")
     parts = {k: v / max(1, session.timed_steps) for k, v in session.timers.totals.items()}
+    medians = {k: statistics.median(step[k] for step in session.part_steps) for k in PartTimers.PARTS
+               if session.part_steps}  # fmt: skip
     return {"times": dict(session.times), "phases": {k: dict(v) for k, v in session.phases.items()}, "parts": parts,
-            "fpt": record["train_flops_per_token"]}  # fmt: skip
+            "parts_median": medians, "fpt": record["train_flops_per_token"]}  # fmt: skip
 
 
 def overhead_sessions(args: argparse.Namespace) -> dict[str, dict]:
@@ -375,11 +387,14 @@ def overhead_sessions(args: argparse.Namespace) -> dict[str, dict]:
     for _ in range(args.overhead_rounds):
         for name, cls in (("LoopedTrainer", LoopedTrainer), ("transformers.Trainer", Trainer)):
             res = run_session(None, shape, args, False, args.overhead_steps, 5, trainer_class=cls, overrides=small)
-            into = merged.setdefault(name, {"times": defaultdict(list), "parts": defaultdict(list)})
+            into = merged.setdefault(name, {"times": defaultdict(list), "parts": defaultdict(list),
+                                            "parts_median": defaultdict(list)})  # fmt: skip
             for side, values in res["times"].items():
                 into["times"][side].extend(values)
             for part, value in res["parts"].items():
                 into["parts"][part].append(value)
+            for part, value in res["parts_median"].items():
+                into["parts_median"][part].append(value)
     return {"shape": shape, "classes": merged}
 
 
@@ -437,8 +452,9 @@ def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | Non
         for side in ("study", "bare"):
             phases = "  ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in res["phases"][side].items())
             print(f"  {side} phases (median ms): {phases}")
-        print("  Trainer parts (mean ms/step): "
-              + "; ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(res["parts"].items(), key=lambda kv: -kv[1])))  # fmt: skip
+        print("  Trainer parts, ms/step mean (median; a mean above the median is a few slow steps): "
+              + "; ".join(f"{k} {v * 1e3:.2f} ({res['parts_median'].get(k, math.nan) * 1e3:.2f})"
+                          for k, v in sorted(res["parts"].items(), key=lambda kv: -kv[1])))  # fmt: skip
         out["sessions"][label] = {
             "ms": {side: statistics.median(t[side]) * 1e3 for side in ("study", "study core", "looped_hf", "bare")},
             "looped_hf_over_study_tokens_per_s": statistics.median(vs_study),
@@ -446,15 +462,18 @@ def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | Non
             "trainer_overhead_ms": statistics.median(gap),
             "trainer_overhead_ms_range": [min(gap), max(gap)],
             "trainer_parts_ms": {k: v * 1e3 for k, v in res["parts"].items()},
+            "trainer_parts_median_ms": {k: v * 1e3 for k, v in res["parts_median"].items()},
         }
     step_s, what = smallest_paper_step_s()
     eager = out["sessions"]["eager"]
     step_ms = step_s * 1e3
     parts_ms = sum(eager["trainer_parts_ms"].values())
+    parts_median_ms = sum(eager["trainer_parts_median_ms"].values())
     print(f"\nThe study's smallest paper run ({what}) on {PROJECTED_GPUS} H100s at {PROJECTED_MFU:.0%} of bf16 peak: "
           f"{step_ms:.1f} ms/step. Host time of the Trainer measured here (CPU), as a share of it (an upper "
           "bound: on a GPU the host runs ahead of the kernels except at syncs):")  # fmt: skip
-    print(f"  timed Trainer parts at this shape (LoopedTrainer): {parts_ms:.2f} ms/step = {parts_ms / step_ms:.1%}")
+    print(f"  timed Trainer parts at this shape (LoopedTrainer): mean {parts_ms:.2f} ms/step = {parts_ms / step_ms:.1%}, "
+          f"sum of medians {parts_median_ms:.2f} ms/step = {parts_median_ms / step_ms:.1%}")  # fmt: skip
     out["paper_smallest_step_ms"] = step_ms
     out["trainer_parts_share_of_paper_step"] = parts_ms / step_ms
     if overhead is not None:
@@ -475,7 +494,7 @@ def report_overhead(overhead: dict, step_ms: float) -> dict[str, Any]:
     n = {name: len(c["times"]["looped_hf"]) for name, c in classes.items()}
     print(f"\n== The Trainer's own cost (width {shape['width']}, 1+1x2+1 layers, seq {shape['seq']}, batch {shape['batch']}, AdamW; "
           f"{', '.join(f'{k} {v} steps' for k, v in n.items())}, alternating sessions) ==")  # fmt: skip
-    print(f"{'ms/step':<46}" + "".join(f"{name:>28}" for name in names))
+    print(f"{'ms/step':<62}" + "".join(f"{name:>24}" for name in names))
     out: dict[str, Any] = {"shape": shape, "classes": {}}
     rows = {"Trainer - bare, median [min, max]": {}}
     for name, c in classes.items():
@@ -484,21 +503,31 @@ def report_overhead(overhead: dict, step_ms: float) -> dict[str, Any]:
         out["classes"][name] = {"trainer_minus_bare_ms": statistics.median(diff),
                                 "trainer_minus_bare_ms_range": [min(diff), max(diff)],
                                 "bare_ms": statistics.median(c["times"]["bare"]) * 1e3,
-                                "parts_ms": {k: statistics.mean(v) * 1e3 for k, v in c["parts"].items()}}  # fmt: skip
+                                "parts_ms": {k: statistics.mean(v) * 1e3 for k, v in c["parts"].items()},
+                                "parts_median_ms": {k: statistics.median(v) * 1e3
+                                                    for k, v in c["parts_median"].items()}}  # fmt: skip
     for part in PartTimers.PARTS:
-        rows[f"  {part}, mean"] = {
-            name: median_spread(c["parts"].get(part, []), 1e3) for name, c in classes.items()
+        rows[f"  {part}, mean (median)"] = {
+            name: f"{statistics.mean(c['parts'][part]) * 1e3:.3f} ({statistics.median(c['parts_median'][part]) * 1e3:.3f})"
+            for name, c in classes.items()
         }
     rows["  bare step (model + optimizer), median"] = {
         name: f"{out['classes'][name]['bare_ms']:.4g}" for name in names
     }
     for label, cells in rows.items():
-        print(f"{label:<46}" + "".join(f"{cells[name]:>28}" for name in names))
+        print(f"{label:<62}" + "".join(f"{cells[name]:>24}" for name in names))
     for name in names:
         ms = out["classes"][name]["trainer_minus_bare_ms"]
         out["classes"][name]["share_of_paper_step"] = ms / step_ms
         print(f"  {name}: {ms:.2f} ms/step over the bare loop = {ms / step_ms:.1%} of the paper step")
     return out
+
+
+def _write_json(path: Path | None, numbers: dict[str, Any]) -> None:
+    if path is not None:
+        from looped_hf.fileio import write_json_atomic
+
+        write_json_atomic(path, numbers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,13 +546,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-steps", type=int, default=300,
                         help="timed steps per Trainer-cost session (tiny width; 0: skip that table)")
     parser.add_argument("--overhead-rounds", type=int, default=2, help="Trainer-cost sessions per Trainer class")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the Trainer-cost table (LoopedTrainer vs transformers.Trainer); needs no study code")
     parser.add_argument("--json", type=Path, help="write the numbers here too")
     args = parser.parse_args(argv)
+    command = " ".join(["python benchmarks/bench_vs_study.py", *(argv if argv is not None else sys.argv[1:])])
+    torch.set_num_threads(args.threads)
+    if args.overhead_only:
+        step_ms = smallest_paper_step_s()[0] * 1e3
+        numbers = {"overhead": report_overhead(overhead_sessions(args), step_ms), "paper_smallest_step_ms": step_ms,
+                   "command": command}  # fmt: skip
+        _write_json(args.json, numbers)
+        return 0 if all(math.isfinite(c["trainer_minus_bare_ms"]) for c in numbers["overhead"]["classes"].values()) else 1
     if args.study_src is None:
         print(f"bench_vs_study needs the study's code to compare against: a checkout of {STUDY_URL},\n"
-              "given as --study-src DIR (its nanochat package is imported from there at run time).")  # fmt: skip
+              "given as --study-src DIR (its nanochat package is imported from there at run time);\n"
+              "--overhead-only runs the Trainer-cost table alone, without it.")  # fmt: skip
         return 0
-    torch.set_num_threads(args.threads)
     from looped_hf.data import load_tokenizer
 
     vocab = len(load_tokenizer())  # the Trainer trains on the embedded corpus; every side gets its vocabulary
@@ -536,11 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     overhead = overhead_sessions(args) if args.overhead_steps > 0 else None
     numbers = report(results, shape, overhead)
-    numbers["command"] = " ".join(["python benchmarks/bench_vs_study.py", *(argv if argv is not None else sys.argv[1:])])
-    if args.json:
-        from looped_hf.fileio import write_json_atomic
-
-        write_json_atomic(args.json, numbers)
+    numbers["command"] = command
+    _write_json(args.json, numbers)
     return 0 if all(math.isfinite(v["trainer_overhead_ms"]) for v in numbers["sessions"].values()) else 1
 
 
