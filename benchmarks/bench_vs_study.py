@@ -521,7 +521,7 @@ def report_overhead(overhead: dict, step_ms: float) -> dict[str, Any]:
     n = {name: len(c["times"]["looped_hf"]) for name, c in classes.items()}
     print(f"\n== The Trainer's own cost (width {shape['width']}, 1+1x2+1 layers, seq {shape['seq']}, batch {shape['batch']}, AdamW; "
           f"{', '.join(f'{k} {v} steps' for k, v in n.items())}, alternating sessions) ==")  # fmt: skip
-    print(f"{'ms/step':<62}" + "".join(f"{name:>24}" for name in names))
+    print(f"{'ms/step':<62}" + "".join(f"{name:>26}" for name in names))
     out: dict[str, Any] = {"shape": shape, "classes": {}}
     own_label = "Trainer's own host time, median [min, max]"
     rows = {own_label: {}, "Trainer - bare, median [min, max]": {}}
@@ -546,7 +546,7 @@ def report_overhead(overhead: dict, step_ms: float) -> dict[str, Any]:
         name: f"{out['classes'][name]['bare_ms']:.4g}" for name in names
     }
     for label, cells in rows.items():
-        print(f"{label:<62}" + "".join(f"{cells[name]:>24}" for name in names))
+        print(f"{label:<62}" + "".join(f"{cells[name]:>26}" for name in names))
     print("  (own host time: the Trainer step less the model's forward, backward, optimizer step and zero_grad in it;\n"
           "   Trainer - bare: the same, but through the noise of two separate compute steps)")  # fmt: skip
     for name in names:

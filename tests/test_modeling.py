@@ -443,3 +443,25 @@ def test_package_exports():
     for name in ("LoopedModel", "LoopedPreTrainedModel", "LoopedForCausalLM"):
         assert hasattr(looped_hf, name)
     assert Path(looped_hf.__file__).parent.name == "looped_hf"
+
+
+def test_train_and_eval_reach_every_module_and_skip_the_walk_when_nothing_changes(monkeypatch):
+    """The Trainer calls model.train() every micro-batch: when every module is already training it
+    returns at once (torch's walk costs ~3 us per module); any module in the other mode, and the
+    whole tree is set."""
+    model = tiny_looped_model()
+    assert not any(m.training for m in model.modules())
+    model.train()
+    assert all(m.training for m in model.modules())
+    model.model.coda_layers[-1].self_attn.eval()  # one module off: train() must set it back
+    model.train()
+    assert all(m.training for m in model.modules())
+
+    walked = []
+    real = torch.nn.Module.train
+    monkeypatch.setattr(torch.nn.Module, "train", lambda self, mode=True: walked.append(self) or real(self, mode))
+    assert model.train() is model and walked == []
+    model.eval()
+    assert walked and not any(m.training for m in model.modules())
+    with pytest.raises(ValueError, match="boolean"):
+        model.train("yes")
