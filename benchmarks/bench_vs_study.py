@@ -295,7 +295,6 @@ class Session:
         self.timers: PartTimers | None = None
         self.part_steps: list[dict[str, float]] = []  # per timed step: seconds in each part
         self.parts_seen: dict[str, float] = {}
-        self.timed_steps = 0
 
     def start(self, model: torch.nn.Module, training_args: Any) -> None:
         self.bare = BareStep(model, training_args, self.shape, self.compiled)
@@ -308,7 +307,6 @@ class Session:
         timing = step > self.warmup
         if self.mark is not None and timing:
             self.times["looped_hf"].append(now - self.mark)
-            self.timed_steps += 1
         sides = [("study", self.study), ("bare", self.bare)] if self.study is not None else [("bare", self.bare)]
         for name, side in sides if step % 2 else sides[::-1]:
             phases: dict[str, float] = {}
@@ -380,9 +378,9 @@ def run_session(
             session.timers.close()
     if record["status"] != "ok":
         raise SystemExit(f"looped_hf run failed: {record['error']}\n{record.get('traceback', '')}")
-    parts = {k: v / max(1, session.timed_steps) for k, v in session.timers.totals.items() if k in PartTimers.PARTS}
-    medians = {k: statistics.median(step[k] for step in session.part_steps) for k in PartTimers.PARTS
-               if session.part_steps}  # fmt: skip
+    steps = session.part_steps
+    parts = {k: statistics.mean(step[k] for step in steps) for k in PartTimers.PARTS if steps}
+    medians = {k: statistics.median(step[k] for step in steps) for k in PartTimers.PARTS if steps}
     # The Trainer's own host time per step: the step less the model's and optimizer's work in it.
     # (Compiled, the forward is an instance attribute the class-level timer does not see: not measured.)
     own = [] if compiled else [t - sum(p[k] for k in PartTimers.COMPUTE)

@@ -16,6 +16,7 @@ the fit was made on).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -430,17 +431,30 @@ def plot_plan_frontier(frontier: dict[str, Any], path: PathLike) -> Path:
     return _save(fig, path)
 
 
-def plot_fit(fit: ScalingLawFit, out_dir: PathLike, runs: Any = None) -> list[Path]:
+def plot_fit(
+    fit: ScalingLawFit,
+    out_dir: PathLike,
+    runs: Any = None,
+    *,
+    isoflop_style: str = "law",
+    compare: Mapping[str, ScalingLawFit] | None = None,
+) -> list[Path]:
     """All fit plots that apply into ``out_dir``; their paths.
 
-    Always: ``loss_vs_flops.png``, ``residuals.png``; with a ``budget`` column: ``isoflop.png``;
-    with a profile of phi: ``phi_profile.png``; with bootstrap draws of phi: ``phi_bootstrap.png``.
+    Always: ``loss_vs_flops.png``, ``residuals.png``; with a ``budget`` column: ``isoflop.png``
+    (``isoflop_style="law"``: :func:`plot_isoflop`; ``"study"``: :func:`plot_isoflop_study` of the
+    fit's own runs, with a panel per ``compare`` entry, title -> a probe's fit); with a profile of
+    phi: ``phi_profile.png``; with bootstrap draws of phi: ``phi_bootstrap.png``.
     """
     out = Path(out_dir)
     data = _runs_of(fit, runs)
     paths = []
     if data.budget is not None:
-        paths.append(plot_isoflop(fit, out / "isoflop.png", runs))
+        if isoflop_style == "study" and runs is None:
+            panels = [("base" if compare else "", fit), *(compare or {}).items()]
+            paths.append(plot_isoflop_study(panels, out / "isoflop.png"))
+        else:
+            paths.append(plot_isoflop(fit, out / "isoflop.png", runs))
     if fit.profile is not None and fit.params.get("phi") is not None:
         paths.append(plot_phi_profile(fit, out / "phi_profile.png"))
     paths += [

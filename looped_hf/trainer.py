@@ -43,6 +43,7 @@ class LoopedTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._flops_params: tuple[int, int] | None = None  # (id of the model, its non-embedding parameters)
+        self._equal_batches: bool | None = None  # _equal_batches_on_every_process, decided once
 
     def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
         main_input = getattr(self.model, "main_input_name", "input_ids")
@@ -77,7 +78,9 @@ class LoopedTrainer(Trainer):
             if self.args.world_size == 1:
                 self.state.num_input_tokens_seen += int(inputs[main_input].numel())
                 return
-            if self._equal_batches_on_every_process():
+            if self._equal_batches is None:
+                self._equal_batches = self._equal_batches_on_every_process()
+            if self._equal_batches:
                 self.state.num_input_tokens_seen += int(inputs[main_input].numel()) * self.args.world_size
                 return
         super()._track_num_input_tokens(inputs)

@@ -104,6 +104,17 @@ def subprocess_env() -> dict[str, str]:
 PYTHON = sys.executable
 
 
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` imported as module ``name`` (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # Prepended to scripts that must prove a checkpoint loads as remote code, without the package.
 _BLOCK_LOOPED_HF = '''
 import sys

@@ -3,13 +3,11 @@ private Trainer methods, which a transformers release may move."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import transformers
-from conftest import REPO
+from conftest import load_benchmark
 from transformers.trainer_callback import CallbackHandler
 
 from looped_hf.trainer import LoopedTrainer
@@ -17,16 +15,8 @@ from looped_hf.trainer import LoopedTrainer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_vs_study", REPO / "benchmarks" / "bench_vs_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vs_study"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_trainer_cost_table_runs_and_leaves_the_trainer_classes_as_they_were(tmp_path, capsys):
-    bench = _load()
+    bench = load_benchmark("bench_vs_study")
     before = {cls: dict(vars(cls)) for cls in (transformers.Trainer, LoopedTrainer, CallbackHandler)}
     out = tmp_path / "numbers.json"
     assert bench.main(["--overhead-only", "--overhead-steps", "3", "--overhead-rounds", "1", "--json", str(out)]) == 0
@@ -45,5 +35,5 @@ def test_trainer_cost_table_runs_and_leaves_the_trainer_classes_as_they_were(tmp
 
 
 def test_without_the_study_it_says_what_it_needs(capsys):
-    assert _load().main([]) == 0
+    assert load_benchmark("bench_vs_study").main([]) == 0
     assert "--study-src DIR" in capsys.readouterr().out

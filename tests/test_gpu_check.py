@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, subprocess_env
+from conftest import PYTHON, REPO, load_benchmark, subprocess_env
 
 from looped_hf import LoopedForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_gpu_check()
+gpu_check = load_benchmark("gpu_check")
 
 
 @pytest.mark.slow

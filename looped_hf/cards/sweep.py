@@ -229,10 +229,8 @@ def _plots(
         "residuals.png": ("residuals of the fit by r", "Residuals log L - log L_hat (%) against training FLOPs, by r."),
     }  # fmt: skip
     out = []
-    paths = plotting.plot_fit(fit, plots_dir)
-    if isoflop_style == "study" and fit.runs is not None and fit.runs.budget is not None:
-        panels = [("base" if compare else "", fit), *(compare or {}).items()]
-        plotting.plot_isoflop_study(panels, plots_dir / "isoflop.png")
+    paths = plotting.plot_fit(fit, plots_dir, isoflop_style=isoflop_style, compare=compare)
+    if isoflop_style == "study":
         captions["isoflop.png"] = (
             "IsoFLOP curves as the study draws them",
             "IsoFLOP curves drawn as the study's figure: held-out loss against unique parameters N, one colour "

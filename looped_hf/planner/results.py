@@ -42,6 +42,9 @@ class Extrapolation:
             parts.append(f"optimum at the {self.grid_edge} width searched")
         return "; ".join(parts)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "text": self.text()}
+
 
 def _factor(x: float) -> str:
     return f"{x:.3g}x" if x > 1 else f"1/{1 / x:.3g}x of"
@@ -86,7 +89,7 @@ class PlanEntry:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(unique_params=self.unique_params, tokens_per_param=self.tokens_per_param)
-        out["extrapolation"] = {**dataclasses.asdict(self.extrapolation), "text": self.extrapolation.text()}
+        out["extrapolation"] = self.extrapolation.to_dict()
         return out
 
 
@@ -108,7 +111,7 @@ class CostEntry:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["extrapolation"] = {**dataclasses.asdict(self.extrapolation), "text": self.extrapolation.text()}
+        out["extrapolation"] = self.extrapolation.to_dict()
         return out
 
 

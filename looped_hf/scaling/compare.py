@@ -230,18 +230,17 @@ def compare_fits(
     assert fb.bootstrap_samples is not None and fp.bootstrap_samples is not None
     n = min(len(fb.bootstrap_samples), len(fp.bootstrap_samples))
     diff = fp.bootstrap_samples[:n, 5] - fb.bootstrap_samples[:n, 5]
-    lo, hi = np.percentile(diff, [2.5, 97.5])
     methods = {
         f.settings.get("bootstrap_method_used", f.settings.get("bootstrap_method", "")) for f in (fb, fp)
     }
-    return FitComparison(
-        base=fb,
-        probe=fp,
-        delta_phi=phis[1] - phis[0],
-        ci=(float(lo), float(hi)),
-        samples=diff,
-        bootstrap_method="/".join(sorted(str(m) for m in methods)),
-    )
+    return _comparison(fb, fp, phis, diff, bootstrap_method="/".join(sorted(str(m) for m in methods)))
+
+
+def _comparison(fb: ScalingLawFit, fp: ScalingLawFit, phis: list[float], diff: np.ndarray, **extra: Any) -> FitComparison:
+    """The comparison from the two fitted phi and the bootstrap draws of their difference."""
+    lo, hi = np.percentile(diff, [2.5, 97.5])
+    return FitComparison(base=fb, probe=fp, delta_phi=phis[1] - phis[0], ci=(float(lo), float(hi)), samples=diff,
+                         **extra)  # fmt: skip
 
 
 def _compared_phi(name: str, fit: ScalingLawFit) -> float:
@@ -276,15 +275,5 @@ def _compare_paired(
             _set_bootstrap(f, th, _free_mask(True))
             f.settings.update(bootstrap=bootstrap, bootstrap_method_used=f"paired {used}")
             f.diagnostics = diagnose(f)
-    diff = th_p[:, 5] - th_b[:, 5]
-    lo, hi = np.percentile(diff, [2.5, 97.5])
     assert fp.runs is not None
-    return FitComparison(
-        base=fb,
-        probe=fp,
-        delta_phi=phis[1] - phis[0],
-        ci=(float(lo), float(hi)),
-        samples=diff,
-        shared_r1=int((match >= 0).sum()),
-        bootstrap_method=used,
-    )
+    return _comparison(fb, fp, phis, th_p[:, 5] - th_b[:, 5], shared_r1=int((match >= 0).sum()), bootstrap_method=used)
