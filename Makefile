@@ -35,10 +35,10 @@ demo: install
 	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP) $(if $(JOBS),--jobs $(JOBS))
 
 test: install
-	$(PYTHON) -m pytest tests -m "not slow" -n $(TEST_WORKERS)
+	$(PYTHON) -m pytest tests -m "not slow" -n $(TEST_WORKERS) --durations=10
 
 test-slow:
-	$(PYTHON) -m pytest tests -m slow
+	$(PYTHON) -m pytest tests -m slow --durations=10
 
 lint:
 	ruff check .

@@ -416,7 +416,7 @@ def hyperp_learning_rates(
 
     One deliberate difference: the study's base_train.py batch-scales only the matrix, embedding
     and lm_head lrs; setup_optimizer sets the norm (0.005) and hyperconnection (0.01) lrs itself,
-    unscaled. Issue 8 scales every lr, as HyperP scales every AdamW group. At the study's
+    unscaled. looped_hf scales every lr, as HyperP scales every AdamW group. At the study's
     262,144-token batch (the paper recipes) the two agree to the digit; at 2^19 tokens per step the
     study's norm lr would be 32% below ours. The sweep planner and `looped-hf train` both call this,
     so a planned run and a single run with the same batch, tokens and width get the same lrs.

@@ -315,7 +315,7 @@ def _eta_seconds(text: str) -> float:
 
 
 def test_eta_tracks_the_true_end_as_runs_of_very_different_flops_finish(tmp_path, monkeypatch):
-    """Issue 19: two workers, runs largest first, each taking a fixed start-up (build, eval, save)
+    """Two workers, runs largest first, each taking a fixed start-up (build, eval, save)
     plus time proportional to its FLOPs, each worker at the same FLOPs per second. After every
     finished run the ETA must land within 10% of the true end: no jumps from extrapolating the
     largest runs to the whole sweep, or from ignoring that a worker idles at the tail."""
