@@ -1,10 +1,11 @@
-"""How close a converted study checkpoint comes to the study's own logits (issue 15, item 1).
+"""How close a converted study checkpoint comes to the study's own logits.
 
     python benchmarks/bench_convert_nanochat.py                     # the six fixtures, in process
     python benchmarks/bench_convert_nanochat.py --through-folder    # via `convert_nanochat` + from_pretrained
     python benchmarks/bench_convert_nanochat.py --data DIR          # other fixtures of the same layout
 
-For every fixture in ``shared/data/study_checkpoints`` (see its PROVENANCE.md) it converts
+For every fixture in ``tests/fixtures/study_checkpoints`` (made by the study's own code with
+scripts/make_study_fixtures.py; see its PROVENANCE.md) it converts
 ``model_000020.pt`` with ``looped_hf.convert`` and prints max |logit difference| against each
 logits tensor the study stored: ``logits`` (the trained r), ``logits_num_recur_R`` (another r) and
 ``logits_kv_budget_K`` (the study's KV-cache decode: prefill 16 tokens, then one token at a time,
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "study_checkpoints"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "study_checkpoints"
 PREFILL = 16  # the study's kv decode prefills ids[:, :16] (PROVENANCE.md)
 
 
@@ -88,7 +89,10 @@ def _label(key: str, model) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--data", type=Path, default=DATA, help="folder of fixtures (default: shared/data/study_checkpoints)"
+        "--data",
+        type=Path,
+        default=DATA,
+        help="folder of fixtures (default: tests/fixtures/study_checkpoints)",
     )
     p.add_argument("--through-folder", action="store_true",
                    help="write each Hub folder (convert_nanochat) and load it back with from_pretrained")  # fmt: skip

@@ -15,7 +15,7 @@ dropped. So every row starts with a BOS, no document is split across rows, and n
 the buffer runs dry before a row is full, packing of the split ends (that partial row is dropped).
 Rows are cut into shards of ``rows_per_shard``, and each shard's rows are shuffled (the study's
 ``random.shuffle``; here a ``random.Random(seed)`` per split, drawn from shard to shard in order, so
-seed 0 reproduces the fixture in ``shared/data/study_prepacked`` byte for byte in content).
+seed 0 reproduces the fixture in ``tests/fixtures/study_prepacked`` byte for byte in content).
 
 Parallelism and determinism: the study's rule runs one buffer over one document stream per split,
 so the rows depend on the whole stream's order. ``prepare_data(num_proc=N)`` therefore parallelises

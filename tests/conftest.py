@@ -12,6 +12,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+#: Data the tests read, in the repository: one folder per set, each with a PROVENANCE.md that says
+#: what made it, from which code, its licence and the sha256 of every file.
+FIXTURES = REPO / "tests" / "fixtures"
 
 # Nothing in the tests may reach the Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +25,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP thread per worker would only oversubscribe the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def fixture_path(*parts: str) -> Path:
+    """``tests/fixtures/<parts...>``, which must exist: a missing fixture FAILS the test (or the
+    module that names it, at collection) instead of skipping it, so that a checkout without the
+    data cannot pass by running fewer tests. Each set's PROVENANCE.md says how to remake it."""
+    path = FIXTURES.joinpath(*parts)
+    if not path.exists():
+        where = FIXTURES / parts[0] / "PROVENANCE.md" if parts else FIXTURES
+        pytest.fail(
+            f"test fixture {path} is missing (see {where} for what it is and how it is made)", pytrace=False
+        )
+    return path
 
 
 @pytest.fixture
@@ -116,7 +132,7 @@ def load_benchmark(name: str):
 
 
 # Prepended to scripts that must prove a checkpoint loads as remote code, without the package.
-_BLOCK_LOOPED_HF = '''
+_BLOCK_LOOPED_HF = """
 import sys
 sys.modules["looped_hf"] = None  # importing looped_hf must fail here
 try:
@@ -124,7 +140,7 @@ try:
     raise SystemExit("looped_hf was importable")
 except ImportError:
     pass
-'''
+"""
 
 
 def run_without_looped_hf(script: str, tmp_path: Path) -> str:
@@ -136,7 +152,9 @@ def run_without_looped_hf(script: str, tmp_path: Path) -> str:
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf_home"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}  # fmt: skip
     code = _BLOCK_LOOPED_HF + textwrap.dedent(script)
-    result = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -1,8 +1,10 @@
-"""The study's checkpoints load into transformers (issue 15, item 1): ``looped-hf convert nanochat``.
+"""The study's checkpoints load into transformers: ``looped-hf convert nanochat``.
 
-The references are the study's own outputs (``shared/data/study_checkpoints``, see its
-PROVENANCE.md): logits of ``GPT.forward`` at the trained r and at other r, and of its KV-cache
-decode with a ``kv_budget`` (prefill 16 tokens, then one at a time for t = 16..47).
+The references are the study's own outputs (``tests/fixtures/study_checkpoints``, made by the study's
+code with scripts/make_study_fixtures.py, see its PROVENANCE.md): logits of ``GPT.forward`` at the
+trained r and at other r, and of its KV-cache decode with a ``kv_budget`` (prefill 16 tokens, then one
+at a time for t = 16..47). The fixtures are width 32 (2 heads of 16), vocabulary 256 (250 padded to
+256 in ``loop4_linear_padvocab``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_without_looped_hf
+from conftest import fixture_path, run_without_looped_hf
 from safetensors.torch import load_file
 
 from looped_hf.convert import (
@@ -29,14 +31,12 @@ from looped_hf.convert import (
 )
 from looped_hf.publish import PublishError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "study_checkpoints"
+DATA = fixture_path("study_checkpoints")
 FIXTURES = ("loop4_linear", "loop2_additive", "loop8_hyperconnect", "noloop", "loop4_linear_trunc",
             "loop4_linear_padvocab")  # fmt: skip
 TOLERANCE = 1e-5
 PREFILL = 16  # the study's kv decode: prefill ids[:, :16], then one token at a time
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_convert_nanochat.py"
-
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"the study's checkpoints are not at {DATA}")
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def _one_thread(one_torch_thread):
 
 
 def reference(name: str) -> dict[str, torch.Tensor]:
-    return load_file(DATA / name / "reference.safetensors")
+    return load_file(fixture_path("study_checkpoints", name, "reference.safetensors"))
 
 
 def _bench():
@@ -83,7 +83,7 @@ def test_the_fixtures_cover_other_r_and_kv_budgets_where_the_study_stored_them()
 
 
 def test_without_the_rope_reparametrisation_the_logits_are_far_off() -> None:
-    """A name-for-name copy (the flip undone), what the issue reports: the logits are far off."""
+    """A name-for-name copy (the flip undone), the error the conversion removes: the logits are far off."""
     model, _ = nanochat_to_looped(DATA / "loop2_additive")
     ref = reference("loop2_additive")
     bench.undo_reparametrisation(model)
@@ -115,24 +115,24 @@ def test_every_weight_is_kept_so_the_accounting_counts_the_studys_parameters(nam
 
 def test_the_config_maps_every_study_key() -> None:
     meta = json.loads((DATA / "loop4_linear_trunc" / "meta_000020.json").read_text())
-    config = nanochat_config(meta["model_config"], padded_rows=512)
+    config = nanochat_config(meta["model_config"], padded_rows=256)
     mc = meta["model_config"]
     assert (config.vocab_size, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (
         mc["vocab_size"], mc["n_embd"], mc["n_head"], mc["n_kv_head"])  # fmt: skip
     assert (config.num_prelude_layers, config.num_recurrent_layers, config.num_coda_layers) == (2, 4, 2)
     assert (config.num_recurrences, config.backprop_recurrences) == (4, 2)  # bptt_k 2 of r 4
     assert config.input_injection == "linear" and config.logit_softcap == 15.0
-    assert config.max_position_embeddings == mc["sequence_len"] and config.head_dim == 24
+    assert config.max_position_embeddings == mc["sequence_len"] and config.head_dim == 16
     assert config.rope_table_dtype == "bfloat16" and config.init_scheme == "study"
-    assert config.qk_norm == "after_rope" and config.intermediate_size == 4 * 48
+    assert config.qk_norm == "after_rope" and config.intermediate_size == 4 * 32
     hc = json.loads((DATA / "loop8_hyperconnect" / "meta_000020.json").read_text())["model_config"]
-    hc_config = nanochat_config(hc, padded_rows=512)
+    hc_config = nanochat_config(hc, padded_rows=256)
     assert hc_config.input_injection == "hyperconnection" and hc_config.num_hyperconnection_lanes == 2
     assert hc_config.backprop_recurrences is None  # bptt_k = r: full backprop
-    additive = nanochat_config({**mc, "input_injection": "additive"}, padded_rows=512)
+    additive = nanochat_config({**mc, "input_injection": "additive"}, padded_rows=256)
     assert additive.input_injection == "add" and additive.state_init == "zeros"
     assert (
-        nanochat_config({**mc, "input_injection": "passthrough"}, padded_rows=512).input_injection == "none"
+        nanochat_config({**mc, "input_injection": "passthrough"}, padded_rows=256).input_injection == "none"
     )
 
 
@@ -213,7 +213,7 @@ def test_weights_that_do_not_fit_the_meta_are_refused_by_key(tmp_path: Path) -> 
     with pytest.raises(ConversionError, match=r"missing \['model.injection.weight'\]"):
         nanochat_to_looped(copy_fixture("loop4_linear", tmp_path / "short", short))
     meta = json.loads((DATA / "loop4_linear" / "meta_000020.json").read_text())
-    wide = {**meta, "model_config": {**meta["model_config"], "n_embd": 96, "n_head": 4, "n_kv_head": 4}}
+    wide = {**meta, "model_config": {**meta["model_config"], "n_embd": 64, "n_head": 4, "n_kv_head": 4}}
     with pytest.raises(ConversionError, match=r"shape \(checkpoint, config\)"):
         nanochat_to_looped(copy_fixture("loop4_linear", tmp_path / "wide", meta=wide))
 
@@ -260,8 +260,8 @@ def test_cli_writes_a_folder_with_a_card_that_says_where_the_weights_came_from(t
     from huggingface_hub import ModelCard
 
     out = tmp_path / "hub"
-    # 511 words: the study's tokenizer adds <|assistant_end|> to its base tokenizer to reach 512.
-    tok = word_tokenizer(tmp_path, 511)
+    # 255 words: the study's tokenizer adds <|assistant_end|> to its base tokenizer to reach 256.
+    tok = word_tokenizer(tmp_path, 255)
     assert main(["nanochat", str(DATA / "loop4_linear"), "--step", "20", "--out", str(out),
                  "--tokenizer", str(tok), "--repo-id", "me/loop4"]) == 0  # fmt: skip
     for name in ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
@@ -286,7 +286,7 @@ def test_cli_writes_a_folder_with_a_card_that_says_where_the_weights_came_from(t
     assert "<|assistant_end|>" in card.text  # the note saying the special token was added
     from transformers import AutoTokenizer
 
-    assert len(AutoTokenizer.from_pretrained(out)) == 512
+    assert len(AutoTokenizer.from_pretrained(out)) == 256
 
 
 def test_cli_refuses_bad_input_with_exit_2_and_writes_nothing(tmp_path: Path, capsys) -> None:
@@ -304,7 +304,7 @@ def test_cli_refuses_bad_input_with_exit_2_and_writes_nothing(tmp_path: Path, ca
         )
         == 2
     )
-    assert "has 300 tokens but model_config.vocab_size=512" in capsys.readouterr().err
+    assert "has 300 tokens but model_config.vocab_size=256" in capsys.readouterr().err
     assert not out.exists() and not any(p.name.startswith(".hub.tmp") for p in tmp_path.iterdir())
     out.mkdir()
     assert main(["nanochat", str(DATA / "noloop"), "--out", str(out)]) == 2

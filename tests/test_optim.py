@@ -160,8 +160,8 @@ def test_hyperp_scales_every_lr_by_batch_and_the_matrix_lr_by_data(tmp_path):
 def test_reference_model_is_the_studys_size_10_model_counted_at_the_runs_r():
     # scripts/base_train.py: looped runs -> 2-4x4-2 linear injection, others -> 0-20x1-0, width 640;
     # its get_scaling_params counts N_once + r N_rec of that reference at the TRAINING run's r
-    # (model_config.num_recur), so D_REF depends on r (this test pinned r = 4 for every looped run
-    # before issue 15; shared/data/study_plan.csv has the study's D_REF per r).
+    # (model_config.num_recur), so D_REF depends on r, not r = 4 for every looped run;
+    # tests/fixtures/study_plan/study_plan.csv has the study's D_REF per r.
     # Closed form at d = 640: a layer has 12 d^2 weights + 2 d norm scales; the adapter 2 d^2; the
     # model-level norms (embedding, recurrence, final) 3 d, counted once as the study's "scalars".
     d = 640

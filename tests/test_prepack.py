@@ -4,6 +4,7 @@ Trainer see exactly the fixture's rows; resume, atomicity, errors; the study's t
 from __future__ import annotations
 
 import json
+import lzma
 import random
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from conftest import fixture_path
 
 from looped_hf import prepack
 from looped_hf.data import (
@@ -28,15 +30,22 @@ from looped_hf.data import (
 )
 from looped_hf.prepack import PackSettings, pack_rows, pack_split, prepare_data, split_files
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "study_prepacked"
+#: The study's prepacked format made by its own packing code (tests/fixtures/study_prepacked/PROVENANCE.md):
+#: shards and metas as the study writes them; the documents and the rows in packing order as xz'd JSON.
+PREPACKED = fixture_path("study_prepacked")
 REPO = Path(__file__).resolve().parents[1]
-needs_fixture = pytest.mark.skipif(not SHARED.is_dir(), reason=f"study fixture {SHARED} not present")
 STUDY_TOKEN = "<|assistant_end|>"
+
+
+def _fixture_json(name: str):
+    """One of the fixture's xz-compressed JSON files (``docs``, ``rows_<split>_in_order``)."""
+    with lzma.open(fixture_path("study_prepacked", f"{name}.json.xz"), "rt", encoding="utf-8") as f:
+        return json.load(f)
 
 
 @pytest.fixture(scope="module")
 def fixture_docs() -> dict:
-    return json.loads((SHARED / "docs.json").read_text())
+    return _fixture_json("docs")
 
 
 def _docs(fixture_docs: dict, split: str) -> list[list[int]]:
@@ -48,17 +57,17 @@ def _rows(path: Path) -> list[list[int]]:
 
 
 def _fixture_rows(split: str) -> list[list[int]]:
-    return [row for f in split_files(SHARED, split) for row in _rows(f)]
+    return [row for f in split_files(PREPACKED, split) for row in _rows(f)]
 
 
 def _assert_same_output(out: Path, skip_meta: tuple[str, ...] = ()) -> None:
     """Shards of ``out`` equal the fixture's table for table (rows, order after shuffle, type)."""
     for split in ("train", "val"):
-        ours, theirs = split_files(out, split), split_files(SHARED, split)
+        ours, theirs = split_files(out, split), split_files(PREPACKED, split)
         assert [f.name for f in ours] == [f.name for f in theirs]
         for a, b in zip(ours, theirs):
             assert pq.read_table(a).equals(pq.read_table(b)), a.name
-        meta, ref = (json.loads((d / f"meta_{split}.json").read_text()) for d in (out, SHARED))
+        meta, ref = (json.loads((d / f"meta_{split}.json").read_text()) for d in (out, PREPACKED))
         assert {k: v for k, v in meta.items() if k not in skip_meta} == {
             k: v for k, v in ref.items() if k not in skip_meta
         }
@@ -99,15 +108,13 @@ def test_best_fit_buffer_chooses_as_the_plain_rule(seed, buffer_size):
     assert all(r[0] == 1 for r in got)  # BOS-aligned: every row starts a document
 
 
-@needs_fixture
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_pack_rows_equal_the_studys_rows_in_order(fixture_docs, split):
     rows = [r.tolist() for r in pack_rows(_docs(fixture_docs, split), fixture_docs["row_capacity"],
                                           fixture_docs["buffer_size"])]  # fmt: skip
-    assert rows == json.loads((SHARED / f"rows_{split}_in_order.json").read_text())
+    assert rows == _fixture_json(f"rows_{split}_in_order")
 
 
-@needs_fixture
 def test_pack_split_writes_the_studys_shards_and_meta(fixture_docs, tmp_path):
     settings = PackSettings(row_capacity=65, buffer_size=1000, rows_per_shard=400, seed=0)
     extra = {"dataset": prepack.STUDY_SOURCE, "vocab_size": 500, "bos_token_id": 1}
@@ -121,7 +128,6 @@ class _Killed(Exception):
     pass
 
 
-@needs_fixture
 def test_a_killed_split_resumes_to_the_same_output_and_leaves_no_half_shard(fixture_docs, tmp_path):
     settings = PackSettings(row_capacity=65, buffer_size=1000, rows_per_shard=400, seed=0)
     extra = {"dataset": prepack.STUDY_SOURCE, "vocab_size": 500, "bos_token_id": 1}
@@ -149,9 +155,13 @@ def test_a_killed_split_resumes_to_the_same_output_and_leaves_no_half_shard(fixt
 
     with mock.patch.object(pq, "write_table", torn_write), pytest.raises(_Killed):
         pack_split("train", lambda skip: docs[skip:], tmp_path, settings, meta_extra=extra)
-    assert sorted(p.name for p in tmp_path.glob("train-*.parquet")) == written and not list(tmp_path.glob(".*tmp*"))
+    assert sorted(p.name for p in tmp_path.glob("train-*.parquet")) == written and not list(
+        tmp_path.glob(".*tmp*")
+    )
     reads.clear()
-    pack_split("train", lambda skip: (reads.append(skip), docs[skip:])[1], tmp_path, settings, meta_extra=extra)
+    pack_split(
+        "train", lambda skip: (reads.append(skip), docs[skip:])[1], tmp_path, settings, meta_extra=extra
+    )
     assert reads and reads[0] > 0  # resumed from its saved state, not from the first document
     pack_split("val", lambda skip: _docs(fixture_docs, "val")[skip:], tmp_path, settings, meta_extra=extra)
     _assert_same_output(tmp_path)
@@ -178,13 +188,14 @@ def text_source(tmp_path_factory, fixture_docs) -> tuple[Path, Path]:
     data.mkdir()
     as_text = [" ".join(f"t{i}" for i in d) for d in fixture_docs["docs_without_bos"]["train"]]
     for k in range(3):
-        pq.write_table(pa.table({"text": as_text[k * 1000 : (k + 1) * 1000]}), data / f"shard_{k:05d}.parquet")
+        pq.write_table(
+            pa.table({"text": as_text[k * 1000 : (k + 1) * 1000]}), data / f"shard_{k:05d}.parquet"
+        )
     val = [" ".join(f"t{i}" for i in d) for d in fixture_docs["docs_without_bos"]["val"]]
     pq.write_table(pa.table({"text": val}), data / "shard_00003.parquet")
     return data, root / "tokenizer.json"
 
 
-@needs_fixture
 @pytest.mark.parametrize("num_proc", [1, 2])
 def test_prepare_data_cli_packs_text_as_the_study(text_source, tmp_path, num_proc, capsys):
     from looped_hf.cli import main as cli
@@ -223,7 +234,11 @@ def test_prepare_data_val_docs_on_any_text_source(tmp_path, small_corpus):
     n_docs = sum(1 for _ in open(small_corpus, encoding="utf-8"))
     assert metas["val"]["total_docs"] == 5 and metas["train"]["total_docs"] == n_docs - 5
     rows = [r for f in split_files(tmp_path, "train") for r in _rows(f)]
-    assert len(rows) == metas["train"]["total_rows"] > 10 and metas["train"]["num_shards"] >= 2 and {len(r) for r in rows} == {32}
+    assert (
+        len(rows) == metas["train"]["total_rows"] > 10
+        and metas["train"]["num_shards"] >= 2
+        and {len(r) for r in rows} == {32}
+    )
     assert all(r[0] == bos for r in rows)
 
 
@@ -242,11 +257,16 @@ def fixture_tok(tmp_path_factory):
 
 
 def _prepacked_args(tmp_path: Path, **kw) -> DataArguments:
-    base = {"dataset": str(SHARED), "prepacked": True, "seq_len": 64, "eval_blocks": 187, "data_cache_dir": str(tmp_path)}
+    base = {
+        "dataset": str(PREPACKED),
+        "prepacked": True,
+        "seq_len": 64,
+        "eval_blocks": 187,
+        "data_cache_dir": str(tmp_path),
+    }
     return DataArguments(**{**base, **kw})
 
 
-@needs_fixture
 def test_reader_gives_the_fixture_rows_in_file_order(tmp_path, fixture_tok):
     train, held = build_datasets(_prepacked_args(tmp_path, eval_blocks=100), fixture_tok)
     assert train[:]["input_ids"].tolist() == _fixture_rows("train")
@@ -256,7 +276,6 @@ def test_reader_gives_the_fixture_rows_in_file_order(tmp_path, fixture_tok):
     assert torch.equal(batch["input_ids"], rows[:, :-1]) and torch.equal(batch["shift_labels"], rows[:, 1:])
 
 
-@needs_fixture
 def test_reader_errors_name_the_field(tmp_path, fixture_tok):
     with pytest.raises(ValueError, match="DataArguments.seq_len=128: .*row_capacity=65.*seq_len must be 64"):
         build_datasets(_prepacked_args(tmp_path, seq_len=128), fixture_tok)
@@ -272,26 +291,28 @@ def test_reader_errors_name_the_field(tmp_path, fixture_tok):
         _prepacked_args(tmp_path, eval_split="train")
     no_meta = tmp_path / "rows"
     no_meta.mkdir()
-    shutil.copy(SHARED / "val-00000.parquet", no_meta / "val-00000.parquet")
+    shutil.copy(PREPACKED / "val-00000.parquet", no_meta / "val-00000.parquet")
     with pytest.raises(ValueError, match="no train-\\*.parquet shards"):
         build_datasets(_prepacked_args(tmp_path, dataset=str(no_meta)), fixture_tok)
 
 
-@needs_fixture
 def test_reader_from_the_hub_downloads_only_the_two_splits(tmp_path, fixture_tok):
-    with mock.patch("huggingface_hub.snapshot_download", return_value=str(SHARED)) as hub:
+    with mock.patch("huggingface_hub.snapshot_download", return_value=str(PREPACKED)) as hub:
         train, held = build_datasets(
-            _prepacked_args(tmp_path, dataset="KristianS7/prepacked-fineweb-edu-llama2-32K-T2048", eval_blocks=5),
+            _prepacked_args(
+                tmp_path, dataset="KristianS7/prepacked-fineweb-edu-llama2-32K-T2048", eval_blocks=5
+            ),
             fixture_tok,
         )
     kw = hub.call_args.kwargs
     assert hub.call_args.args[0] == "KristianS7/prepacked-fineweb-edu-llama2-32K-T2048"
     assert kw["repo_type"] == "dataset"
-    assert sorted(kw["allow_patterns"]) == sorted(["meta_train.json", "train-*.parquet", "meta_val.json", "val-*.parquet"])
+    assert sorted(kw["allow_patterns"]) == sorted(
+        ["meta_train.json", "train-*.parquet", "meta_val.json", "val-*.parquet"]
+    )
     assert len(train) == 1421 and held[:]["input_ids"].tolist() == _fixture_rows("val")[:5]
 
 
-@needs_fixture
 def test_streaming_reader_keeps_file_order(tmp_path, fixture_tok):
     train, _ = build_datasets(_prepacked_args(tmp_path, streaming=True, shuffle_buffer=0), fixture_tok)
     assert [r["input_ids"].tolist() for r in train] == _fixture_rows("train")
@@ -311,7 +332,9 @@ def _rows_the_trainer_model_receives(tmp_path: Path, tok, batch: int, steps: int
     if wrap:
         train = TokenBlocks.wrap(train)
         assert isinstance(train, TokenBlocks)
-    model = tiny_looped_model(vocab_size=len(tok), hidden_size=16, num_attention_heads=2, num_recurrences=1).train()
+    model = tiny_looped_model(
+        vocab_size=len(tok), hidden_size=16, num_attention_heads=2, num_recurrences=1
+    ).train()
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def record(module, a, kw):
@@ -328,7 +351,6 @@ def _rows_the_trainer_model_receives(tmp_path: Path, tok, batch: int, steps: int
     return torch.cat([x for x, _ in seen]), torch.cat([y for _, y in seen])
 
 
-@needs_fixture
 @pytest.mark.parametrize("wrap", [True, False], ids=["TokenBlocks", "datasets"])
 def test_trainer_model_receives_the_fixture_rows_in_order(tmp_path, fixture_tok, one_torch_thread, wrap):
     inputs, targets = _rows_the_trainer_model_receives(tmp_path, fixture_tok, batch=8, steps=3, wrap=wrap)
@@ -337,14 +359,14 @@ def test_trainer_model_receives_the_fixture_rows_in_order(tmp_path, fixture_tok,
 
 
 @pytest.mark.slow
-@needs_fixture
-def test_trainer_model_receives_exactly_the_fixture_rows_for_an_epoch(tmp_path, fixture_tok, one_torch_thread):
+def test_trainer_model_receives_exactly_the_fixture_rows_for_an_epoch(
+    tmp_path, fixture_tok, one_torch_thread
+):
     inputs, targets = _rows_the_trainer_model_receives(tmp_path, fixture_tok, batch=64, steps=None)
     rows = torch.tensor(_fixture_rows("train"))
     assert torch.equal(inputs, rows[:, :-1]) and torch.equal(targets, rows[:, 1:])
 
 
-@needs_fixture
 def test_under_ddp_each_process_reads_its_own_rows_and_a_step_reads_the_studys_rows(tmp_path, fixture_tok):
     """What the Trainer does with N processes: accelerate shards its DataLoader (BatchSamplerShard):
     per optimizer step process k gets batch k of N consecutive batches, so a step trains on the same
@@ -358,7 +380,9 @@ def test_under_ddp_each_process_reads_its_own_rows_and_a_step_reads_the_studys_r
     batch, world = 8, 2
     per_rank = []
     for rank in range(world):
-        loader = DataLoader(train, batch_size=batch, sampler=SequentialSampler(train), collate_fn=collator(fixture_tok, args))
+        loader = DataLoader(
+            train, batch_size=batch, sampler=SequentialSampler(train), collate_fn=collator(fixture_tok, args)
+        )
         shard = prepare_data_loader(loader, num_processes=world, process_index=rank, put_on_device=False)
         per_rank.append([b["input_ids"] for b in shard])
     steps = min(len(p) for p in per_rank) - 1  # full steps (accelerate pads the last one)
@@ -380,13 +404,20 @@ def _study_style(tokenizer_json: Path):
     return tok
 
 
-TEXTS = ["The quick brown fox.", f"an answer{STUDY_TOKEN}next turn", f"{STUDY_TOKEN}", "x <|assistant_end| > y"]
+TEXTS = [
+    "The quick brown fox.",
+    f"an answer{STUDY_TOKEN}next turn",
+    f"{STUDY_TOKEN}",
+    "x <|assistant_end| > y",
+]
 
 
 def test_split_tokenizer_spec():
     assert split_tokenizer_spec(None) == (None, [])
     assert split_tokenizer_spec("NousResearch/Llama-2-7b-hf+<|assistant_end|>") == (
-        "NousResearch/Llama-2-7b-hf", [STUDY_TOKEN])
+        "NousResearch/Llama-2-7b-hf",
+        [STUDY_TOKEN],
+    )
     assert split_tokenizer_spec("a/b+<x>+<y>") == ("a/b", ["<x>", "<y>"])
     with pytest.raises(ValueError, match="DataArguments.tokenizer='a/b\\+': expected NAME\\+TOKEN"):
         split_tokenizer_spec("a/b+")
@@ -403,10 +434,17 @@ def test_added_token_matches_the_studys_step(tmp_path, form):
     study = _study_style(base)
     ours = load_tokenizer(f"{name}+{STUDY_TOKEN}")
     plain = load_tokenizer(name)
-    assert ours.convert_tokens_to_ids(STUDY_TOKEN) == study.token_to_id(STUDY_TOKEN) == study.get_vocab_size() - 1
+    assert (
+        ours.convert_tokens_to_ids(STUDY_TOKEN)
+        == study.token_to_id(STUDY_TOKEN)
+        == study.get_vocab_size() - 1
+    )
     assert len(ours) == len(plain) + 1
     for text in TEXTS:
-        assert ours(text, add_special_tokens=False)["input_ids"] == study.encode(text, add_special_tokens=False).ids
+        assert (
+            ours(text, add_special_tokens=False)["input_ids"]
+            == study.encode(text, add_special_tokens=False).ids
+        )
 
 
 def test_packing_tokenizer_takes_the_hub_file_as_the_study(tmp_path):
@@ -438,7 +476,10 @@ def test_paper_recipes_read_the_studys_prepacked_data_and_tokenizer(name):
     args = DataArguments(**{k: v for k, v in recipe.items() if k in data_fields})
     assert args.dataset == "KristianS7/prepacked-fineweb-edu-llama2-32K-T2048" and args.prepacked
     assert args.eval_split == "val" and args.eval_blocks == 34_560 and args.seq_len == 2048
-    assert args.tokenizer == f"NousResearch/Llama-2-7b-hf+{STUDY_TOKEN}" and "meta-llama" not in yaml.safe_dump(recipe)
+    assert (
+        args.tokenizer == f"NousResearch/Llama-2-7b-hf+{STUDY_TOKEN}"
+        and "meta-llama" not in yaml.safe_dump(recipe)
+    )
     assert recipe["train_sampling_strategy"] == "sequential"
 
 
@@ -446,7 +487,10 @@ def test_default_data_is_still_the_embedded_corpus():
     args = DataArguments()
     assert args.dataset is None and args.tokenizer is None and not args.prepacked
     assert collator(None, args).__class__.__name__ == "PackedBlockCollator"
-    assert np.array_equal(np.asarray(load_tokenizer()("a b")["input_ids"]), np.asarray(load_tokenizer("embedded")("a b")["input_ids"]))
+    assert np.array_equal(
+        np.asarray(load_tokenizer()("a b")["input_ids"]),
+        np.asarray(load_tokenizer("embedded")("a b")["input_ids"]),
+    )
 
 
 def test_val_files_of_a_hub_source_are_its_last_data_files():
@@ -461,8 +505,9 @@ def test_val_files_of_a_hub_source_are_its_last_data_files():
     assert splits["train"].load_kwargs["path"] == "parquet" and identity["rule"] == {"val_files": 1}
 
 
-@needs_fixture
-def test_looped_hf_train_on_prepacked_rows_counts_the_studys_tokens_and_steps(tmp_path, fixture_tok, one_torch_thread):
+def test_looped_hf_train_on_prepacked_rows_counts_the_studys_tokens_and_steps(
+    tmp_path, fixture_tok, one_torch_thread
+):
     """Through `looped_hf.train.train`: a row trains seq_len tokens (inputs row[:-1]), not seq_len + 1,
     and `train_steps_rounding: nearest` gives the study's round(tokens / tokens_per_step)."""
     from looped_hf.arguments import parse_recipe
@@ -473,7 +518,7 @@ def test_looped_hf_train_on_prepacked_rows_counts_the_studys_tokens_and_steps(tm
     recipe = {
         "hidden_size": 16, "num_attention_heads": 2, "num_prelude_layers": 0, "num_recurrent_layers": 1,
         "num_coda_layers": 0, "num_recurrences": 1, "input_injection": "none",
-        "dataset": str(SHARED), "prepacked": True, "seq_len": 64, "eval_blocks": 8, "tokenizer": str(tok_path),
+        "dataset": str(PREPACKED), "prepacked": True, "seq_len": 64, "eval_blocks": 8, "tokenizer": str(tok_path),
         "data_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "run"),
         "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8, "train_sampling_strategy": "sequential",
         # 2.4 steps of 4 x 64 tokens: "up" would train 3 steps, the study's nearest trains 2.

@@ -1,12 +1,12 @@
-"""The paper recipes plan every run as the study's own code does (issue 15).
+"""The paper recipes plan every run as the study's own code does.
 
-shared/data/study_plan.csv holds, for all 308 runs of the study's three paper grids, the numbers
-its scripts/base_train.py and nanochat/gpt.py derive (made by running them at
-kschwethelm/looped-lm-scaling @ ad7d8f3; see its PROVENANCE.md). The planner must give the same
+tests/fixtures/study_plan/study_plan.csv holds, for all 308 runs of the study's three paper grids, the
+numbers its scripts/base_train.py and nanochat/gpt.py derive (made by running them at
+kschwethelm/looped-lm-scaling @ ad7d8f3; see the PROVENANCE.md beside it). The planner must give the same
 N_once, N_rec, FLOPs per token, target tokens, steps, tokens, D_REF and peak lrs, to 1e-6.
 
 One deliberate difference is kept and named here (test_norm_and_hyperconnection_lrs_scale_with_the_batch):
-looped_hf batch-scales every lr (issue 8); the study only the matrix, embedding and lm_head lrs.
+looped_hf batch-scales every lr; the study only the matrix, embedding and lm_head lrs.
 At the paper recipes' 262,144 tokens per step the two agree.
 """
 
@@ -17,13 +17,13 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import fixture_path
 
 from looped_hf.arguments import LoopedTrainingArguments, RecipeError, parse_recipe, steps_for_tokens
 from looped_hf.optim import HYPERP_BATCH_REF, hyperp_learning_rates
 from looped_hf.sweep.plan import make_plan
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-STUDY_PLAN = SHARED / "study_plan.csv"
+STUDY_PLAN = fixture_path("study_plan", "study_plan.csv")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PAPER = {
     "base": "iso_depth_paper.yaml",
@@ -32,10 +32,6 @@ PAPER = {
 }
 REL = 1e-6
 GPU_ONLY = ("bf16", "tf32")  # TrainingArguments refuses them on a machine without a GPU
-
-needs_study_plan = pytest.mark.skipif(
-    not STUDY_PLAN.is_file(), reason=f"{STUDY_PLAN} not found (shared/ beside the repository)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +72,11 @@ def _ours(run) -> dict[str, float]:
     return out
 
 
-@needs_study_plan
 def test_every_paper_run_is_planned_as_the_study_plans_it(plans, study_rows):
     by_cell = {
-        (variant, r.num_recurrences, r.hidden_size, r.budget): r for variant, plan in plans.items() for r in plan.runs
+        (variant, r.num_recurrences, r.hidden_size, r.budget): r
+        for variant, plan in plans.items()
+        for r in plan.runs
     }
     assert len(study_rows) == 308 and len(by_cell) == 308
     seen, wrong = set(), []
@@ -88,7 +85,9 @@ def test_every_paper_run_is_planned_as_the_study_plans_it(plans, study_rows):
         run = by_cell.get(key)
         assert run is not None, f"the study runs {key}; the plan does not"
         seen.add(key)
-        assert _study_arch(run) == row["arch"] and (run.backprop_recurrences or run.num_recurrences) == int(row["bptt_k"])
+        assert _study_arch(run) == row["arch"] and (run.backprop_recurrences or run.num_recurrences) == int(
+            row["bptt_k"]
+        )
         for column, ours in _ours(run).items():
             theirs = float(row[column])
             if abs(ours - theirs) > REL * abs(theirs):
@@ -99,7 +98,6 @@ def test_every_paper_run_is_planned_as_the_study_plans_it(plans, study_rows):
     assert not wrong, f"{len(wrong)} numbers differ from the study's plan:\n" + "\n".join(wrong[:20])
 
 
-@needs_study_plan
 def test_d_ref_is_the_reference_counted_at_the_runs_r(plans, study_rows):
     # base_train.py get_scaling_params reads the training model's num_recur for the reference too.
     d_ref = {}
@@ -114,8 +112,12 @@ def test_d_ref_is_the_reference_counted_at_the_runs_r(plans, study_rows):
 def test_paper_runs_use_the_studys_padded_vocabulary_and_bf16_rope(plans):
     for plan in plans.values():
         for run in plan.runs[:: max(1, len(plan.runs) // 7)]:
-            model_args, _, training_args = parse_recipe({k: v for k, v in run.recipe.items() if k not in GPU_ONLY})
-            assert model_args.pad_vocab_size_to_multiple_of == 64 and model_args.rope_table_dtype == "bfloat16"
+            model_args, _, training_args = parse_recipe(
+                {k: v for k, v in run.recipe.items() if k not in GPU_ONLY}
+            )
+            assert (
+                model_args.pad_vocab_size_to_multiple_of == 64 and model_args.rope_table_dtype == "bfloat16"
+            )
             assert training_args.train_steps_rounding == "nearest"
             config = model_args.to_config(plan.vocab_size, plan.seq_len)
             assert (config.vocab_size, config.padded_vocab_size) == (32001, 32064)
@@ -129,9 +131,13 @@ def test_steps_round_up_by_default_and_to_the_nearest_on_request():
     assert steps_for_tokens(10.7 * 64, 64, "train_tokens", 1, rounding="nearest") == 11
     with pytest.raises(ValueError, match="rounding='down'"):
         steps_for_tokens(640, 64, "train_tokens", 1, rounding="down")
-    with pytest.raises(RecipeError, match=r"train_flops_budget=5: buys 63 tokens, less than one optimizer step"):
+    with pytest.raises(
+        RecipeError, match=r"train_flops_budget=5: buys 63 tokens, less than one optimizer step"
+    ):
         steps_for_tokens(63, 64, "train_flops_budget", 5, rounding="nearest")
-    with pytest.raises(RecipeError, match=r"train_steps_rounding='floor': must be one of \('up', 'nearest'\)"):
+    with pytest.raises(
+        RecipeError, match=r"train_steps_rounding='floor': must be one of \('up', 'nearest'\)"
+    ):
         LoopedTrainingArguments(output_dir="unused", train_steps_rounding="floor")
 
 
