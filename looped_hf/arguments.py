@@ -9,17 +9,26 @@ A recipe is one flat YAML mapping whose keys are the fields of three dataclasses
 - `LoopedTrainingArguments` (below): `transformers.TrainingArguments` plus the study's optimizer,
   schedule and a training length in tokens or FLOPs.
 
-Command-line flags (`--num_recurrences 8`) override the file. An unknown key, a value of the
-wrong kind, or a budget that cannot buy one optimizer step fails before any training, with an
-error that names the field.
+Command-line flags (`--num_recurrences 8`) override the file. Every value is checked for its
+field's type and range (`check_value`: `FIELD_LIMITS`, `field_choices`, finite numbers) before
+any dataclass is built, then the dataclasses check how fields go together. An unknown key, a
+value of the wrong kind or range, or a budget that cannot buy one optimizer step fails before
+any training with one line that names the recipe field and its value (and the file's line);
+`looped-hf train RECIPE --check` runs every check and trains nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import enum
+import functools
 import math
 import os
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +115,9 @@ class ModelArguments:
     )  # fmt: skip
     rope_table_dtype: str | None = field(
         default=None,
-        metadata={"help": "None: full-precision rotary tables; bfloat16: rounded to bf16, as the study's model."},
+        metadata={
+            "help": "None: full-precision rotary tables; bfloat16: rounded to bf16, as the study's model."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -254,7 +265,9 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     train_flops_budget: float | None = field(
         default=None,
-        metadata={"help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."},
+        metadata={
+            "help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."
+        },
     )
     train_steps_rounding: str = field(
         default="up",
@@ -412,6 +425,364 @@ class LoopedTrainingArguments(TrainingArguments):
                 setattr(self, name, study)
 
 
+# ---------------------------------------------------------------------------------------------
+# Value checks: every recipe value's type and range, before any dataclass sees it
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Limit:
+    """The range a number of a recipe field must lie in (for a list: each of its numbers).
+
+    Every number must also be finite: NaN and infinity are never a setting. `special` lists
+    values outside the range that the field gives a meaning (`max_steps: -1`, unset).
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[float, ...] = ()
+
+    def admits(self, x: float) -> bool:
+        if x in self.special:
+            return True
+        if self.low is not None and (x <= self.low if self.low_open else x < self.low):
+            return False
+        return self.high is None or (x < self.high if self.high_open else x <= self.high)
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {_show(self.low)}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {_show(self.high)}")
+        text = " and ".join(parts)
+        if self.special:
+            text += f", or {' or '.join(_show(s) for s in self.special)}"
+        return text
+
+
+_AT_LEAST_0, _AT_LEAST_1, _POSITIVE = Limit(0), Limit(1), Limit(0, low_open=True)
+_UNIT, _UNIT_OPEN, _BETA = Limit(0, 1), Limit(0, 1, True, True), Limit(0, 1, high_open=True)
+# Seeds feed numpy's RandomState, which takes 0 .. 2**32 - 1.
+_SEED = Limit(0, 2**32 - 1)
+
+#: Ranges of the recipe fields that take numbers (model, data and training fields alike). A
+#: number field not listed here is still checked for its type and for being finite.
+FIELD_LIMITS: dict[str, Limit] = {
+    # model
+    "hidden_size": _AT_LEAST_1, "num_attention_heads": _AT_LEAST_1, "head_dim": _AT_LEAST_1,
+    "num_key_value_heads": _AT_LEAST_1, "intermediate_size": _AT_LEAST_1,
+    "num_prelude_layers": _AT_LEAST_0, "num_recurrent_layers": _AT_LEAST_0, "num_coda_layers": _AT_LEAST_0,
+    "num_recurrences": _AT_LEAST_1, "num_hyperconnection_lanes": _AT_LEAST_1,
+    "backprop_recurrences": _AT_LEAST_1, "logit_softcap": _POSITIVE, "initializer_range": _POSITIVE,
+    "max_position_embeddings": Limit(2), "pad_vocab_size_to_multiple_of": _AT_LEAST_1,
+    # data
+    "seq_len": Limit(2), "eval_blocks": _AT_LEAST_1, "split_seed": _SEED, "pack_batch_docs": _AT_LEAST_1,
+    "shuffle_buffer": _AT_LEAST_0, "num_proc": _AT_LEAST_1, "streaming_eval_fraction": _UNIT_OPEN,
+    # training length and batch
+    "max_steps": Limit(1, special=(-1,)), "train_tokens": _AT_LEAST_1, "train_flops_budget": _POSITIVE,
+    "num_train_epochs": _POSITIVE, "per_device_train_batch_size": _AT_LEAST_1,
+    "per_device_eval_batch_size": _AT_LEAST_1, "gradient_accumulation_steps": _AT_LEAST_1,
+    "eval_accumulation_steps": _AT_LEAST_1,
+    # optimizer and schedule
+    "learning_rate": _POSITIVE, "muon_learning_rate": _POSITIVE, "embedding_learning_rate": _POSITIVE,
+    "lm_head_learning_rate": _POSITIVE, "norm_learning_rate": _POSITIVE,
+    "hyperconnection_learning_rate": _POSITIVE, "weight_decay": _AT_LEAST_0, "adam_beta1": _BETA,
+    "adam_beta2": _BETA, "adam_epsilon": _POSITIVE, "max_grad_norm": _AT_LEAST_0,
+    "label_smoothing_factor": _BETA, "warmup_steps": _AT_LEAST_0, "final_lr_ratio": _UNIT,
+    "neftune_noise_alpha": _POSITIVE,
+    # logging, saving, evaluation
+    "logging_steps": _POSITIVE, "save_steps": _POSITIVE, "eval_steps": _POSITIVE, "eval_delay": _AT_LEAST_0,
+    "save_total_limit": _AT_LEAST_0, "torch_empty_cache_steps": _AT_LEAST_1,
+    # processes and loading
+    "seed": _SEED, "data_seed": _SEED, "dataloader_num_workers": _AT_LEAST_0,
+    "dataloader_prefetch_factor": _AT_LEAST_1, "ddp_timeout": _AT_LEAST_1, "ddp_bucket_cap_mb": _AT_LEAST_1,
+    "torch_num_threads": _AT_LEAST_1, "peak_flops": _POSITIVE,
+}  # fmt: skip
+
+#: String fields for which an empty string is never a setting (a name, a path, a choice).
+NON_EMPTY_FIELDS = frozenset({
+    "hidden_act", "input_injection", "state_init", "qk_norm", "init_scheme", "rope_table_dtype",
+    "dataset", "dataset_config", "dataset_split", "dataset_revision", "text_column", "text_sample_by",
+    "tokenizer", "data_cache_dir", "eval_split",
+    "output_dir", "optimizer", "lr_scaling", "lr_schedule", "train_steps_rounding", "run_id", "arch", "variant",
+    "recurrence_sampling", "results_file", "resume_from_checkpoint", "run_name", "logging_dir",
+})  # fmt: skip
+
+#: Types a field accepts beyond its annotation: `qk_norm: true / false` (recipes written for
+#: looped_hf 0.1.0; ModelArguments reads them as after_rope / none).
+TYPE_OVERRIDES: dict[str, Any] = {"qk_norm": str | bool}
+
+#: Fields whose string value is the path of a JSON/YAML file that transformers opens.
+FILE_FIELDS = ("accelerator_config", "deepspeed", "fsdp_config")
+#: Fields whose string value is the path of a directory that must exist.
+DIR_FIELDS = ("resume_from_checkpoint",)
+
+
+@functools.cache
+def field_choices() -> dict[str, tuple[str, ...]]:
+    """The strings each choice field takes: the choices the dataclasses declare in their field
+    metadata, our own enumerations, and those that TrainingArguments checks only once training
+    starts (report_to, the multiprocessing context, the compile mode), so they fail up front."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from looped_hf.recurrence import RECURRENCE_SAMPLINGS
+
+    out: dict[str, tuple[str, ...]] = {}
+    for dtype in (ModelArguments, _data_arguments_class(), LoopedTrainingArguments):
+        for f in dataclasses.fields(dtype):
+            if f.init and f.metadata.get("choices"):
+                out[f.name] = tuple(str(c) for c in f.metadata["choices"])
+    out.update(
+        qk_norm=QK_NORMS, init_scheme=INIT_SCHEMES, text_sample_by=("line", "paragraph", "document"),
+        optimizer=OPTIMIZERS, lr_scaling=LR_SCALINGS, lr_schedule=LR_SCHEDULES, train_steps_rounding=STEPS_ROUNDINGS,
+        recurrence_sampling=tuple(RECURRENCE_SAMPLINGS),
+        report_to=("all", "none", *sorted(INTEGRATION_TO_CALLBACK)),
+        include_num_input_tokens_seen=("all", "non_padding", "no"),
+        dataloader_multiprocessing_context=("fork", "spawn", "forkserver"),
+        torch_compile_mode=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    )  # fmt: skip
+    return out
+
+
+def _show(value: Any) -> str:
+    """A value as a recipe would spell it: 0 not np.float64(0.0), nan, inf, 'text', [1, 2]."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return repr(value.value)
+    if isinstance(value, float) or (hasattr(value, "dtype") and hasattr(value, "item")):
+        number = value.item() if hasattr(value, "item") else value
+        if isinstance(number, float) and number.is_integer() and abs(number) < 1e16:
+            return str(int(number))
+        return repr(number)
+    return repr(value)
+
+
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "a mapping", type(None): "null"}  # fmt: skip
+
+
+def _plural(annotation: Any) -> str:
+    """'integers', 'lists of integers', 'values from [...]': what a list's items must be."""
+    if annotation in _PLURALS:
+        return _PLURALS[annotation]
+    if typing.get_origin(annotation) is list and typing.get_args(annotation):
+        return f"lists of {_plural(typing.get_args(annotation)[0])}"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return f"values from {[m.value for m in annotation]}"
+    return _kind(annotation)
+
+
+def _kind(annotation: Any) -> str:
+    """What an annotation asks for, in words (for error messages)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
+            members = [m for m in members if m is not str]  # the enum's values are the strings it takes
+        text = " or ".join(dict.fromkeys(_kind(m) for m in members))
+        return f"{text} (or null)" if type(None) in typing.get_args(annotation) else text
+    if origin is typing.Literal:
+        return " or ".join(_show(a) for a in typing.get_args(annotation))
+    if origin is list or annotation is list:
+        args = typing.get_args(annotation)
+        if not args:
+            return "a list"
+        return f"a list of {_plural(args[0])}"
+    if origin is dict or annotation is dict:
+        return "a mapping"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if annotation in names:
+        return names[annotation]
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return f"one of {[m.value for m in annotation]}"
+    return f"a {getattr(annotation, '__name__', str(annotation))}"
+
+
+def _from_text(value: Any, annotation: Any) -> Any:
+    """A recipe file's string for a number or boolean field, as that number or boolean.
+
+    YAML reads `1e-3` and `1.0e5` (no sign in the exponent) as strings; argparse would convert
+    them, but its error would name a flag the user never gave. Anything else is returned as is.
+    """
+    if not isinstance(value, str):
+        return value
+    members = (
+        set(typing.get_args(annotation))
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else {annotation}
+    )
+    if str in members or any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
+        return value
+    text = value.strip()
+    if bool in members and text.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return text.lower() in ("true", "yes", "1")
+    if members & {int, float}:
+        try:
+            return int(text) if int in members and text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            return value
+    return value
+
+
+class _Mismatch(Exception):
+    """A value that does not have its field's type (internal: becomes a RecipeError)."""
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """`value` as the type `annotation` asks for, or `_Mismatch`. Whole floats are accepted for
+    integers (YAML's 1.5e+8 for train_tokens); strings are never numbers here (argparse has
+    already converted the ones a recipe file or flag gave for a number field)."""
+    if annotation is Any:
+        return value
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = typing.get_args(annotation)
+        # A string for an enum-typed field must be one of its values, even where str is allowed too.
+        enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
+        if isinstance(value, str) and enums and not any(value in {e.value for e in m} for m in enums):
+            raise _Mismatch
+        for member in sorted(members, key=lambda m: m is not type(value)):  # exact type first
+            try:
+                return _coerce(value, member)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if origin is typing.Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(annotation)):
+            return value
+        raise _Mismatch
+    if origin is list or annotation is list:
+        if not isinstance(value, list):
+            raise _Mismatch
+        args = typing.get_args(annotation)
+        return [_coerce(v, args[0]) for v in value] if args else value
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        args = typing.get_args(annotation)
+        if args:
+            # Keys from JSON are strings ("2" for r = 2): read them as the key type asks.
+            return {_coerce(_from_text(k, args[0]), args[0]): _coerce(v, args[1]) for k, v in value.items()}
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        raise _Mismatch
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if isinstance(annotation, type):
+        if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+            try:
+                return annotation(value)
+            except ValueError:
+                raise _Mismatch from None
+        if isinstance(value, annotation):
+            return value
+        raise _Mismatch
+    return value  # an annotation we cannot check (a forward reference): left to the dataclass
+
+
+def _numbers(value: Any) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [value]
+    if isinstance(value, list):
+        return [x for v in value for x in _numbers(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    return []
+
+
+def check_value(
+    name: str, value: Any, annotation: Any, where: str, limits: Mapping[str, Limit] | None = None
+) -> Any:
+    """Check one recipe value against its field's type and range; return it (whole floats of an
+    integer field as ints). Raises `RecipeError` with one line: where, field, value, and why.
+
+    `where` says where the value came from (the file and line, or the flag); `limits` defaults to
+    `FIELD_LIMITS`.
+    """
+    limit = (FIELD_LIMITS if limits is None else limits).get(name.rsplit(".", 1)[-1])
+
+    def bad(why: str) -> RecipeError:
+        return RecipeError(f"{where}: {name}={_show(value)}: {why}")
+
+    try:
+        checked = _coerce(value, annotation)
+    except _Mismatch:
+        got = _TYPE_NAMES.get(type(value), type(value).__name__)
+        wanted = "a mapping or the path of a JSON file" if name in FILE_FIELDS else _kind(annotation)
+        if limit is not None and wanted.removesuffix(" (or null)") in ("an integer", "a number"):
+            # "an integer >= 1 (or null)": the range belongs to the number, before the null.
+            plain = wanted.removesuffix(" (or null)")
+            wanted = wanted.replace(plain, f"{plain} {limit.describe()}", 1)
+        raise bad(f"must be {wanted}, got {got}") from None
+    for x in _numbers(checked):
+        if not math.isfinite(x):
+            raise bad("must be a finite number")
+        if isinstance(x, int) and not -(2**63) <= x < 2**63:
+            raise bad("is too large: integers must fit 64 bits (numpy, torch)")
+        if limit is not None and not limit.admits(x):
+            shown = "" if x == checked else f" (contains {_show(x)})"
+            raise bad(f"must be {limit.describe()}{shown}")
+    if isinstance(checked, str):
+        if not checked and name in NON_EMPTY_FIELDS:
+            raise bad("must not be empty")
+        if name in FILE_FIELDS and not Path(checked).expanduser().is_file():
+            raise bad("names no file (give a mapping, or the path of a JSON file)")
+        if name in DIR_FIELDS and not Path(checked).expanduser().is_dir():
+            raise bad("no such directory")
+    choices = field_choices().get(name) if limits is None else None
+    if choices is not None and name != "qk_norm":  # qk_norm also takes true / false (ModelArguments)
+        words = [checked] if isinstance(checked, str) else checked if isinstance(checked, list) else []
+        for word in words:
+            if isinstance(word, str) and word not in choices:
+                raise bad(f"must be one of {list(choices)}")
+    return checked
+
+
+@functools.cache
+def _field_types(dtype: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(dtype)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(dtype) if f.init}
+
+
+def recipe_field_types() -> dict[str, Any]:
+    """Every field a recipe may set, with its type annotation (model, data, training)."""
+    out: dict[str, Any] = {}
+    for dtype in (ModelArguments, _data_arguments_class(), LoopedTrainingArguments):
+        out.update(_field_types(dtype))
+    out.update(TYPE_OVERRIDES)
+    return out
+
+
+def yaml_key_lines(path: str | os.PathLike) -> dict[str, int]:
+    """Line (1-based) of each top-level key of a YAML mapping file, for error messages."""
+    try:
+        node = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (yaml.YAMLError, OSError):
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {str(key.value): key.start_mark.line + 1 for key, _ in node.value}
+
+
 def _data_arguments_class() -> type:
     # Imported here so that `looped_hf.arguments` can be read (and its errors tested) on its own.
     from looped_hf.data import DataArguments
@@ -430,6 +801,29 @@ def recipe_parser() -> HfArgumentParser:
     return _RecipeParser((ModelArguments, _data_arguments_class(), LoopedTrainingArguments))
 
 
+def _blame(dtype: type, inputs: dict[str, Any], given: list[str], err: Exception) -> str:
+    """An error from a dataclass's own checks (TrainingArguments': "Your setup doesn't support
+    bf16/gpu") as one line that names the recipe field it is about: the given field that alone
+    raises the same error, or else every given field of that dataclass."""
+    message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    names = [n for n in given if n in inputs]
+    if any(n in message for n in names):
+        return message
+    for name in names:
+        try:
+            dtype(**{name: inputs[name]})
+        except (TypeError, ValueError, ImportError) as alone:
+            if str(alone) == str(err):
+                return f"{name}={_show(inputs[name])}: {message}"
+    return f"{message} (fields set: {', '.join(names)})"
+
+
+@functools.cache
+def _shared_parser() -> HfArgumentParser:
+    # Building the parser of ~190 fields takes ~25 ms; `parse_recipe` only reads it.
+    return recipe_parser()
+
+
 def _known_fields(parser: HfArgumentParser) -> set[str]:
     return {f.name for dtype in parser.dataclass_types for f in dataclasses.fields(dtype) if f.init}
 
@@ -437,7 +831,13 @@ def _known_fields(parser: HfArgumentParser) -> set[str]:
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """Read a YAML mapping; anything else is an error naming the file."""
     text = Path(path).read_text(encoding="utf-8")
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError(f"recipe {str(path)!r}{at}: not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise RecipeError(
             f"recipe {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
@@ -467,43 +867,71 @@ def _flag_names(argv: list[str]) -> set[str]:
 def parse_recipe(
     recipe: str | os.PathLike | dict[str, Any] | None = None,
     argv: list[str] | None = None,
+    *,
+    where: str | None = None,
+    lines: Mapping[str, int] | None = None,
 ) -> tuple[ModelArguments, Any, LoopedTrainingArguments]:
     """Parse a recipe (YAML path or mapping) with command-line overrides into the three dataclasses.
 
-    Values from the file become the parser's defaults, so flags given in `argv` win. Raises
-    `RecipeError` naming the field for an unknown key or an invalid value.
+    Values from the file become the parser's defaults, so flags given in `argv` win. Every value
+    the file or a flag gives is checked for its field's type and range (`check_value`) before any
+    dataclass is built; then the dataclasses check how the fields go together. Raises
+    `RecipeError` with one line naming the field and the value. `where` and `lines` (field ->
+    line) say where a mapping came from, for those messages (a sweep passes its file's).
     """
     argv = list(argv or [])
-    parser = recipe_parser()
+    parser = _shared_parser()
     known = _known_fields(parser)
     if recipe is None:
-        data, where = {}, "recipe"
+        data, label = {}, "recipe"
     elif isinstance(recipe, dict):
-        data, where = dict(recipe), "recipe"
+        data, label = dict(recipe), "recipe"
     else:
-        data, where = load_yaml(recipe), f"recipe {str(recipe)!r}"
+        data, label = load_yaml(recipe), f"recipe {str(recipe)!r}"
+        lines = yaml_key_lines(recipe) if lines is None else lines
+    where = label if where is None else where
+    lines = {} if lines is None else lines
     if "sweep" in data:
-        raise RecipeError(f"{where}: has a 'sweep' section; run it with `looped-hf sweep`, not `train`")
+        raise RecipeError(
+            f"{where}: has a 'sweep' section; run it with `looped-hf sweep`, not `train` "
+            "(`looped-hf sweep RECIPE --dry-run` checks it and prints its plan)"
+        )
     check_fields(data, known, where)
     overridden = _flag_names(argv)
     if overridden & set(LENGTH_FIELDS):
         for name in LENGTH_FIELDS:
             if name not in overridden:
                 data.pop(name, None)
-    for action in parser._actions:
-        if action.dest in data:
-            action.required = False
-    parser.set_defaults(**data)
+    types_ = recipe_field_types()
+    for name in list(data):
+        if name not in overridden:  # a flag replaces the file's value: only the flag's is checked
+            origin = f"{where}, line {lines[name]}" if name in lines else where
+            data[name] = check_value(name, _from_text(data[name], types_[name]), types_[name], origin)
     try:
-        model_args, data_args, training_args, rest = parser.parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=True
-        )
-    except RecipeError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise RecipeError(f"{where}: {err}") from err
+        # The file's values, already checked, are the namespace argparse starts from: it fills in
+        # the defaults of the fields the file does not set and converts the flags to their types.
+        # (The shared parser itself is never changed, so building it once serves every recipe.)
+        namespace, rest = parser.parse_known_args(args=argv, namespace=argparse.Namespace(**data))
+    except RecipeError as err:
+        raise RecipeError(f"{where}: {err}") from None
     if rest:
         raise RecipeError(f"{where}: unknown command-line arguments {rest}")
+    values = vars(namespace)
+    for name in sorted(overridden & known):
+        origin = f"{where}: flag --{name}" if recipe is not None else f"flag --{name}"
+        values[name] = check_value(name, values[name], types_[name], origin)
+    outputs = []
+    given = [*data, *sorted(overridden & known - set(data))]
+    for dtype in parser.dataclass_types:
+        names = {f.name for f in dataclasses.fields(dtype) if f.init}
+        inputs = {k: v for k, v in values.items() if k in names}
+        try:
+            outputs.append(dtype(**inputs))
+        except RecipeError:
+            raise
+        except (TypeError, ValueError, ImportError) as err:  # ImportError: deepspeed, fsdp, ... not installed
+            raise RecipeError(f"{where}: {_blame(dtype, inputs, given, err)}") from err
+    model_args, data_args, training_args = outputs
     return model_args, data_args, training_args
 
 
@@ -602,15 +1030,20 @@ def steps_for_tokens(
 
 
 __all__ = [
+    "FIELD_LIMITS",
     "LENGTH_FIELDS",
+    "Limit",
     "ModelArguments",
     "LoopedTrainingArguments",
     "RecipeError",
     "check_fields",
+    "check_value",
     "load_yaml",
     "parse_recipe",
+    "recipe_field_types",
     "recipe_parser",
     "resolved_recipe",
     "steps_for_tokens",
     "tokens_per_step",
+    "yaml_key_lines",
 ]

@@ -31,6 +31,7 @@ import platform
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,11 +111,17 @@ def resolve_max_steps(
     if training_args.train_flops_budget is not None:
         budget = training_args.train_flops_budget
         tokens = budget / flops_per_token
-        steps = steps_for_tokens(tokens, step_tokens, "train_flops_budget", f"{budget:.4g}", rounding=rounding)
+        steps = steps_for_tokens(
+            tokens, step_tokens, "train_flops_budget", f"{budget:.4g}", rounding=rounding
+        )
         return steps, step_tokens
     if training_args.train_tokens is not None:
         steps = steps_for_tokens(
-            training_args.train_tokens, step_tokens, "train_tokens", training_args.train_tokens, rounding=rounding
+            training_args.train_tokens,
+            step_tokens,
+            "train_tokens",
+            training_args.train_tokens,
+            rounding=rounding,
         )
         return steps, step_tokens
     if training_args.max_steps is None or training_args.max_steps <= 0:
@@ -151,7 +158,10 @@ def compile_forward(model: torch.nn.Module, training_args: LoopedTrainingArgumen
     """
     if not training_args.torch_compile:
         return False
-    kwargs = {"backend": training_args.torch_compile_backend or "inductor", "mode": training_args.torch_compile_mode}
+    kwargs = {
+        "backend": training_args.torch_compile_backend or "inductor",
+        "mode": training_args.torch_compile_mode,
+    }
     # Switch the Trainer's (accelerate's) own compile off: the flag, and the environment that
     # TrainingArguments.__post_init__ set for accelerate's TorchDynamoPlugin.
     training_args.torch_compile = False
@@ -264,6 +274,160 @@ def _empty_record(training_args: LoopedTrainingArguments, run_dir: Path) -> dict
     return record
 
 
+@dataclass
+class ResolvedRun:
+    """What a recipe resolves to before anything trains (`resolve_run`): `train` runs it, and
+    `looped-hf train RECIPE --check` prints it."""
+
+    tokenizer: Any
+    config: Any
+    flops_per_token: float
+    max_steps: int
+    step_tokens: int
+    lr_tokens: float
+    lr_scaling: dict[str, Any] | None
+    source: str
+    n_once: int
+    n_rec: int
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def resolve_run(
+    model_args: ModelArguments, data_args: Any, training_args: LoopedTrainingArguments
+) -> ResolvedRun:
+    """Check everything about a parsed recipe that can be checked without data or training: the
+    data source's name, the tokenizer, the model config (its FLOPs on the meta device), the run's
+    length and the optimizer's per-run lrs. Raises `RecipeError` naming the field; reads no data,
+    allocates no weights. `train` calls it first; `--check` calls only it."""
+    from transformers.initialization import no_init_weights
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.data import load_tokenizer
+    from looped_hf.data.sources import describe_source
+    from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups
+
+    seq_len = data_args.seq_len
+    try:
+        source = describe_source(data_args)
+    except ValueError as err:
+        raise RecipeError(str(err)) from err
+    try:
+        tokenizer = load_tokenizer(data_args.tokenizer)
+    except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed
+        raise RecipeError(f"tokenizer={data_args.tokenizer!r}: cannot be loaded: {_first_line(err)}") from err
+    config = model_args.to_config(
+        len(tokenizer), seq_len,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    try:
+        # Shapes are all that is read: on the meta device, without initialisation, nothing is allocated.
+        with torch.device("meta"), no_init_weights():
+            model = LoopedForCausalLM(config)
+        flops_per_token = model.training_flops_per_token(seq_len)
+        params = model.num_scaling_params()
+    except (RuntimeError, ValueError, OverflowError) as err:  # sizes past what torch can index
+        raise RecipeError(
+            f"the model of this recipe cannot be built (hidden_size={config.hidden_size}, "
+            f"intermediate_size={config.intermediate_size}, layers {config.num_hidden_layers}): {_first_line(err)}"
+        ) from err
+    sampling = training_args.recurrence_sampling
+    if sampling != "fixed":
+        # A budget in FLOPs buys tokens at the mean r (E[r] = num_recurrences); the record keeps the
+        # FLOPs of the r actually run.
+        if config.is_recurrence_locked:
+            raise RecipeError(
+                f"LoopedTrainingArguments.recurrence_sampling={sampling!r}: input_injection="
+                f"{config.input_injection!r} is r-locked (parameters indexed by recurrence step); use 'fixed'"
+            )
+        if config.num_recurrences < 2:
+            raise RecipeError(
+                f"ModelArguments.num_recurrences={config.num_recurrences}: recurrence_sampling={sampling!r} "
+                "needs a mean r >= 2"
+            )
+    max_steps, step_tokens = resolve_max_steps(training_args, flops_per_token, seq_len)
+    # muonh's per-run lrs (HyperP) from this run's batch, tokens and width, before any training:
+    # a bad lr setting is a recipe error. `lr_tokens` is T of the data scaling (the target tokens).
+    lr_tokens = lr_train_tokens(training_args, flops_per_token, max_steps, step_tokens)
+    lr_scaling = None
+    if training_args.optimizer == "muonh":
+        try:
+            lr_scaling = hyperp_learning_rates(
+                training_args, config, tokens_per_step=step_tokens, train_tokens=lr_tokens
+            ).to_dict()
+            muonh_parameter_groups(model)  # a parameter no group takes
+        except ValueError as err:
+            raise RecipeError(str(err)) from err
+    return ResolvedRun(
+        tokenizer, config, flops_per_token, max_steps, step_tokens, lr_tokens, lr_scaling, source,
+        n_once=int(params["once"]), n_rec=int(params["recurrent"]),
+    )  # fmt: skip
+
+
+def check_recipe(
+    recipe: str | os.PathLike | dict[str, Any] | None, argv: list[str] | None = None
+) -> tuple[tuple[ModelArguments, Any, LoopedTrainingArguments], ResolvedRun]:
+    """Validate a recipe completely and train nothing: every value's type and range, the config,
+    the data source's name, the tokenizer, the run's length and the optimizer's lrs
+    (`parse_recipe` then `resolve_run`). Raises `RecipeError` naming the field."""
+    parsed = parse_recipe(recipe, argv)
+    return parsed, resolve_run(*parsed)
+
+
+def _millions(n: float) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n:,.0f}"
+
+
+def describe_check(
+    where: str, parsed: tuple[ModelArguments, Any, LoopedTrainingArguments], resolved: ResolvedRun
+) -> str:
+    """What `looped-hf train RECIPE --check` prints: the recipe is valid, and what it resolved to."""
+    _, data_args, training_args = parsed
+    config, seq_len = resolved.config, data_args.seq_len
+    tokens = resolved.max_steps * resolved.step_tokens
+    if training_args.train_flops_budget is not None:
+        length = f"train_flops_budget {training_args.train_flops_budget:.4g}, rounded {training_args.train_steps_rounding}"
+    elif training_args.train_tokens is not None:
+        length = f"train_tokens {training_args.train_tokens:,}, rounded {training_args.train_steps_rounding}"
+    else:
+        length = "max_steps"
+    if resolved.lr_scaling is not None:
+        groups = ("matrix", "embedding", "lm_head", "norm", "hyperconnection")
+        lrs = f"muonh, lr_scaling {resolved.lr_scaling['scaling']}: " + ", ".join(
+            f"{g} {resolved.lr_scaling[g]:.4g}" for g in groups
+        )
+    elif training_args.optimizer == "muon":
+        lrs = (
+            f"muon, matrix lr {training_args.muon_learning_rate:g}, AdamW lr {training_args.learning_rate:g}"
+        )
+    else:
+        lrs = f"adamw, lr {training_args.learning_rate:g}, weight decay {training_args.weight_decay:g}"
+    schedule = (
+        f"study schedule (warmup {training_args.warmup_steps:g}, decay to {training_args.final_lr_ratio:g} x peak)"
+        if training_args.lr_schedule == "study"
+        else f"Trainer schedule {getattr(training_args.lr_scheduler_type, 'value', training_args.lr_scheduler_type)}"
+    )
+    layers = f"{config.num_prelude_layers} + {config.num_recurrent_layers} x {config.num_recurrences} + {config.num_coda_layers}"
+    lines = [
+        f"{where}: valid; nothing was trained.",
+        f"  model      {arch_name(config)}: hidden {config.hidden_size}, {config.num_attention_heads} heads x "
+        f"{config.head_dim}, layers {layers} = {config.effective_num_layers} applied, {config.input_injection} "
+        f"injection; N_once {_millions(resolved.n_once)}, N_rec {_millions(resolved.n_rec)}",
+        f"  data       {resolved.source}",
+        f"  tokenizer  {getattr(resolved.tokenizer, 'name_or_path', data_args.tokenizer)} ({len(resolved.tokenizer):,} tokens); "
+        f"blocks of {seq_len:,}; held-out {data_args.eval_blocks:,} blocks "
+        f"({data_args.eval_blocks * seq_len:,} tokens), split seed {data_args.split_seed}",
+        f"  length     {resolved.max_steps:,} optimizer steps x {resolved.step_tokens:,} tokens = {tokens:,} tokens "
+        f"({length}); {resolved.flops_per_token:.4g} FLOPs/token, {resolved.flops_per_token * tokens:.4g} FLOPs",
+        f"  optimizer  {lrs}; {schedule}; max_grad_norm {training_args.max_grad_norm:g}",
+        f"  output     {training_args.output_dir}",
+    ]
+    return "\n".join(lines)
+
+
 def train(
     model_args: ModelArguments,
     data_args: Any,
@@ -282,14 +446,8 @@ def train(
     """
     from looped_hf import LoopedForCausalLM
     from looped_hf.callback import LoopedComputeCallback
-    from looped_hf.data import TokenBlocks, build_datasets, collator, load_tokenizer
-    from looped_hf.optim import (
-        build_optimizer_and_scheduler,
-        hyperp_learning_rates,
-        learning_rates,
-        lr_train_tokens,
-        muonh_parameter_groups,
-    )
+    from looped_hf.data import TokenBlocks, build_datasets, collator
+    from looped_hf.optim import build_optimizer_and_scheduler, learning_rates
     from looped_hf.trainer import LoopedTrainer
 
     started = time.time()
@@ -301,28 +459,14 @@ def train(
     if training_args.torch_num_threads is not None:
         torch.set_num_threads(training_args.torch_num_threads)
     # --- everything that can be wrong with the recipe fails here, before any training ----------
-    tokenizer = load_tokenizer(data_args.tokenizer)
-    config = model_args.to_config(
-        len(tokenizer), seq_len,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    with torch.device("meta"):
-        flops_per_token = LoopedForCausalLM(config).training_flops_per_token(seq_len)
-    sampling = training_args.recurrence_sampling
-    if sampling != "fixed":
-        # A budget in FLOPs buys tokens at the mean r (E[r] = num_recurrences); the record keeps the
-        # FLOPs of the r actually run.
-        if config.is_recurrence_locked:
-            raise RecipeError(
-                f"LoopedTrainingArguments.recurrence_sampling={sampling!r}: input_injection="
-                f"{config.input_injection!r} is r-locked (parameters indexed by recurrence step); use 'fixed'"
-            )
-        if config.num_recurrences < 2:
-            raise RecipeError(
-                f"ModelArguments.num_recurrences={config.num_recurrences}: recurrence_sampling={sampling!r} "
-                "needs a mean r >= 2"
-            )
-    max_steps, step_tokens = resolve_max_steps(training_args, flops_per_token, seq_len)
+    resolved = resolve_run(model_args, data_args, training_args)
+    tokenizer, config, sampling = resolved.tokenizer, resolved.config, training_args.recurrence_sampling
+    flops_per_token, max_steps, step_tokens = (
+        resolved.flops_per_token,
+        resolved.max_steps,
+        resolved.step_tokens,
+    )
+    lr_tokens, lr_scaling = resolved.lr_tokens, resolved.lr_scaling
     record.update(
         arch=training_args.arch or arch_name(config),
         hidden_size=config.hidden_size,
@@ -338,19 +482,6 @@ def train(
         num_processes=training_args.world_size,
         train_flops_per_token=flops_per_token,
     )
-    # muonh's per-run lrs (HyperP) from this run's batch, tokens and width, before any training:
-    # a bad lr setting is a recipe error. `lr_tokens` is T of the data scaling (the target tokens).
-    lr_tokens = lr_train_tokens(training_args, flops_per_token, max_steps, step_tokens)
-    lr_scaling = None
-    if training_args.optimizer == "muonh":
-        try:
-            lr_scaling = hyperp_learning_rates(
-                training_args, config, tokens_per_step=step_tokens, train_tokens=lr_tokens
-            ).to_dict()
-            with torch.device("meta"):
-                muonh_parameter_groups(LoopedForCausalLM(config))  # a parameter no group takes
-        except ValueError as err:
-            raise RecipeError(str(err)) from err
     training_args.max_steps = max_steps
     training_args.output_dir = str(run_dir / CHECKPOINTS_DIR)
     if not _has_accelerator():
@@ -397,7 +528,13 @@ def train(
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             processing_class=tokenizer,
-            callbacks=[*([sampler] if sampler else []), compute, guard, ProgressFileCallback(run_dir), *(callbacks or [])],
+            callbacks=[
+                *([sampler] if sampler else []),
+                compute,
+                guard,
+                ProgressFileCallback(run_dir),
+                *(callbacks or []),
+            ],
             optimizers=(optimizer, scheduler),
         )
         resume = training_args.resume_from_checkpoint or last_checkpoint(training_args.output_dir)
@@ -457,10 +594,11 @@ def train(
 
 def _usage() -> str:
     return (
-        "usage: looped-hf train RECIPE.yaml [--field value ...]\n"
+        "usage: looped-hf train RECIPE.yaml [--field value ...] [--check]\n"
         "       accelerate launch -m looped_hf.train RECIPE.yaml [--field value ...]\n\n"
         "Train one looped model. The recipe is a flat YAML mapping of model, data and training fields;\n"
-        "flags override it. Fields:\n"
+        "flags override it. --check validates the recipe completely (values, config, data source name,\n"
+        "tokenizer, run length, optimizer) and prints what it resolves to, training nothing. Fields:\n"
     )
 
 
@@ -471,6 +609,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         recipe_parser().print_help()
         return 0 if argv else 2
+    check = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
+    if not argv:
+        print(
+            "looped-hf train: --check needs a recipe (looped-hf train RECIPE.yaml --check)", file=sys.stderr
+        )
+        return 2
     recipe, overrides = (argv[0], argv[1:]) if not argv[0].startswith("--") else (None, argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # `accelerate launch --multi_gpu --num_processes N` on a machine without GPUs: train on N
@@ -478,6 +623,15 @@ def main(argv: list[str] | None = None) -> int:
         # a single process whatever --num_processes says.)
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     try:
+        if check:
+            parsed, resolved = check_recipe(recipe, overrides)
+            where = f"recipe {recipe!r}" if recipe is not None else "recipe"
+            print(
+                describe_check(
+                    where + (f" with {' '.join(overrides)}" if overrides and recipe else ""), parsed, resolved
+                )
+            )
+            return 0
         model_args, data_args, training_args = parse_recipe(recipe, overrides)
         record = train(model_args, data_args, training_args)
     except (RecipeError, FileNotFoundError) as err:

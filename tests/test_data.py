@@ -24,6 +24,8 @@ from looped_hf.data import (
     embedded_tokenizer_path,
     load_tokenizer,
 )
+from looped_hf.data import cache as data_cache
+from looped_hf.data import heldout as data_heldout
 
 SEQ = 32
 MARK = re.compile(r"\[(\d{3})\]")
@@ -182,13 +184,13 @@ def test_second_call_loads_cache_without_tokenizing(
     marked_jsonl: Path, tmp_path: Path, bytes_tok, monkeypatch
 ) -> None:
     calls = {"n": 0}
-    original = data_mod._tokenize_batch
+    original = data_heldout._tokenize_batch
 
     def counting(*a, **kw):
         calls["n"] += 1
         return original(*a, **kw)
 
-    monkeypatch.setattr(data_mod, "_tokenize_batch", counting)
+    monkeypatch.setattr(data_heldout, "_tokenize_batch", counting)  # where the split calls it
     args = _args(marked_jsonl, tmp_path)
     t0 = time.perf_counter()
     train1, eval1 = build_datasets(args, bytes_tok)
@@ -213,7 +215,7 @@ def test_interrupted_build_leaves_no_cache_entry(
     def crash(*a, **kw):
         raise KeyboardInterrupt("killed mid-build")
 
-    monkeypatch.setattr(data_mod, "_pack_batch", crash)
+    monkeypatch.setattr(data_heldout, "_pack_batch", crash)
     with pytest.raises(KeyboardInterrupt):
         build_datasets(_args(marked_jsonl, tmp_path), bytes_tok)
     assert list((tmp_path / "tokenized").iterdir()) == []
@@ -227,7 +229,7 @@ def test_concurrent_build_keeps_the_first_published_cache(tmp_path: Path) -> Non
     for d, tag in ((final, "first"), (loser, "second")):
         d.mkdir()
         (d / "meta.json").write_text(tag)
-    data_mod._publish(loser, final)  # another run of the sweep finished first: keep its cache
+    data_cache._publish(loser, final)  # another run of the sweep finished first: keep its cache
     assert (final / "meta.json").read_text() == "first" and not loser.exists()
 
 
@@ -337,7 +339,9 @@ def test_token_blocks_give_the_datasets_rows(marked_jsonl, tmp_path, bytes_tok):
     from datasets import concatenate_datasets
 
     train, _ = build_datasets(_args(marked_jsonl, tmp_path / "c"), bytes_tok)
-    many = concatenate_datasets([train.select(range(0, 10)).flatten_indices(), train.select(range(10, len(train))).flatten_indices()]).with_format("torch")
+    many = concatenate_datasets(
+        [train.select(range(0, 10)).flatten_indices(), train.select(range(10, len(train))).flatten_indices()]
+    ).with_format("torch")
     for ds in (train, many):
         blocks = TokenBlocks.wrap(ds)
         assert isinstance(blocks, TokenBlocks) and len(blocks) == len(ds)
@@ -362,3 +366,15 @@ def test_token_blocks_leave_other_datasets_as_they_are(marked_jsonl, tmp_path, b
     extra = Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "mask": [[1, 1], [1, 0]]})
     for ds in (selected, ragged, extra, [{"input_ids": torch.zeros(2)}]):
         assert TokenBlocks.wrap(ds) is ds
+
+
+def test_cache_key_of_a_build_is_stable(monkeypatch) -> None:
+    """The key hashes the settings exactly as releases before the data package did, so caches
+    built by an earlier looped_hf are hit, not rebuilt (the tokenizer's own hash is stubbed:
+    it follows the tokenizers library's serialization)."""
+    monkeypatch.setattr(data_cache, "tokenizer_fingerprint", lambda tokenizer: "tok")
+    embedded = {"kind": "embedded", "sha256": "x"}
+    assert data_cache._cache_key(DataArguments(), None, embedded) == "caa8b4186d5ccf8628a880b6"
+    hub = {"kind": "hub", "name": "a/b", "config": None, "revision": "r"}
+    args = DataArguments(seq_len=64, streaming=True, split_seed=3)
+    assert data_cache._cache_key(args, None, hub) == "22d0a5c7ca7c083dbb7075d9"

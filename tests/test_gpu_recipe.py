@@ -14,7 +14,7 @@ from looped_hf.sweep import default_jobs, main, make_plan, run_sweep
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "iso_depth_gpu.yaml"
-#: Training tokens of the embedded corpus with its BPE (looped_hf/data.py: ~4.0M at vocab 4096).
+#: Training tokens of the embedded corpus with its BPE (looped_hf.data: ~4.0M at vocab 4096).
 CORPUS_TOKENS = 4.0e6
 
 

@@ -50,6 +50,42 @@ def test_train_recipe_parses_and_builds_on_meta(path):
     assert model.training_flops_per_token(data_args.seq_len) > 0
 
 
+@pytest.mark.parametrize("path", [p for p in RECIPES if not _is_sweep(p)], ids=lambda p: p.name)
+def test_train_recipe_passes_check(path, capsys):
+    """`looped-hf train RECIPE --check` accepts every shipped train recipe and trains nothing."""
+    from looped_hf.train import main
+
+    assert main([str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"recipe {str(path)!r}: valid; nothing was trained.")
+    assert "optimizer steps" in out
+
+
+GPU_ONLY = ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval")  # refused on a machine without a GPU
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if _is_sweep(p)], ids=lambda p: p.name)
+def test_every_run_of_a_sweep_recipe_passes_check(path):
+    """Each planned run's recipe passes the value checks; where its tokenizer ships with the
+    package (no Hub download), the whole --check (config, length, optimizer) too. `train --check`
+    itself points a sweep recipe to `looped-hf sweep --dry-run`."""
+    from looped_hf.train import check_recipe
+
+    with pytest.raises(RecipeError, match="looped-hf sweep RECIPE --dry-run. checks it"):
+        check_recipe(path)
+    plan = _plan(path)
+    local_tokenizer = plan.base_recipe.get("tokenizer") in (None, "embedded", "bytes")
+    checked_r: set[int] = set()
+    for run in plan.runs:
+        recipe = {k: v for k, v in run.recipe.items() if k not in GPU_ONLY}
+        if local_tokenizer and run.num_recurrences not in checked_r:  # the whole check: one run per r
+            checked_r.add(run.num_recurrences)
+            _, resolved = check_recipe(recipe)
+            assert resolved.max_steps == run.steps, run.run_id
+        else:
+            parse_recipe(recipe)
+
+
 @pytest.mark.parametrize("path", [p for p in RECIPES if _is_sweep(p)], ids=lambda p: p.name)
 def test_sweep_recipe_plans_iso_depth_runs_on_budget(path):
     plan = _plan(path)
@@ -102,7 +138,9 @@ def test_paper_recipes_are_the_studys_grid_and_recipe(name):
     assert plan.sweep.head_dim == 128 and plan.sweep.effective_depth == 20
     assert plan.tokens_per_step == 262_144 and plan.seq_len == 2048 and plan.eval_blocks == 34_560
     # The probes reuse the base sweep's r = 1 runs, as the study's shells do.
-    assert sorted({r.num_recurrences for r in plan.runs}) == ([1, 2, 4, 8] if name == "iso_depth_paper.yaml" else [2, 4, 8])
+    assert sorted({r.num_recurrences for r in plan.runs}) == (
+        [1, 2, 4, 8] if name == "iso_depth_paper.yaml" else [2, 4, 8]
+    )
     gpu_only = ("bf16", "tf32")  # TrainingArguments refuses them on a machine without a GPU
     _, _, training_args = parse_recipe({k: v for k, v in plan.runs[0].recipe.items() if k not in gpu_only})
     assert training_args.optimizer == "muonh" and training_args.max_grad_norm == 0
@@ -118,7 +156,9 @@ def test_paper_recipes_are_the_studys_grid_and_recipe(name):
         # HyperP at B = B_REF: AdamW lrs carry only the width factor; the matrix lr the data factor.
         assert lrs["batch_scale"] == 1.0
         assert lrs["embedding"] == pytest.approx(0.3 * (run.hidden_size / 640) ** -0.5)
-        assert lrs["matrix"] == pytest.approx(0.014 * (int(run.target_tokens) / lrs["reference_tokens"]) ** -0.32)
+        assert lrs["matrix"] == pytest.approx(
+            0.014 * (int(run.target_tokens) / lrs["reference_tokens"]) ** -0.32
+        )
         assert run.recipe["muon_learning_rate"] == lrs["matrix"] and run.recipe["lr_scaling"] == "none"
     if name == "iso_depth_paper_hyperconnection.yaml":
         assert {r.input_injection for r in plan.runs} == {"hyperconnection"}
@@ -147,7 +187,9 @@ def test_learning_rate_by_r_gives_each_architecture_its_lr():
     with pytest.raises(RecipeError, match=r"sweep.learning_rate_by_r=.*no learning rate for r = \[2\]"):
         make_plan(recipe)
     recipe["sweep"]["learning_rate_by_r"] = {1: 0.01, 2: -1}
-    with pytest.raises(RecipeError, match="sweep.learning_rate_by_r=.*positive"):
+    with pytest.raises(
+        RecipeError, match=r"sweep.learning_rate_by_r=\{1: 0.01, 2: -1\}: must be > 0 \(contains -1\)"
+    ):
         make_plan(recipe)
 
 
@@ -224,7 +266,9 @@ def test_unknown_sweep_field_and_run_fields_are_named(tiny_recipe):
 def test_scan_lr_trains_plan_cells_at_each_lr_and_resumes(small_corpus, data_cache, tmp_path, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("scan_lr", Path(__file__).parent.parent / "scripts" / "scan_lr.py")
+    spec = importlib.util.spec_from_file_location(
+        "scan_lr", Path(__file__).parent.parent / "scripts" / "scan_lr.py"
+    )
     scan_lr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scan_lr)
     recipe = load_yaml(Path(__file__).parent / "data" / "micro_sweep.yaml")

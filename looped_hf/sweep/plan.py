@@ -6,14 +6,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looped_hf.arguments import RecipeError, load_yaml, steps_for_tokens
+from looped_hf.arguments import Limit, RecipeError, check_value, load_yaml, steps_for_tokens, yaml_key_lines
 
 VARIANTS = ("base", "truncated", "hyperconnection")
 EXECUTORS = ("local", "subprocess", "accelerate", "submitit")
+#: Ranges of the sweep fields' numbers (for a list or mapping: each of its numbers); every number
+#: must also be finite. Checked with each field's type before the section is used.
+SWEEP_LIMITS = {
+    "budgets": Limit(0, low_open=True), "widths": Limit(1), "recurrences": Limit(1), "effective_depth": Limit(1),
+    "prelude": Limit(0), "coda": Limit(0), "head_dim": Limit(1), "hyperconnection_lanes": Limit(1),
+    "learning_rate_by_r": Limit(0, low_open=True), "seeds": Limit(0, 2**32 - 1), "vocab_size": Limit(1),
+    "num_processes": Limit(1), "checkpoints_per_run": Limit(0),
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +150,14 @@ def parse_sweep_section(data: Any, where: str) -> SweepArguments:
             data["budgets"] = [float(b) for b in data["budgets"]]  # YAML reads 1e12 (no dot) as a string
         except (TypeError, ValueError) as err:
             raise RecipeError(f"{where}: sweep.budgets={data['budgets']!r}: must be numbers ({err})") from err
+    types = typing.get_type_hints(SweepArguments)
+    for key in data:
+        data[key] = check_value(f"sweep.{key}", data[key], types[key], where, limits=SWEEP_LIMITS)
     args = SweepArguments(**data)
-    args.validate()
+    try:
+        args.validate()
+    except RecipeError as err:
+        raise RecipeError(f"{where}: {err}") from None
     return args
 
 
@@ -377,7 +392,9 @@ def make_plan(
             k: v
             for k, v in data.items()
             if k not in ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval")
-        }
+        },
+        where=where,
+        lines=None if isinstance(recipe, dict) else yaml_key_lines(recipe),
     )
     seq_len = data_args.seq_len
     step_tokens = tokens_per_step(training_args, seq_len, world_size=sweep.num_processes)
