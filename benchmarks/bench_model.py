@@ -4,6 +4,7 @@
     python benchmarks/bench_model.py --quick                  # fewer repetitions, no compiled row
     python benchmarks/bench_model.py --threads 1 --cpu-time   # on a shared, busy machine
     python benchmarks/bench_model.py --profile                # top ops of one training step of each model
+    python benchmarks/bench_model.py --switches --threads 1 --cpu-time   # what each study switch costs
 
 Rows: training tokens/s (LoopedForCausalLM prelude 2 + block 4 x r=4 + coda 2 vs a 20-layer
 LlamaForCausalLM of the same width and MLP; ``use_cache=False`` as Trainer sets it), decode
@@ -91,7 +92,7 @@ def train_step(model, batch: int, seq: int, device, dtype) -> Callable[[], None]
     return step
 
 
-def decode(model, device, dtype, new_tokens: int = 64, compiled: bool = False) -> Callable[[], None]:
+def decode(model, device, dtype, new_tokens: int = 64, compiled: bool = False, **model_kwargs) -> Callable[[], None]:
     """Greedy ``generate()`` of ``new_tokens`` from a 32-token prompt; ``compiled``: a static cache
     and the forward compiled with ``fullgraph=True`` (transformers compiles the decoding steps)."""
     model = model.to(device=device, dtype=dtype).eval()
@@ -105,7 +106,7 @@ def decode(model, device, dtype, new_tokens: int = 64, compiled: bool = False) -
     @torch.no_grad()
     def gen() -> None:
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                       **kwargs)
+                       **kwargs, **model_kwargs)
         _sync(device)
 
     return gen
@@ -164,11 +165,14 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, cpu_time: bool, 
     del steps
 
     gens = {name: decode(m, device, dtype) for name, m in models.items()}
+    gens["budget"] = decode(models["study"], device, dtype, kv_budget=1)  # one recurrence's KV slots kept
     times = interleaved(gens, repeats, cpu_time)
     for row, target in zip(_rows("", times, 64, [("decode tokens/s eager (b1, 32+64)", "looped", "llama"),
                                                  ("  same, study block (qk-norm, cap, norms)", "study", "llama")]),
                            (">= 1.0", "info")):  # fmt: skip
         rows.append((*row, target))
+    row = _rows("", times, 64, [("  study block, kv_budget=1 / plain", "budget", "study")])[0]
+    rows.append((*row, ">= 1.0"))
     if compiled:
         gens = {name: decode(models[name], device, dtype, compiled=True) for name in ("llama", "looped")}
         times = interleaved(gens, repeats, cpu_time)  # the warm-up call compiles
@@ -179,6 +183,35 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, cpu_time: bool, 
     m_full = activation_bytes(looped(8), 4, 256, device, dtype)
     rows.append(("train activations MB, r=8 k=1 / full", m_trunc / 2**20, m_full / 2**20, m_trunc / m_full, None,
                  "<= 0.5"))
+    return rows
+
+
+#: The study block's switches over Llama's, each turned off alone (``--switches``).
+STUDY_SWITCHES = {
+    "qk_norm (after RoPE)": {"qk_norm": "none"},
+    "logit_softcap 15": {"logit_softcap": None},
+    "recurrence_norm": {"recurrence_norm": False},
+    "embedding_norm": {"embedding_norm": False},
+}
+
+
+def switch_costs(device: torch.device, dtype: torch.dtype, repeats: int, cpu_time: bool) -> list[tuple]:
+    """Training step time of the study block with each switch turned off alone, against the whole
+    study block and the Llama block, interleaved: the share of the study block's step each switch
+    costs (where eager loop4 loses to an eager Llama of its shape)."""
+    torch.manual_seed(0)
+    builds = {"study block": {}, **STUDY_SWITCHES}
+    steps = {name: train_step(looped(4, study_block=True, **off), 8, 256, device, dtype) for name, off in builds.items()}
+    steps["llama block"] = train_step(looped(4), 8, 256, device, dtype)
+    times = interleaved(steps, repeats, cpu_time)
+    full = min(times["study block"])
+    rows = []
+    for name, t in times.items():
+        if name == "study block":
+            continue
+        label = name if name == "llama block" else f"  without {name}"
+        rows.append((label, min(t) * 1e3, full * 1e3, 1 - min(t) / full,
+                     1 - statistics.median(t) / statistics.median(times["study block"])))  # fmt: skip
     return rows
 
 
@@ -211,6 +244,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled static-cache decode row")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one training step instead")
     parser.add_argument("--top", type=int, default=15, help="rows per model with --profile")
+    parser.add_argument("--switches", action="store_true",
+                        help="what each study-block switch costs in a training step instead")  # fmt: skip
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -224,6 +259,12 @@ def main() -> None:
         print(f"\n{device.type} {str(dtype).replace('torch.', '')}")
         if args.profile:
             profile(device, dtype, args.top)
+            continue
+        if args.switches:
+            cpu_time = args.cpu_time and device.type == "cpu"
+            print(f"{'training step (b8 x 256)':<44}{'ms':>12}{'study ms':>12}{'saves':>8}{'median':>8}")
+            for name, ms, full, share, median in switch_costs(device, dtype, repeats, cpu_time):
+                print(f"{name:<44}{ms:>12.1f}{full:>12.1f}{share:>8.1%}{median:>8.1%}")
             continue
         cpu_time = args.cpu_time and device.type == "cpu"
         rows = run(device, dtype, repeats, cpu_time, compiled=not (args.quick or args.no_compile))

@@ -3,6 +3,17 @@
     python benchmarks/bench_vs_study.py --study-src DIR                          # default shape: ~9 min on 1 thread
     python benchmarks/bench_vs_study.py --study-src DIR --width 128 --head-dim 64  # ~3 min (+ the Trainer-cost table)
     python benchmarks/bench_vs_study.py --study-src DIR --steps 30 --compile     # + compiled sides (slow on CPU)
+    python benchmarks/bench_vs_study.py --study-src DIR --device cuda --json vs.json              # H100/H200, width 640
+    python benchmarks/bench_vs_study.py --study-src DIR --device cuda --widths 384 640 1024       # + 384, 1024
+
+On a GPU (``--device cuda``) the shape is the study's: width 640 (``--widths``), head dim 128,
+seq 2048, its device batch 32, bf16 autocast on every side; one compiled session (one compile per
+side and width): the study's ``torch.compile(model)`` with its compiled MuonAdamW kernels, looped_hf
+with ``torch_compile: true`` and the GPU recipe's settings (``GPU_SETTINGS``), bare with
+``torch.compile(model)``. Every phase ends with a CUDA synchronise. Each side reports tokens/s and MFU
+(looped_hf's FLOPs/token for all three: the same model; the peak from ``looped_hf.hardware`` or
+``--peak-flops``), and one more, untimed step of each side runs under the profiler: its top kernels
+by device time (``--profile-top``, default 12 on CUDA) say where a side loses.
 
 (On a CPU without bf16 matrix units the step is mostly the study's bf16 Polar-Express in MuonH,
 on both sides: ~22 s of a ~24 s step at width 256, ~1.8 of ~2.7 s at width 128.)
@@ -36,7 +47,7 @@ time (the same forward shape on every side: the study feeds x = row[:-1] of 257-
 
 Eager on both sides by default: `nanochat/optim.py` decorates its fused AdamW and MuonH steps
 with `torch.compile`; the script replaces `torch.compile` by the identity while it imports
-nanochat (as the study-checkpoint fixtures were made, shared/data/study_checkpoints/PROVENANCE.md),
+nanochat (as the study-checkpoint fixtures were made, tests/fixtures/study_checkpoints/PROVENANCE.md),
 so the study's steps run eagerly, like ours. `--compile` adds a second, compiled session:
 the study's loop as base_train runs it (`torch.compile(model)`; its compiled optimizer kernels only
 with `--study-compiled-kernels`: on CPU, torch 2.13's inductor fails on its fused MuonH step with
@@ -77,6 +88,14 @@ STUDY_URL = "https://github.com/kschwethelm/looped-lm-scaling (commit ad7d8f3)"
 PAPER_RECIPE = REPO / "recipes" / "iso_depth_paper.yaml"
 #: The share of bf16 peak the projection assumes for the study's GPUs, and their count.
 PROJECTED_MFU, PROJECTED_GPUS = 0.40, 8
+#: What `recipes/iso_depth_gpu.yaml` sets for a GPU run, given to the looped_hf side on CUDA.
+GPU_SETTINGS: dict[str, Any] = {
+    "bf16": True, "tf32": True, "logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True},
+    "dataloader_num_workers": 0,
+}  # fmt: skip
+#: The study's shape on a GPU (the issue's measurement): width 640, head dim 128, seq 2048, its
+#: device batch 32. --widths adds 384 and 1024 at the same head dim, seq and batch.
+GPU_SHAPE = {"width": 640, "head_dim": 128, "seq": 2048, "batch": 32}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +131,9 @@ def import_study(src: Path, compile_kernels: bool) -> tuple[Any, Any]:
 class StudyStep:
     """scripts/base_train.py's training step (grad accumulation 1) with the study's GPT and optimizer."""
 
-    def __init__(self, gpt: Any, common: Any, shape: dict[str, int], lrs: dict[str, float], compiled: bool) -> None:
+    def __init__(self, gpt: Any, common: Any, shape: dict[str, int], lrs: dict[str, float], compiled: bool,
+                 device: torch.device) -> None:  # fmt: skip
+        self.device = device
         cfg = gpt.GPTConfig(
             sequence_len=shape["seq"], vocab_size=shape["vocab"], n_head=shape["width"] // shape["head_dim"],
             n_kv_head=shape["width"] // shape["head_dim"], n_embd=shape["width"], n_prelude=2, n_recur_block=4,
@@ -121,7 +142,7 @@ class StudyStep:
         torch.manual_seed(0)
         with torch.device("meta"):
             model = gpt.GPT(cfg)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         model.init_weights()
         with contextlib.redirect_stdout(sys.stderr):
             # base_train multiplies these by its HyperP factors; the values only set the update sizes.
@@ -131,19 +152,24 @@ class StudyStep:
         self.orig_model = model
         self.model = torch.compile(model) if compiled else model
         self.stats = common.compute_gradient_stats
-        self.batches = _random_batches(shape, rows=shape["seq"] + 1, split=True)
+        self.batches = _random_batches(shape, rows=shape["seq"] + 1, split=True, device=device)
         self.x, self.y = next(self.batches)
         self.step_index = 0
 
     def __call__(self, phases: dict[str, float]) -> None:
+        sync = functools.partial(_sync, self.device)  # phases on a GPU: each ends when its kernels do
         t0 = time.perf_counter()
-        loss = self.model(self.x, self.y, num_recur=4)
+        with _autocast(self.device):  # base_train's autocast_ctx (bf16 on CUDA)
+            loss = self.model(self.x, self.y, num_recur=4)
         train_loss = loss.detach()
+        sync()
         t1 = time.perf_counter()
         loss.backward()
         self.x, self.y = next(self.batches)  # base_train prefetches the next batch here
+        sync()
         t2 = time.perf_counter()
         self.stats(self.orig_model, "basic")  # base_train's default --track-gradients basic
+        sync()
         t3 = time.perf_counter()
         lrm = 1.0 - 0.9 * min(1.0, self.step_index / 1000)  # warmdown 1.0 to final 0.1 (1000-step run)
         for group in self.optimizer.param_groups:
@@ -157,12 +183,22 @@ class StudyStep:
             phases[name] = dt
 
 
-def _random_batches(shape: dict[str, int], rows: int, split: bool) -> Iterator[Any]:
-    """Endless batches of uniform random tokens (timing does not depend on their values)."""
+def _random_batches(shape: dict[str, int], rows: int, split: bool, device: torch.device) -> Iterator[Any]:
+    """Endless batches of uniform random tokens (timing does not depend on their values), on ``device``."""
     gen = torch.Generator().manual_seed(1)
     while True:
-        ids = torch.randint(0, shape["vocab"], (shape["batch"], rows), generator=gen)
+        ids = torch.randint(0, shape["vocab"], (shape["batch"], rows), generator=gen).to(device, non_blocking=True)
         yield (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()) if split else ids
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device) -> Any:
+    """bf16 autocast over fp32 weights on CUDA, as both trainings run there; nothing on a CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +207,8 @@ def _random_batches(shape: dict[str, int], rows: int, split: bool) -> Iterator[A
 class BareStep:
     """The Trainer's model, optimizer and schedule in a hand-written loop (no Trainer around it)."""
 
-    def __init__(self, model: torch.nn.Module, training_args: Any, shape: dict[str, int], compiled: bool) -> None:
+    def __init__(self, model: torch.nn.Module, training_args: Any, shape: dict[str, int], compiled: bool,
+                 device: torch.device) -> None:  # fmt: skip
         from looped_hf.arguments import tokens_per_step
         from looped_hf.optim import build_optimizer_and_scheduler
 
@@ -179,26 +216,32 @@ class BareStep:
         # `torch_compile: true` sets the Trainer's model's `forward` to a compiled bound method of
         # that model; a deep copy would keep calling it (the original's weights): drop it.
         self.model.__dict__.pop("forward", None)
-        self.model.train()
+        self.model.to(device).train()
+        self.device = device
         step_tokens = tokens_per_step(training_args, shape["seq"])
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
             self.model, training_args, training_args.max_steps, tokens_per_step=step_tokens,
             train_tokens=training_args.max_steps * step_tokens,
         )  # fmt: skip
         self.forward = torch.compile(self.model) if compiled else self.model
-        self.batches = _random_batches(shape, rows=shape["seq"], split=False)
+        self.batches = _random_batches(shape, rows=shape["seq"], split=False, device=device)
         self.ids = next(self.batches)
 
     def __call__(self, phases: dict[str, float]) -> None:
+        sync = functools.partial(_sync, self.device)
         t0 = time.perf_counter()
-        loss = self.forward(input_ids=self.ids, labels=self.ids).loss
+        with _autocast(self.device):
+            loss = self.forward(input_ids=self.ids, labels=self.ids).loss
+        sync()
         t1 = time.perf_counter()
         loss.backward()
         self.ids = next(self.batches)
+        sync()
         t2 = time.perf_counter()
         self.optimizer.step()
         self.scheduler.step()
         self.model.zero_grad(set_to_none=True)
+        sync()
         t3 = time.perf_counter()
         for name, dt in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
             phases[name] = dt
@@ -286,8 +329,13 @@ class PartTimers:
 class Session:
     """One interleaved measurement: looped_hf's Trainer run, with the study and bare steps in between."""
 
-    def __init__(self, study: StudyStep | None, shape: dict[str, int], warmup: int, compiled: bool) -> None:
+    def __init__(self, study: StudyStep | None, shape: dict[str, int], warmup: int, steps: int, compiled: bool,
+                 device: torch.device, profile_top: int = 0) -> None:  # fmt: skip
         self.study, self.shape, self.warmup, self.compiled = study, shape, warmup, compiled
+        self.last_timed = warmup + steps  # with profile_top, one more (untimed) step is profiled
+        self.device, self.profile_top = device, profile_top
+        self.profiler: Any = None
+        self.kernels: dict[str, list[dict[str, Any]]] = {}
         self.bare: BareStep | None = None
         self.times: dict[str, list[float]] = defaultdict(list)
         self.phases: dict[str, dict[str, list[float]]] = {"study": defaultdict(list), "bare": defaultdict(list)}
@@ -297,19 +345,28 @@ class Session:
         self.parts_seen: dict[str, float] = {}
 
     def start(self, model: torch.nn.Module, training_args: Any) -> None:
-        self.bare = BareStep(model, training_args, self.shape, self.compiled)
+        self.bare = BareStep(model, training_args, self.shape, self.compiled, self.device)
 
     def trainer_step_done(self, step: int, max_steps: int) -> None:
+        _sync(self.device)  # the Trainer's step ends when its kernels do
         now = time.perf_counter()
+        if self.profiler is not None:  # the Trainer step that just ended ran under the profiler
+            self.profiler.stop()
+            self.kernels["looped_hf"] = top_kernels(self.profiler, self.device, self.profile_top)
+            self.profiler = None
         timed_step = self.timers is not None and self.timers.active
         if self.timers is not None:
             self.timers.active = False
-        timing = step > self.warmup
+        timing = self.warmup < step <= self.last_timed
+        profiling = step > self.last_timed
         if self.mark is not None and timing:
             self.times["looped_hf"].append(now - self.mark)
         sides = [("study", self.study), ("bare", self.bare)] if self.study is not None else [("bare", self.bare)]
         for name, side in sides if step % 2 else sides[::-1]:
             phases: dict[str, float] = {}
+            if profiling:
+                self.kernels[name] = profiled(side, phases, self.device, self.profile_top)
+                continue
             t0 = time.perf_counter()
             side(phases)
             dt = time.perf_counter() - t0
@@ -326,9 +383,42 @@ class Session:
                 self.part_steps.append({k: snap.get(k, 0.0) - self.parts_seen.get(k, 0.0) for k in labels})
                 self.parts_seen = snap
             # The part timers count from the first timed Trainer step on; our sides are not theirs.
-            self.timers.active = self.warmup <= step < max_steps
+            self.timers.active = self.warmup <= step < self.last_timed
             self.timers.excluded += time.perf_counter() - now
+        if self.profile_top and step == self.last_timed:  # profile the Trainer's next (last) step
+            self.profiler = _profiler(self.device)
+            self.profiler.start()
         self.mark = time.perf_counter()
+
+
+def _profiler(device: torch.device) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
+
+
+def top_kernels(prof: Any, device: torch.device, top: int) -> list[dict[str, Any]]:
+    """The ``top`` entries of one profiled step by self time: GPU kernels on CUDA (device time),
+    aten ops on a CPU; ms in the step and share of the step's total."""
+    events = prof.key_averages()
+    if device.type == "cuda":
+        timed = [(e.key, e.self_device_time_total) for e in events if e.self_device_time_total > 0]
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
+    total = sum(us for _, us in timed) or 1.0
+    timed.sort(key=lambda kv: -kv[1])
+    return [{"name": name[:90], "ms": us / 1e3, "share": us / total} for name, us in timed[:top]]
+
+
+def profiled(side: Callable[[dict[str, float]], None], phases: dict[str, float], device: torch.device,
+             top: int) -> list[dict[str, Any]]:  # fmt: skip
+    """One call of ``side`` under the profiler: its top kernels."""
+    prof = _profiler(device)
+    with prof:
+        side(phases)
+        _sync(device)
+    return top_kernels(prof, device, top)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +447,8 @@ def run_session(
     warmup: int,
     trainer_class: type | None = None,
     overrides: dict[str, Any] | None = None,
+    device: torch.device | None = None,
+    profile_top: int = 0,
 ) -> dict:
     """Train looped_hf for warmup + steps Trainer steps with the other sides interleaved (the study's
     when `study_mod` = (nanochat.gpt, nanochat.common) is given; always the bare loop); the timings.
@@ -365,11 +457,15 @@ def run_session(
     from looped_hf.train import train
     from looped_hf.trainer import LoopedTrainer
 
-    study = StudyStep(*study_mod, shape, STUDY_LRS, compiled) if study_mod is not None else None
-    session = Session(study, shape, warmup, compiled)
+    device = device or torch.device("cpu")
+    study = StudyStep(*study_mod, shape, STUDY_LRS, compiled, device) if study_mod is not None else None
+    session = Session(study, shape, warmup, steps, compiled, device, profile_top)
     session.timers = PartTimers(trainer_class or LoopedTrainer)
+    total_steps = warmup + steps + (1 if profile_top else 0)
+    if device.type == "cuda":
+        overrides = {**GPU_SETTINGS, **(overrides or {})}
     with tempfile.TemporaryDirectory() as tmp:
-        fields = recipe(shape, warmup + steps, args.threads, str(Path(tmp) / "run"), compiled, **(overrides or {}))
+        fields = recipe(shape, total_steps, args.threads, str(Path(tmp) / "run"), compiled, **(overrides or {}))
         model_args, data_args, training_args = parse_recipe(fields)
         try:
             record = train(model_args, data_args, training_args, callbacks=[_interleave_callback(session)],
@@ -386,7 +482,8 @@ def run_session(
     own = [] if compiled else [t - sum(p[k] for k in PartTimers.COMPUTE)
                                for t, p in zip(session.times["looped_hf"], session.part_steps)]  # fmt: skip
     return {"times": dict(session.times), "phases": {k: dict(v) for k, v in session.phases.items()}, "parts": parts,
-            "parts_median": medians, "own": own, "fpt": record["train_flops_per_token"]}  # fmt: skip
+            "parts_median": medians, "own": own, "fpt": record["train_flops_per_token"],
+            "kernels": session.kernels, "attention": record.get("attention_backend")}  # fmt: skip
 
 
 def overhead_sessions(args: argparse.Namespace) -> dict[str, dict]:
@@ -452,16 +549,23 @@ def smallest_paper_step_s() -> tuple[float, str]:
     return seconds, f"{run.run_id}: {step_flops:.3g} FLOPs/step ({plan.tokens_per_step:,} tokens)"
 
 
-def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | None = None) -> dict[str, Any]:
-    """Print the table; return its numbers (also written with --json)."""
+def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | None = None,
+           peak: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Print the table; return its numbers (also written with --json). ``peak``: the device's dense
+    bf16 FLOP/s, for MFU (every side trains the same model: its FLOPs/token are looped_hf's count)."""
     tokens = shape["batch"] * shape["seq"]
     out: dict[str, Any] = {"shape": shape, "sessions": {}}
     for label, res in results.items():
         t = res["times"]
         print(f"\n== {label}: {len(t['looped_hf'])} timed steps, {tokens:,} tokens/step; median [min, max] ==")
-        print(f"{'side':<12} {'ms/step':>28} {'tokens/s':>28}")
+        print(f"{'side':<12} {'ms/step':>28} {'tokens/s':>28} {'MFU':>7}")
+        mfu = {}
         for side in ("study", "study core", "looped_hf", "bare"):
-            print(f"{side:<12} {median_spread(t[side], 1e3):>28} {median_spread([1 / x for x in t[side]], tokens):>28}")
+            if peak and t.get(side):
+                mfu[side] = res["fpt"] * tokens / statistics.median(t[side]) / peak
+            mfu_text = f"{mfu[side]:.1%}" if side in mfu else "-"
+            print(f"{side:<12} {median_spread(t[side], 1e3):>28} {median_spread([1 / x for x in t[side]], tokens):>28} "
+                  f"{mfu_text:>7}")  # fmt: skip
         vs_study = paired_ratio(t["study"], t["looped_hf"])  # tokens/s ratio = time ratio inverted
         vs_core = paired_ratio(t["study core"], t["looped_hf"])
         bare_vs_core = paired_ratio(t["study core"], t["bare"])
@@ -475,6 +579,10 @@ def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | Non
         for side in ("study", "bare"):
             phases = "  ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in res["phases"][side].items())
             print(f"  {side} phases (median ms): {phases}")
+        for side, kernels in res.get("kernels", {}).items():
+            print(f"  top of one profiled {side} step (self time):")
+            for k in kernels:
+                print(f"    {k['ms']:9.2f} ms {k['share']:6.1%}  {k['name']}")
         print("  Trainer parts, ms/step mean (median; a mean above the median is a few slow steps): "
               + "; ".join(f"{k} {v * 1e3:.2f} ({res['parts_median'].get(k, math.nan) * 1e3:.2f})"
                           for k, v in sorted(res["parts"].items(), key=lambda kv: -kv[1])))  # fmt: skip
@@ -487,7 +595,17 @@ def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | Non
             "trainer_own_host_ms": statistics.median(res["own"]) * 1e3 if res["own"] else math.nan,
             "trainer_parts_ms": {k: v * 1e3 for k, v in res["parts"].items()},
             "trainer_parts_median_ms": {k: v * 1e3 for k, v in res["parts_median"].items()},
-        }
+            "tokens_per_s": {side: tokens / statistics.median(t[side]) for side in t if t[side]},
+            "mfu": mfu,
+            "phases_ms": {side: {k: statistics.median(v) * 1e3 for k, v in res["phases"][side].items()}
+                          for side in res["phases"]},
+            "kernels": res.get("kernels", {}),
+            "flops_per_token": res["fpt"],
+        }  # fmt: skip
+    if overhead is not None:
+        out["overhead"] = report_overhead(overhead, smallest_paper_step_s()[0] * 1e3)
+    if "eager" not in out["sessions"]:
+        return out  # the host-time projection below is about the eager session
     step_s, what = smallest_paper_step_s()
     eager = out["sessions"]["eager"]
     step_ms = step_s * 1e3
@@ -503,8 +621,6 @@ def report(results: dict[str, dict], shape: dict[str, int], overhead: dict | Non
     out["trainer_own_host_share_of_paper_step"] = own_ms / step_ms
     out["paper_smallest_step_ms"] = step_ms
     out["trainer_parts_share_of_paper_step"] = parts_ms / step_ms
-    if overhead is not None:
-        out["overhead"] = report_overhead(overhead, step_ms)
     if "compiled" in out["sessions"]:
         for side in ("study", "looped_hf", "bare"):
             ratio = eager["ms"][side] / out["sessions"]["compiled"]["ms"][side]
@@ -566,24 +682,38 @@ def _write_json(path: Path | None, numbers: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--study-src", type=Path, help=f"a checkout of {STUDY_URL}")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the study's GPU shape, compiled sides")
+    parser.add_argument("--width", type=int, default=None, help="default 256 (cuda: 640)")
+    parser.add_argument("--widths", type=int, nargs="+", default=None,
+                        help="several widths, one session each (e.g. 384 640 1024)")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 128")
+    parser.add_argument("--seq", type=int, default=None, help="default 256 (cuda: 2048)")
+    parser.add_argument("--batch", type=int, default=None, help="default 4 (cuda: 32, the study's device batch)")
+    parser.add_argument("--eager", action="store_true", help="cuda: also the eager session (default: compiled only)")
+    parser.add_argument("--profile-top", type=int, default=None,
+                        help="profile one more step per side and print its top N kernels (default: cuda 12, cpu 0)")
+    parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: hardware table)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
     parser.add_argument("--compile", action="store_true", help="also a compiled session (minutes on a CPU)")
     parser.add_argument("--study-compiled-kernels", action="store_true",
                         help="compiled session: also compile the study's optimizer kernels (GPU; inductor fails on CPU)")
-    parser.add_argument("--overhead-steps", type=int, default=300,
-                        help="timed steps per Trainer-cost session (tiny width; 0: skip that table)")
+    parser.add_argument("--overhead-steps", type=int, default=None,
+                        help="timed steps per Trainer-cost session (tiny width, CPU; 0: skip that table; "
+                             "default 300, cuda 0)")  # fmt: skip
     parser.add_argument("--overhead-rounds", type=int, default=2, help="Trainer-cost sessions per Trainer class")
     parser.add_argument("--overhead-only", action="store_true",
                         help="only the Trainer-cost table (LoopedTrainer vs transformers.Trainer); needs no study code")
     parser.add_argument("--json", type=Path, help="write the numbers here too")
     args = parser.parse_args(argv)
     command = " ".join(["python benchmarks/bench_vs_study.py", *(argv if argv is not None else sys.argv[1:])])
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    if args.overhead_steps is None:
+        args.overhead_steps = 0 if cuda else 300
     torch.set_num_threads(args.threads)
     if args.overhead_only:
         step_ms = smallest_paper_step_s()[0] * 1e3
@@ -597,20 +727,45 @@ def main(argv: list[str] | None = None) -> int:
               "--overhead-only runs the Trainer-cost table alone, without it.")  # fmt: skip
         return 0
     from looped_hf.data import load_tokenizer
+    from looped_hf.hardware import device_peak_flops
 
     vocab = len(load_tokenizer())  # the Trainer trains on the embedded corpus; every side gets its vocabulary
-    shape = {"width": args.width, "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch, "vocab": vocab}
-    results = {}
-    for compiled in (False, True) if args.compile else (False,):
-        study_mod = import_study(args.study_src.resolve(), compile_kernels=compiled and args.study_compiled_kernels)
-        results["compiled" if compiled else "eager"] = run_session(
-            study_mod, shape, args, compiled, args.steps, args.warmup
-        )
+    defaults = GPU_SHAPE if cuda else {"width": 256, "head_dim": 128, "seq": 256, "batch": 4}
+    given = {"width": args.width, "head_dim": args.head_dim, "seq": args.seq, "batch": args.batch}
+    base = {key: defaults[key] if value is None else value for key, value in given.items()}
+    widths = args.widths or [base["width"]]
+    # On a GPU the comparison is the study's production setting: compiled model and optimizer
+    # kernels on its side, torch_compile on ours; one compile per side and width.
+    if cuda:
+        sessions = [False, True] if args.eager else [True]
+        study_kernels = True
+    else:
+        sessions = [False, True] if args.compile else [False]
+        study_kernels = args.study_compiled_kernels
+    profile_top = args.profile_top if args.profile_top is not None else (12 if cuda else 0)
+    peak = args.peak_flops or device_peak_flops(device)
+    print(f"bench_vs_study: {command}\ndevice {torch.cuda.get_device_name(device) if cuda else 'cpu'}, torch "
+          f"{torch.__version__}, peak {peak or 'unknown'} FLOP/s, widths {widths}")  # fmt: skip
+    per_width: dict[str, Any] = {}
+    for width in widths:
+        shape = {**base, "width": width, "vocab": vocab}
+        results = {}
+        for compiled in sessions:
+            study_mod = import_study(args.study_src.resolve(), compile_kernels=compiled and study_kernels)
+            results["compiled" if compiled else "eager"] = run_session(
+                study_mod, shape, args, compiled, args.steps, args.warmup, device=device, profile_top=profile_top
+            )
+            if cuda:
+                torch.cuda.empty_cache()
+        per_width[str(width)] = report(results, shape, peak=peak)
     overhead = overhead_sessions(args) if args.overhead_steps > 0 else None
-    numbers = report(results, shape, overhead)
-    numbers["command"] = command
+    numbers = dict(per_width[str(widths[0])]) if len(widths) == 1 else {"widths": per_width}
+    if overhead is not None:
+        numbers["overhead"] = report_overhead(overhead, smallest_paper_step_s()[0] * 1e3)
+    numbers.update(command=command, device=str(device), peak_flops=peak)
     _write_json(args.json, numbers)
-    return 0 if all(math.isfinite(v["trainer_overhead_ms"]) for v in numbers["sessions"].values()) else 1
+    finite = all(math.isfinite(v["trainer_overhead_ms"]) for w in per_width.values() for v in w["sessions"].values())
+    return 0 if finite else 1
 
 
 if __name__ == "__main__":

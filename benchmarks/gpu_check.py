@@ -1,11 +1,13 @@
 """The one prepared GPU check: attention backends, training throughput and MFU, decoding, a micro sweep.
 
     python benchmarks/gpu_check.py --out gpu_check/          # one H100/H200, <= 8 minutes
+    python benchmarks/gpu_check.py --out gpu_check/ --study-src ~/looped-lm-scaling   # + vs the study, <= 9 min
     python benchmarks/gpu_check.py --out /tmp/gc --tiny      # CPU, seconds: every code path, toy sizes
 
 Sections (each in its own try/except: an error is recorded in the JSON and the next section runs):
 
-* ``environment``: versions, device, its dense bf16 peak (``looped_hf.hardware``), flash-attn.
+* ``environment``: versions, device, its dense bf16 peak (``looped_hf.hardware``), flash-attn, and
+  the attention backend a training run picks here (``looped_hf.attention_backends``).
 * ``logits``: the study's loop4 (prelude 2, block 4 x r = 4, coda 2, width 640, head dim 128) in
   bf16 with attention eager / sdpa / sdpa forced onto torch's flash kernel (CUDA) / flash_attention_2
   and 3 (when the package is installed), each against the same weights in fp32 eager. Tolerance:
@@ -16,18 +18,29 @@ Sections (each in its own try/except: an error is recorded in the JSON and the n
   the same width and effective depth (20 layers, SwiGLU at Llama's 8d/3 rounded up to 256), each
   eager and under ``torch.compile``. MFU = FLOPs/token x tokens/s / peak, the FLOPs from the
   model's own ``training_flops_per_token`` (Llama's: a plain LoopedConfig of its exact shape,
-  whose parameter count is checked equal to Llama's).
+  whose parameter count is checked equal to Llama's). Each model runs on the backend
+  ``apply_attention_backend`` picks (FA3 on Hopper where installed, else SDPA, which gets no mask
+  for these unpadded rows); each row lists the top kernels of one profiled step.
+* ``vs_study`` (with ``--study-src``): ``bench_vs_study.py``'s three sides interleaved at width 640,
+  seq 2048, the study's device batch 32: the study's compiled GPT with its compiled MuonAdamW
+  kernels, ``looped-hf train``'s Trainer step (``torch_compile``, bf16, the GPU recipe's settings)
+  and a bare loop of the same model; tokens/s, MFU, phases, top kernels per side. Target: looped_hf
+  / study >= 1.0. For 384 and 1024 too: ``bench_vs_study.py --device cuda --widths 384 640 1024``.
 * ``decode``: greedy ``generate()`` tokens/s at r = 4 (batch 1): plain, ``kv_budget=1``, adaptive
-  exit (``kl``), and self-drafting (``draft_num_recurrences=1``; its output is checked identical
-  to plain greedy). Random weights: mean recurrences and acceptance show the mechanics, not a
-  trained model's savings.
+  exit (``kl``), and self-drafting (``draft_num_recurrences=1``; every token it emits is checked
+  greedy at r within 2 ulps of the logits, and identical to plain greedy in fp32: in bf16 the
+  multi-token verification rounds unlike one-token decoding, so a near-tie may flip). Random
+  weights: mean recurrences and acceptance show the mechanics, not a trained model's savings.
+* ``decode_compiled``: the same greedy decoding through transformers' compiled path (static cache,
+  ``fullgraph``, CUDA graphs), loop4 plain and at ``kv_budget=1`` against Llama-20 compiled alike.
+  Target: loop4 / Llama >= 1.0.
 * ``micro_sweep``: 8 runs (2 budgets x 2 widths x r in {1, 4}) of ``recipes/iso_depth_gpu.yaml``
   at budgets 1/4 and 1/2 of its smallest, through the sweep runner, then ``fit_scaling_law`` on
   them; the measured seconds per step predict the wall time of the whole 48-run recipe (its
   comment assumed ~25 ms per step). Eight, not three: the law has 6 free parameters. A fit of 8
   tiny runs checks the pipeline on the GPU; its phi is not a measurement.
 
-A global time guard (``--time-limit``, default 450 s) gives every section what is left and
+A global time guard (``--time-limit``, default 450 s; 540 s with ``--study-src``) gives every section what is left and
 skips the remaining ones when it is spent (``SIGALRM``, so a long compile is interrupted too).
 The JSON (``gpu_check.json``) and a markdown table (``gpu_check.md``) are rewritten atomically
 after every section, so a killed check leaves what it measured. Nothing is downloaded: random
@@ -64,6 +77,12 @@ import yaml  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from looped_hf import LoopedConfig, LoopedForCausalLM  # noqa: E402
+from looped_hf.attention_backends import (  # noqa: E402
+    apply_attention_backend,
+    device_capability,
+    installed_packages,
+    select_attention_backend,
+)
 from looped_hf.fileio import write_json_atomic, write_text_atomic  # noqa: E402
 from looped_hf.hardware import device_peak_flops  # noqa: E402
 
@@ -72,6 +91,16 @@ GPU_RECIPE = REPO / "recipes" / "iso_depth_gpu.yaml"
 JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
 # A bf16 backend agrees with the others when rel_l2(backend, fp32) <= SLACK x rel_l2(bf16 eager, fp32) + FLOOR.
 LOGITS_SLACK, LOGITS_FLOOR = 2.0, 0.01
+# A self-drafted token is greedy "within rounding" when its logit is at most DRAFT_ULPS ulps of the
+# position's largest logit below the maximum (the verification forward rounds unlike decoding).
+DRAFT_ULPS = 2.0
+#: Kernels listed per profiled training step (train_eager / train_compiled / vs_study).
+TOP_KERNELS = 8
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    """The spacing of ``dtype`` next to 1.0, i.e. one ulp relative to a value (bf16: 2^-7)."""
+    return torch.finfo(dtype).eps
 
 
 @dataclass(frozen=True)
@@ -90,12 +119,16 @@ class Sizes:
     decode_new: int
     decode_repeats: int
     sweep_jobs: int | None  # None: the sweep runner's default (cores // torch_num_threads)
+    study_batch: int  # the study comparison's batch (the study's device batch on a GPU)
+    study_steps: int
 
 
 FULL = Sizes(width=640, head_dim=128, vocab=32000, seq_len=2048, batch=8, warmup_steps=3, timed_steps=10,
-             logits_batch=2, decode_prompt=128, decode_new=64, decode_repeats=3, sweep_jobs=None)  # fmt: skip
+             logits_batch=2, decode_prompt=128, decode_new=64, decode_repeats=3, sweep_jobs=None,
+             study_batch=32, study_steps=10)  # fmt: skip
 TINY = Sizes(width=64, head_dim=16, vocab=512, seq_len=64, batch=2, warmup_steps=1, timed_steps=2,
-             logits_batch=2, decode_prompt=8, decode_new=8, decode_repeats=1, sweep_jobs=1)  # fmt: skip
+             logits_batch=2, decode_prompt=8, decode_new=8, decode_repeats=1, sweep_jobs=1,
+             study_batch=2, study_steps=2)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,6 +274,9 @@ def environment(rec: dict[str, Any], device: torch.device, peak: float | None) -
         peak_flops=peak, flash_attn_2=is_flash_attn_2_available(), flash_attn_3=is_flash_attn_3_available(),
         cuda=torch.version.cuda, torch_threads=torch.get_num_threads(),
     )  # fmt: skip
+    # What `looped-hf train` would choose here (the study's rule: FA3 on Hopper, FA2 on Ampere/Ada).
+    candidates, reason = select_attention_backend(None, device_capability(device), installed_packages())
+    rec.update(attention_backend=reason, attention_candidates=" > ".join(candidates))
 
 
 def attention_backends(device: torch.device) -> list[tuple[str, str, Any]]:
@@ -300,6 +336,10 @@ def _train_row(name: str, model: torch.nn.Module, flops_per_token: float, s: Siz
     """Tokens/s, MFU and peak memory of ``timed_steps`` training steps after ``warmup_steps``."""
     torch.manual_seed(0)
     model = model.to(device).train()
+    # The backend a training run gets (apply_attention_backend: FA3 / FA2 where installed, else SDPA),
+    # the same for both models.
+    capability = device_capability(device)
+    attention = apply_attention_backend(model, capability=capability).implementation
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     fwd = torch.compile(model, backend=compile_backend) if compile_backend else model
     ids = torch.randint(0, s.vocab, (s.batch, s.seq_len), device=device)
@@ -327,16 +367,23 @@ def _train_row(name: str, model: torch.nn.Module, flops_per_token: float, s: Siz
     _sync(device)
     seconds = time.perf_counter() - t0
     tokens_per_s = s.batch * s.seq_len * s.timed_steps / seconds
+    # Where the step's time goes: the top kernels of one more step under the profiler (untimed).
+    bench = _bench_vs_study()
+    prof = bench._profiler(device)
+    with prof:
+        step()
+        _sync(device)
+    kernels = bench.top_kernels(prof, device, TOP_KERNELS)
     last = float(losses[-1])
     if not math.isfinite(last):
         raise FloatingPointError(f"{name}: non-finite training loss {last}")
     return {
-        "model": name, "compiled": compile_backend, "batch": s.batch, "seq_len": s.seq_len,
+        "model": name, "compiled": compile_backend, "attention": attention, "batch": s.batch, "seq_len": s.seq_len,
         "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token,
         "tokens_per_s": tokens_per_s, "step_ms": 1e3 * seconds / s.timed_steps, "warmup_s": warmup_s,
         "mfu": flops_per_token * tokens_per_s / peak if peak else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "last_loss": last,
+        "last_loss": last, "kernels": kernels,
     }  # fmt: skip
 
 
@@ -405,7 +452,7 @@ def _trainer_row(s: Sizes, device: torch.device, work: Path, looped: bool) -> di
 
 
 def trainer_overhead(rec: dict[str, Any], s: Sizes, device: torch.device, work: Path, repeats: int = 2) -> None:
-    """Issue 17's "Trainer's own cost", on the device: the vanilla Trainer's and LoopedTrainer's
+    """The Trainer's own cost, on the device: the vanilla Trainer's and LoopedTrainer's
     steps against the bare loop of ``_train_row`` (same model, optimizer, batch, bf16 autocast,
     eager), interleaved ``repeats`` times; ms/step added and its share of the bare step."""
     rows = rec.setdefault("rows", [])
@@ -439,6 +486,62 @@ def _timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> tuple[f
     return statistics.median(times), out
 
 
+def decoding_compiled(rec: dict[str, Any], s: Sizes, device: torch.device, backend: str) -> None:
+    """Batch-1 greedy through transformers' compiled decoding (static cache, ``fullgraph=True``;
+    on CUDA ``mode="reduce-overhead"``: CUDA graphs), loop4 at r = 4 plain and with
+    ``kv_budget=1`` against Llama of the same width and effective depth (20 layers), compiled the
+    same way. Output identical to eager greedy is checked for loop4."""
+    from transformers import CompileConfig
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loop = LoopedForCausalLM(loop4_config(s)).to(device=device, dtype=dtype).eval()
+    llama = LlamaForCausalLM(llama_config(s)).to(device=device, dtype=dtype).eval()
+    for model in (loop, llama):
+        model.config.use_cache = True
+    prompt = torch.randint(0, s.vocab, (1, s.decode_prompt), device=device)
+    cuda = device.type == "cuda"
+    config = CompileConfig(fullgraph=True, backend=backend, mode="reduce-overhead" if cuda else None)
+    config._compile_all_devices = not cuda  # transformers compiles on a CPU only when told
+    gen = dict(max_new_tokens=s.decode_new, min_new_tokens=s.decode_new, do_sample=False, pad_token_id=0,
+               use_cache=True)  # the configs say use_cache=False (training); generation_config follows it
+    compiled = dict(cache_implementation="static", compile_config=config)
+    rows = rec.setdefault("rows", [])
+    settings = (("loop4 r=4", loop, {}), ("loop4 r=4 kv_budget=1", loop, {"kv_budget": 1}), ("llama20", llama, {}))
+    from torch._dynamo.utils import counters
+
+    for label, model, extra in settings:
+        graphs_before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model.generate(prompt, **gen, **compiled, **extra)  # the first call compiles
+            _sync(device)
+            compile_s = time.perf_counter() - t0
+            seconds, out = _timed(lambda m=model, e=extra: m.generate(prompt, **gen, **compiled, **e),
+                                  s.decode_repeats, device)  # fmt: skip
+            row = {"setting": label, "tokens_per_s": (out.shape[1] - prompt.shape[1]) / seconds,
+                   "first_call_s": compile_s, "graphs": counters["stats"]["unique_graphs"] - graphs_before}  # fmt: skip
+            if model is loop:
+                row["same_as_eager"] = bool(torch.equal(out, model.generate(prompt, **gen, **extra)))
+                # bf16: compiled kernels round unlike eager ones, so a near-tie may flip (see the
+                # decode section); what must hold is that every token is greedy within rounding.
+                gaps = model.greedy_gaps(out, prompt.shape[1], **extra)
+                top = model(input_ids=out, use_cache=False).logits.float()[:, prompt.shape[1] - 1 : -1]
+                row["greedy_within_rounding"] = bool((gaps <= DRAFT_ULPS * _ulp(dtype) * top.abs().amax(-1)).all())
+        rows.append(row)
+        _say(f"  {label} compiled: {row['tokens_per_s']:.1f} tok/s (first call {compile_s:.1f} s)")
+    if not all(r["graphs"] > 0 for r in rows):
+        raise AssertionError(f"compiled decoding did not compile: {[(r['setting'], r['graphs']) for r in rows]}")
+    if not all(r.get("greedy_within_rounding", True) for r in rows):
+        raise AssertionError("a token of compiled greedy decoding is not greedy within rounding")
+    if dtype == torch.float32 and not all(r.get("same_as_eager", True) for r in rows):
+        raise AssertionError("in fp32 compiled greedy decoding differs from eager greedy decoding")
+    llama_tps = rows[-1]["tokens_per_s"]
+    for row in rows:
+        row["vs_llama"] = row["tokens_per_s"] / llama_tps
+    rec["loop4_over_llama"] = rows[0]["vs_llama"]
+
+
 def decoding(rec: dict[str, Any], s: Sizes, device: torch.device) -> None:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -467,14 +570,69 @@ def decoding(rec: dict[str, Any], s: Sizes, device: torch.device) -> None:
         if getattr(out, "num_draft_tokens", None):
             row["acceptance"] = out.num_accepted_draft_tokens / out.num_draft_tokens
             row["identical_to_plain"] = bool(torch.equal(out.sequences, plain_seq))
+            # The guarantee in bf16 (LoopedGenerationMixin.generate): every emitted token is greedy
+            # within rounding; identical to plain greedy only in fp32 (near-ties may flip in bf16).
+            gaps = model.greedy_gaps(out.sequences, prompt.shape[1], num_recurrences=4)
+            with torch.no_grad():
+                top = model(input_ids=out.sequences, use_cache=False).logits.float()[:, prompt.shape[1] - 1 : -1]
+            row["max_greedy_gap"] = float(gaps.max())
+            row["greedy_within_rounding"] = bool((gaps <= DRAFT_ULPS * _ulp(dtype) * top.abs().amax(-1)).all())
+            same = (out.sequences == plain_seq)[0, prompt.shape[1] :]
+            row["agree_until"] = int(same.long().cumprod(0).sum())
         row["speedup_vs_plain"] = row["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0
         rows.append(row)
         _say(f"  {label}: {row['tokens_per_s']:.1f} tok/s")
     rec["note"] = ("random weights: mean r and acceptance show the mechanics (a random model's recurrences barely "
                    "move its prediction), not what a trained model saves")
     drafted = [r for r in rows if "identical_to_plain" in r]
-    if drafted and not all(r["identical_to_plain"] for r in drafted):
-        raise AssertionError("self-drafted greedy output differs from plain greedy")
+    if drafted and not all(r["greedy_within_rounding"] for r in drafted):
+        raise AssertionError("a self-drafted token is not greedy at r within rounding")
+    if dtype == torch.float32 and drafted and not all(r["identical_to_plain"] for r in drafted):
+        raise AssertionError("in fp32 self-drafted greedy output differs from plain greedy")
+
+
+def _bench_vs_study() -> Any:
+    """benchmarks/bench_vs_study.py as a module (the benchmarks folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_vs_study", Path(__file__).with_name("bench_vs_study.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_vs_study", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def vs_study(rec: dict[str, Any], s: Sizes, device: torch.device, study_src: Path, peak: float | None,
+             compiled: bool) -> None:  # fmt: skip
+    """bench_vs_study's three sides at this check's width, interleaved step by step: the study's
+    nanochat GPT + MuonAdamW (``torch.compile`` and its compiled optimizer kernels on a GPU), the
+    ``looped-hf train`` Trainer step (``torch_compile``, bf16, the GPU recipe's settings) and a bare
+    loop of the same model; tokens/s, MFU, phases and the top kernels of one profiled step each.
+    One compile per side. The study's device batch (32 x 2048 on a GPU)."""
+    from types import SimpleNamespace
+
+    from looped_hf.data import load_tokenizer
+
+    bench = _bench_vs_study()
+    shape = {"width": s.width, "head_dim": s.head_dim, "seq": s.seq_len, "batch": s.study_batch,
+             "vocab": len(load_tokenizer())}  # fmt: skip
+    study_mod = bench.import_study(study_src.resolve(), compile_kernels=compiled)
+    result = bench.run_session(
+        study_mod, shape, SimpleNamespace(threads=torch.get_num_threads()), compiled, s.study_steps, s.warmup_steps,
+        device=device, profile_top=TOP_KERNELS,
+    )  # fmt: skip
+    numbers = bench.report({"compiled" if compiled else "eager": result}, shape, peak=peak)
+    session = next(iter(numbers["sessions"].values()))
+    # train.py keeps the backend it chose in the run record (AttentionBackend.to_record()).
+    rec.update(shape=shape, compiled=compiled, attention=(result.get("attention") or {}).get("implementation"))
+    rec["rows"] = [
+        {"side": side, "step_ms": session["ms"][side], "tokens_per_s": session["tokens_per_s"][side],
+         "mfu": session["mfu"].get(side), "phases_ms": session["phases_ms"].get(side, {})}
+        for side in ("study", "study core", "looped_hf", "bare")
+    ]  # fmt: skip
+    rec["looped_hf_over_study"] = session["looped_hf_over_study_tokens_per_s"]
+    rec["trainer_minus_bare_ms"] = session["trainer_overhead_ms"]
+    rec["kernels"] = session["kernels"]
 
 
 def _small_corpus(path: Path, chars: int = 60_000) -> Path:
@@ -609,10 +767,16 @@ def markdown(result: dict[str, Any]) -> str:
                             [[r["backend"], r.get("rel_l2_vs_fp32"), r.get("max_abs_vs_fp32"), r.get("top1_agree_fp32"),
                               r.get("agrees", r.get("error"))] for r in sec["rows"]])  # fmt: skip
         elif name in ("train_eager", "train_compiled") and sec.get("rows"):
-            lines += _table(["model", "torch.compile", "tokens/s", "step ms", "MFU", "peak GiB", "warm-up s", "FLOPs/token"],
-                            [[r["model"], r["compiled"] or "off", r["tokens_per_s"], r["step_ms"],
+            lines += _table(["model", "torch.compile", "attention", "tokens/s", "step ms", "MFU", "peak GiB", "warm-up s",
+                             "FLOPs/token"],
+                            [[r["model"], r["compiled"] or "off", r.get("attention"), r["tokens_per_s"], r["step_ms"],
                               None if r["mfu"] is None else f"{r['mfu']:.1%}", r["peak_memory_gib"], r["warmup_s"],
                               r["flops_per_token"]] for r in sec["rows"]])  # fmt: skip
+            for r in sec["rows"]:
+                if r.get("kernels"):
+                    lines += [f"Top of one profiled {r['model']} step:", ""]
+                    lines += _table(["ms", "share", "kernel"],
+                                    [[k["ms"], f"{k['share']:.1%}", f"`{k['name']}`"] for k in r["kernels"]])
         elif name == "trainer_overhead" and sec.get("rows"):
             lines += ["transformers.Trainer and LoopedTrainer (+ LoopedComputeCallback; LoopedTrainer without the "
                       "per-step NaN check, as the GPU recipes) vs a bare loop, same model, AdamW, batch, bf16, eager.", ""]
@@ -622,11 +786,32 @@ def markdown(result: dict[str, Any]) -> str:
                               f"{r['overhead_ms']:.2f} ms ({r['overhead_share']:.1%})",
                               f"{r['looped_overhead_ms']:.2f} ms ({r['looped_overhead_share']:.1%})"]
                              for r in sec["rows"]])  # fmt: skip
+        elif name == "vs_study" and sec.get("rows"):
+            shape = sec["shape"]
+            lines += [f"Width {shape['width']}, head dim {shape['head_dim']}, {shape['batch']} x {shape['seq']} tokens, "
+                      f"vocab {shape['vocab']}, {'compiled' if sec['compiled'] else 'eager'}; attention "
+                      f"{sec.get('attention') or 'sdpa'}. **looped_hf / study tokens/s: "
+                      f"{sec['looped_hf_over_study']:.3f}** (target >= 1.0); Trainer - bare "
+                      f"{sec['trainer_minus_bare_ms']:.2f} ms/step.", ""]  # fmt: skip
+            lines += _table(["side", "ms/step", "tokens/s", "MFU", "phases ms"],
+                            [[r["side"], r["step_ms"], r["tokens_per_s"], None if r["mfu"] is None else f"{r['mfu']:.1%}",
+                              " ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items())] for r in sec["rows"]])  # fmt: skip
+            for side, kernels in sec.get("kernels", {}).items():
+                lines += [f"Top of one profiled {side} step:", ""]
+                lines += _table(["ms", "share", "kernel"], [[k["ms"], f"{k['share']:.1%}", f"`{k['name']}`"] for k in kernels])
+        elif name == "decode_compiled" and sec.get("rows"):
+            lines += [f"Batch 1, greedy, static cache, compiled. **loop4 / Llama: {sec.get('loop4_over_llama', 0):.3f}** "
+                      "(target >= 1.0).", ""]  # fmt: skip
+            lines += _table(["setting", "tokens/s", "x llama20", "first call s", "= eager greedy", "greedy within rounding"],
+                            [[r["setting"], r["tokens_per_s"], r["vs_llama"], r["first_call_s"], r.get("same_as_eager"),
+                              r.get("greedy_within_rounding")] for r in sec["rows"]])  # fmt: skip
         elif name == "decode" and sec.get("rows"):
             lines += [f"Batch 1, greedy; {sec.get('note', '')}.", ""]
-            lines += _table(["setting", "tokens/s", "x plain", "mean r", "acceptance", "= plain greedy"],
+            lines += _table(["setting", "tokens/s", "x plain", "mean r", "acceptance", "= plain greedy",
+                             "same tokens", "greedy within rounding"],
                             [[r["setting"], r["tokens_per_s"], r["speedup_vs_plain"], r.get("mean_recurrences"),
-                              r.get("acceptance"), r.get("identical_to_plain")] for r in sec["rows"]])  # fmt: skip
+                              r.get("acceptance"), r.get("identical_to_plain"), r.get("agree_until"),
+                              r.get("greedy_within_rounding")] for r in sec["rows"]])  # fmt: skip
         elif name == "micro_sweep" and sec.get("runs"):
             lines += _table(["run", "status", "loss", "steps", "s/step"],
                             [[r["run_id"], r["status"], r["loss"], r["steps"], r["s_per_step"]] for r in sec["runs"]])
@@ -652,8 +837,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU (default: hardware table)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; tiny: eager)")
     parser.add_argument("--only", action="append", default=None,
-                        choices=["logits", "train_eager", "trainer_overhead", "decode", "micro_sweep",
-                                 "train_compiled"])  # fmt: skip
+                        choices=["logits", "vs_study", "train_eager", "trainer_overhead", "decode", "micro_sweep",
+                                 "train_compiled", "decode_compiled"])  # fmt: skip
+    parser.add_argument("--study-src", type=Path, default=None,
+                        help="a checkout of kschwethelm/looped-lm-scaling: adds the vs_study section")
     args = parser.parse_args(argv)
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error(f"--time-limit={args.time_limit}: must be > 0")
@@ -666,20 +853,30 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     peak = args.peak_flops or device_peak_flops(device)
     backend = args.compile_backend or ("eager" if args.tiny else "inductor")
-    check = Check(args.out, args.time_limit or (300.0 if args.tiny else 450.0), args.tiny)
+    if args.study_src is not None and not (args.study_src / "nanochat" / "gpt.py").is_file():
+        parser.error(f"--study-src {args.study_src}: no nanochat/gpt.py there")
+    # The study comparison adds three compiles (~1 min each on an H200): the limit grows to 9 min.
+    default_limit = 300.0 if args.tiny else (540.0 if args.study_src is not None else 450.0)
+    check = Check(args.out, args.time_limit or default_limit, args.tiny)
     check.result.update(sizes=asdict(sizes), compile_backend=backend)
-    only = set(args.only or ["logits", "train_eager", "trainer_overhead", "decode", "micro_sweep", "train_compiled"])
+    only = set(args.only or ["logits", "vs_study", "train_eager", "trainer_overhead", "decode", "micro_sweep",
+                             "train_compiled", "decode_compiled"])  # fmt: skip
+    if args.study_src is None:
+        only.discard("vs_study")
     _say(f"gpu_check: device {device}, peak {peak or 'unknown'} FLOP/s, out {args.out}, limit {check.limit:.0f} s")
     check.section("environment", lambda rec: environment(rec, device, peak), 0)
     # Cheapest and most telling first; the compiles (minutes) last, where the guard can cut them.
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         plan: list[tuple[str, Callable[[dict[str, Any]], None], float]] = [
             ("logits", lambda rec: logits_agreement(rec, sizes, device), 5),
+            # The headline (the issue's target: looped_hf's Trainer step >= 1.0x the study's), early.
+            ("vs_study", lambda rec: vs_study(rec, sizes, device, args.study_src, peak, not args.tiny), 60),
             ("train_eager", lambda rec: training(rec, sizes, device, peak, None), 10),
             ("trainer_overhead", lambda rec: trainer_overhead(rec, sizes, device, Path(work)), 10),
             ("decode", lambda rec: decoding(rec, sizes, device), 10),
             ("micro_sweep", lambda rec: micro_sweep(rec, args.tiny, sizes.sweep_jobs, Path(work), args.out), 30),
             ("train_compiled", lambda rec: training(rec, sizes, device, peak, backend), 30),
+            ("decode_compiled", lambda rec: decoding_compiled(rec, sizes, device, backend), 30),
         ]
         for name, fn, min_s in plan:
             if name in only:

@@ -57,6 +57,19 @@ class RecipeError(ValueError):
     """A recipe (YAML file or flags) that cannot be trained; the message names the field."""
 
 
+def _attention_functions() -> list[str]:
+    # Imported here: the registry lives in modeling_utils, which recipe parsing need not load.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return sorted(ALL_ATTENTION_FUNCTIONS)
+
+
+def _known_attention(name: str) -> bool:
+    """Whether transformers can be asked for ``name`` (whether its kernel is installed is found
+    when the model is built, with a fallback only for the automatic choice)."""
+    return name in ("auto", "eager") or name in _attention_functions() or "/" in name.strip("/")
+
+
 @dataclass
 class ModelArguments:
     """The model half of a recipe: `LoopedConfig` fields (see that class for their meaning).
@@ -120,7 +133,20 @@ class ModelArguments:
         },
     )
 
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Attention kernel. None / auto: the study's rule (FlashAttention-3 on Hopper, -2 on "
+                  "Ampere/Ada, -4 on Blackwell when installed, else sdpa), logged and kept in the run "
+                  "record; or a transformers name (eager, sdpa, flash_attention_2, ...) or a hub kernel "
+                  "(org/repo), used as given."},
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
+        if self.attn_implementation is not None and not _known_attention(self.attn_implementation):
+            raise RecipeError(
+                f"ModelArguments.attn_implementation={self.attn_implementation!r}: must be auto, eager, one of "
+                f"transformers' attention functions ({', '.join(_attention_functions())}) or a hub kernel org/repo"
+            )
         # Recipes written for looped_hf 0.1.0 say `qk_norm: true/false` (YAML booleans, or the
         # strings a command-line flag gives): read them as the study's form / off.
         if isinstance(self.qk_norm, bool) or str(self.qk_norm).lower() in ("true", "false"):

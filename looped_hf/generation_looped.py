@@ -420,6 +420,16 @@ class LoopedGenerationMixin(GenerationMixin):
         greedy output is the greedy output at r. It needs batch size 1 (as
         assisted decoding), and is refused with adaptive exit or a KV budget below r, whose
         multi-token verification would not reproduce token-by-token decoding.
+
+        The guarantee, exactly: every token a self-drafted greedy run emits is an argmax of the
+        model at r given the tokens before it, computed by a verification forward of up to
+        ``num_assistant_tokens + 1`` tokens instead of plain decoding's one. In fp32 the two agree
+        (their logits differ by summation order, ~1e-6). In bf16 they round differently (other
+        matmul shapes, a chunk's mask), so at a near-tie (the top two logits within bf16 rounding
+        of each other, common with random weights, whose logits are all close) they may pick
+        different tokens and the sequences continue from different prefixes. ``greedy_gaps``
+        checks the guarantee on any output: each emitted token's logit is within rounding of
+        the maximum.
         """
         run = _GenerationRun(draft_num_recurrences=draft_num_recurrences)
         if draft_num_recurrences is not None:
@@ -464,6 +474,24 @@ class LoopedGenerationMixin(GenerationMixin):
                 extras["num_accepted_draft_tokens"] = run.drafter.num_accepted_draft_tokens
             out = LoopedGenerateOutput(**out, **extras)
         return out
+
+    @torch.no_grad()
+    def greedy_gaps(self, sequences: torch.Tensor, prompt_length: int, **forward_kwargs) -> torch.Tensor:
+        """How far each generated token is from the greedy choice: (max logit - the token's logit)
+        at every new position of ``sequences`` (batch, prompt_length + new), from one forward of
+        the whole sequence without a cache (``forward_kwargs``: ``num_recurrences`` etc., as given
+        to ``generate``). Plain greedy gives 0 up to rounding; so does self-drafted greedy (see
+        ``generate``), which is how a bf16 run that differs from plain greedy is told apart from a
+        wrong one. Shape (batch, new)."""
+        if not 0 < prompt_length < sequences.shape[1]:
+            raise ValueError(
+                f"prompt_length={prompt_length}: must be in [1, {sequences.shape[1] - 1}] for sequences of "
+                f"length {sequences.shape[1]}"
+            )
+        logits = self(input_ids=sequences, use_cache=False, **forward_kwargs).logits.float()
+        scores = logits[:, prompt_length - 1 : -1]  # position t predicts token t + 1
+        chosen = scores.gather(-1, sequences[:, prompt_length:, None]).squeeze(-1)
+        return scores.max(dim=-1).values - chosen
 
     def _check_draft(self, k: int, kwargs: dict) -> None:
         """Refuse a ``draft_num_recurrences`` that cannot give the model's own output at r."""

@@ -40,7 +40,12 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    create_causal_mask,
+    flash_attention_mask,
+    sdpa_mask,
+)
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -52,6 +57,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import TransformersKwargs, can_return_tuple, merge_with_config_defaults
+from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_looped import LoopedConfig
@@ -130,6 +136,29 @@ class LoopedRotaryEmbedding(nn.Module):
             table = getattr(torch, self.config.rope_table_dtype)
             cos, sin = cos.to(table), sin.to(table)
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+class _SoftCap(torch.autograd.Function):
+    """cap * tanh(x / cap) in fp32 (the study's soft-cap), with a one-kernel backward.
+
+    The forward is the study's three ops, so logits are bit-identical. Autograd's own backward
+    of them is three passes over the (batch, seq, vocab) logits (x cap, tanh', / cap), the
+    largest tensors of a training step (16 GB of traffic at batch 8 x 2048 x 32k); the derivative
+    is 1 - tanh^2(x / cap), one ``tanh_backward`` from the saved tanh. The gradient equals
+    autograd's up to the rounding of the x cap / cap pair it skips (1 ulp).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        t = torch.tanh(logits.float() / cap)
+        ctx.save_for_backward(t)
+        ctx.input_dtype = logits.dtype
+        return cap * t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (t,) = ctx.saved_tensors
+        return torch.ops.aten.tanh_backward(grad, t).to(ctx.input_dtype), None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -228,16 +257,19 @@ class LoopedAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape)
         if self.qk_norm == "learnable_before_rope":
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        query_states = query_states.transpose(1, 2)
-        key_states = key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
+        # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
+        # only then turn into attention's (batch, heads, seq, head_dim) view: the same values bit for
+        # bit (elementwise ops and a norm over head_dim), without norming a strided view (~10% of
+        # their time on a CPU).
         cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, unsqueeze_dim=2)
         if self.qk_norm == "after_rope":
             # RMS over head_dim with no weights, as the study (its fused kernel accumulates in fp32).
             query_states = F.rms_norm(query_states, (self.head_dim,), eps=self.qk_norm_eps)
             key_states = F.rms_norm(key_states, (self.head_dim,), eps=self.qk_norm_eps)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if cache is not None:
             # A shared layer has one cache slot per application, not per module.
             key_states, value_states = cache.update(key_states, value_states, cache_index)
@@ -323,6 +355,65 @@ class LoopedHyperConnection(nn.Module):
         mixed = torch.einsum("mn,n...->m...", self.mixing[step].to(lanes.dtype), lanes)
         gain = self.beta[step].to(lanes.dtype).view(-1, *([1] * update.dim()))
         return mixed + gain * update.unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention mask
+# ---------------------------------------------------------------------------------------------
+
+# Mask builders whose attention function applies a plain causal mask itself when it gets none
+# (SDPA's ``is_causal``, flash-attention's ``causal``). Keyed by the builder, not by the name, so a
+# hub kernel or a registered alias that reuses one of them is covered too.
+_CAUSAL_BY_ITSELF = (sdpa_mask, flash_attention_mask)
+
+
+def _plain_causal(attention_mask: torch.Tensor | None, cache: Cache | None, q_length: int) -> bool:
+    """Whether attention over these inputs is exactly the causal triangle over the new tokens:
+    no padding (no mask, or a 2-D mask that is all ones, read only outside tracing), and no
+    earlier tokens in the cache (the keys are the queries' own tokens, so the square is causal)."""
+    # The cache first: it is host-side bookkeeping, while reading the mask's values waits for the device.
+    if cache is not None:
+        if getattr(cache, "is_compileable", False):
+            return False  # a static cache attends over all max_cache_len slots: it needs its mask
+        if cache.get_seq_length() != 0 or cache.get_mask_sizes(q_length, 0)[0] != q_length:
+            return False
+    if attention_mask is None:
+        return True
+    return attention_mask.ndim == 2 and not is_tracing(attention_mask) and bool(attention_mask.all())
+
+
+def causal_attention_mask(
+    config: LoopedConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The mask every layer application gets, or ``None`` where the attention function's own causal
+    mode is the same thing.
+
+    Why not always ``create_causal_mask``: under ``torch.compile`` it cannot read tensors, so it
+    assumes the worst (position ids might be packed documents, a mask might have padding) and
+    materialises a (batch, 1, T, T) mask even for unpadded training rows. SDPA then cannot take
+    its causal fast path (the flash kernel skips the upper triangle only with ``is_causal``) and
+    reads the mask in backward too: about 3x the attention time on an H200. So when the call is
+    plain causal (``_plain_causal``), ``position_ids`` were not given (this forward's own
+    positions are one sequence per row, never packed) and the backend masks causally by itself,
+    the answer is ``None`` — in eager mode and compiled alike. Everything else (padding, decode
+    steps and chunked prefill over a cache, static caches, packed ``position_ids``, eager / flex
+    attention, which need their mask) goes to ``create_causal_mask`` unchanged.
+    """
+    builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(config._attn_implementation)
+    if (
+        position_ids is None
+        and builder in _CAUSAL_BY_ITSELF
+        and _plain_causal(attention_mask, cache, inputs_embeds.shape[1])
+    ):
+        return None
+    return create_causal_mask(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+        position_ids=position_ids,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,20 +632,23 @@ class LoopedModel(LoopedPreTrainedModel):
         if cache is not None:
             prepare_cache(cache, config.num_kv_slots(r, budget), r, budget)
 
+        positions_given = position_ids is not None
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-            position_ids=position_ids,
+        causal_mask = causal_attention_mask(
+            config, inputs_embeds, attention_mask, cache, position_ids if positions_given else None
         )
-        # What every layer application gets, as Llama's layers do (position_ids: the varlen /
-        # packed-sequence attention backends read it).
+        # What every layer application gets, as Llama's layers do. position_ids only when the caller
+        # gave them: the varlen / packed-sequence attention backends read them, and positions this
+        # forward made itself are one plain sequence per row (nothing for a backend to look for).
         layer_kwargs = dict(
             attention_mask=causal_mask, position_embeddings=self.rotary_emb(inputs_embeds, position_ids),
-            position_ids=position_ids, cache=cache, **kwargs,
+            cache=cache, **kwargs,
         )
+        if positions_given:
+            layer_kwargs["position_ids"] = position_ids
 
         app = 0  # index of the current layer application == its cache slot
         h = inputs_embeds
@@ -573,7 +667,9 @@ class LoopedModel(LoopedPreTrainedModel):
         hc = self.hyperconnection
         legacy = config.looped_format == 1
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        split = self._injection_split(e, legacy) if config.input_injection == "linear" else None
+        # 0.1.0 checkpoints (format 1) keep its one concatenated matmul: their logits are pinned to
+        # 1e-6, and the split's two matmuls round differently.
+        split = self._injection_split(e, legacy) if config.input_injection == "linear" and not legacy else None
         K = len(self.recurrent_layers)
         num_new_tokens = inputs_embeds.shape[1]
 
@@ -688,7 +784,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             logits = logits[..., : self.config.vocab_size]
         cap = self.config.logit_softcap
         if cap is not None:
-            logits = cap * torch.tanh(logits.float() / cap)
+            logits = _SoftCap.apply(logits, cap)
         return logits
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")

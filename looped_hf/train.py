@@ -48,6 +48,7 @@ from looped_hf.arguments import (
     steps_for_tokens,
     tokens_per_step,
 )
+from looped_hf.attention_backends import apply_attention_backend
 from looped_hf.fileio import append_jsonl, write_json_atomic, write_yaml_atomic
 
 RECORD_NAME = "run_record.json"
@@ -499,6 +500,12 @@ def train(
     try:
         set_seed(training_args.seed)
         model = LoopedForCausalLM(config)
+        # The study's kernel choice (FA3 / FA2 / FA4 / sdpa by device and installed packages), kept
+        # in the record so that a throughput number can be traced to the kernel that produced it.
+        backend = apply_attention_backend(model, model_args.attn_implementation)
+        record["attention_backend"] = backend.to_record()
+        if is_main:
+            print(f"[train] attention: {backend.reason}")
         compile_forward(model, training_args, sampled=sampling != "fixed")
         with training_args.main_process_first(desc="tokenize and pack"):
             train_ds, eval_ds = build_datasets(data_args, tokenizer)

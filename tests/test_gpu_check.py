@@ -29,7 +29,7 @@ def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops
     result = json.loads((out / "gpu_check.json").read_text())
     sections = result["sections"]
     assert list(sections) == ["environment", "logits", "train_eager", "trainer_overhead", "decode", "micro_sweep",
-                              "train_compiled"]  # fmt: skip
+                              "train_compiled", "decode_compiled"]  # fmt: skip
     assert {name: sec["status"] for name, sec in sections.items()} == dict.fromkeys(sections, "ok")
 
     logits = sections["logits"]
@@ -46,6 +46,8 @@ def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops
         for row in rows.values():
             assert row["tokens_per_s"] > 0 and row["peak_memory_gib"] is None  # CPU: no CUDA allocator
             assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / peak)
+            assert row["attention"] == "sdpa"  # what apply_attention_backend picks without CUDA
+            assert 1 <= len(row["kernels"]) <= gpu_check.TOP_KERNELS and row["kernels"][0]["ms"] > 0
     assert [r["compiled"] for r in sections["train_compiled"]["rows"]] == ["eager", "eager"]  # tiny: dynamo only
 
     overhead = sections["trainer_overhead"]["rows"]
@@ -56,8 +58,15 @@ def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops
 
     decode = {r["setting"]: r for r in sections["decode"]["rows"]}
     assert set(decode) == {"plain r=4", "kv_budget=1", "exit kl 1e-3", "self-draft k=1"}
-    assert decode["self-draft k=1"]["identical_to_plain"] and 0 <= decode["self-draft k=1"]["acceptance"] <= 1
+    drafted = decode["self-draft k=1"]
+    assert drafted["identical_to_plain"] and 0 <= drafted["acceptance"] <= 1  # fp32 on the CPU: identical
+    assert drafted["greedy_within_rounding"] and drafted["agree_until"] == gpu_check.TINY.decode_new
     assert 1 <= decode["exit kl 1e-3"]["mean_recurrences"] <= 4
+    compiled = {r["setting"]: r for r in sections["decode_compiled"]["rows"]}
+    assert set(compiled) == {"loop4 r=4", "loop4 r=4 kv_budget=1", "llama20"}
+    assert all(r["graphs"] > 0 and r["tokens_per_s"] > 0 for r in compiled.values())  # really compiled
+    assert compiled["loop4 r=4"]["same_as_eager"] and compiled["loop4 r=4 kv_budget=1"]["greedy_within_rounding"]
+    assert sections["decode_compiled"]["loop4_over_llama"] == pytest.approx(compiled["loop4 r=4"]["vs_llama"])
 
     sweep = sections["micro_sweep"]
     assert len(sweep["runs"]) == 8 and all(r["status"] == "ok" and r["s_per_step"] > 0 for r in sweep["runs"])
@@ -124,3 +133,35 @@ def test_llama_flops_come_from_a_plain_looped_twin_of_its_exact_shape():
     attention = 12 * sizes.width * sizes.seq_len * config.num_hidden_layers  # 12 h q T per layer
     assert gpu_check.llama_flops_per_token(config, sizes.seq_len) == 6 * dense + attention
     assert gpu_check.llama_ffn(640) == 1792
+
+
+@pytest.mark.slow
+def test_the_study_comparison_section_with_study_src(tmp_path):
+    """``--study-src`` adds ``vs_study``: three sides at the check's width, tokens/s, MFU, phases
+    and each side's top kernels, in the JSON and the markdown (a stand-in for the study's
+    nanochat package here; its code is never in this repository)."""
+    from test_bench_vs_study import FAKE_COMMON, FAKE_GPT
+
+    study = tmp_path / "study" / "nanochat"
+    study.mkdir(parents=True)
+    (study / "__init__.py").write_text("")
+    (study / "gpt.py").write_text(FAKE_GPT)
+    (study / "common.py").write_text(FAKE_COMMON)
+    out = tmp_path / "gc"
+    argv = ["--out", str(out), "--tiny", "--only", "vs_study", "--study-src", str(study.parent), "--peak-flops", "1e10"]
+    assert gpu_check.main(argv) == 0
+    sec = json.loads((out / "gpu_check.json").read_text())["sections"]["vs_study"]
+    assert sec["status"] == "ok" and sec["shape"]["width"] == gpu_check.TINY.width
+    rows = {r["side"]: r for r in sec["rows"]}
+    assert set(rows) == {"study", "study core", "looped_hf", "bare"}
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows.values())
+    assert set(rows["study"]["phases_ms"]) == {"fwd", "bwd", "stats", "opt"}
+    assert set(sec["kernels"]) == {"study", "looped_hf", "bare"}
+    assert sec["looped_hf_over_study"] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert "looped_hf / study tokens/s" in md and "Top of one profiled study step" in md
+
+
+def test_a_study_src_without_nanochat_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path / "gc"), "--tiny", "--study-src", str(tmp_path)])

@@ -1,4 +1,4 @@
-"""KV budget (issue 11, item 1): only k recurrence slots in the cache, the study's engine.
+"""KV budget (test-time compute): only k recurrence slots in the cache, the study's engine.
 
 Recurrence i's block layer j uses slot P + (i mod k)*K + j (kschwethelm/looped-lm-scaling,
 nanochat/gpt.py ``_get_kv_layer_idx``); a slot keeps its last writer's KV. The references below are
@@ -219,6 +219,29 @@ def test_forward_compiles_with_a_budget_and_a_static_cache():
     torch._dynamo.reset()
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_budget", [None, 1], ids=["plain", "kv_budget_1"])
+def test_generate_compiles_its_decoding_steps_with_a_static_cache_and_a_budget(kv_budget):
+    """transformers' compiled decoding (a static cache and ``compile_config``: on a GPU
+    ``mode="reduce-overhead"``, CUDA graphs) runs the looped forward, under a KV budget too, as
+    one graph per shape, and decodes exactly what eager decoding does."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, ids = tiny_model(), prompts(batch=1)
+    model.config.use_cache = True
+    config = CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True  # transformers compiles on a CPU only when told
+    with torch.no_grad():
+        plain = greedy(model, ids, kv_budget=kv_budget)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = greedy(model, ids, kv_budget=kv_budget, cache_implementation="static", compile_config=config)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    assert torch.equal(compiled, plain)
+    assert graphs >= 1 and breaks == 0
 
 
 # --------------------------------------------------------------------------------------------

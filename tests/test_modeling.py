@@ -465,3 +465,22 @@ def test_train_and_eval_reach_every_module_and_skip_the_walk_when_nothing_change
     assert walked and not any(m.training for m in model.modules())
     with pytest.raises(ValueError, match="boolean"):
         model.train("yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_soft_cap_is_the_studys_formula_with_autograds_gradient(dtype) -> None:
+    """Logits bit for bit cap * tanh(x / cap) in fp32 (the study's); the one-kernel backward
+    gives autograd's gradient of that formula up to rounding, in the input's dtype."""
+    from looped_hf.modeling_looped import _SoftCap
+
+    x = (torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 40).to(dtype)
+    grad = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(1))
+    a = x.clone().requires_grad_()
+    b = x.clone().requires_grad_()
+    reference = 15.0 * torch.tanh(a.float() / 15.0)
+    capped = _SoftCap.apply(b, 15.0)
+    assert capped.dtype == torch.float32 and torch.equal(capped, reference)
+    reference.backward(grad)
+    capped.backward(grad)
+    assert b.grad.dtype == dtype
+    torch.testing.assert_close(b.grad, a.grad, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)

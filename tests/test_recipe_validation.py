@@ -205,3 +205,12 @@ def test_check_names_a_local_data_source_without_reading_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"data       1 local json file from {corpus}" in out and "looped_hf/bytes (258 tokens)" in out
     assert not (tmp_path / "data").exists()  # nothing tokenized or cached
+
+
+def test_attn_implementation_takes_auto_a_transformers_name_or_a_hub_kernel_and_refuses_the_rest() -> None:
+    from looped_hf.arguments import ModelArguments, RecipeError
+
+    for name in (None, "auto", "eager", "sdpa", "flash_attention_3", "kernels-community/flash-attn3"):
+        assert ModelArguments(attn_implementation=name).attn_implementation == name
+    with pytest.raises(RecipeError, match=r"attn_implementation='flash3': must be auto, eager, one of"):
+        ModelArguments(attn_implementation="flash3")

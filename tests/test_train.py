@@ -41,6 +41,9 @@ def test_run_record_is_complete_and_run_dir_is_publishable(tiny_recipe, tmp_path
     assert record["arch"] == "loop2" and record["num_recurrences"] == 2 and record["budget"] is None
     assert record["n_once"] > 0 and record["n_rec"] > 0 and record["effective_num_layers"] == 4
     assert record["versions"]["transformers"].startswith("5.")
+    # The attention kernel the run used, and why (no CUDA here: the study's rule falls to sdpa).
+    assert record["attention_backend"]["implementation"] == "sdpa"
+    assert record["attention_backend"]["reason"] == "sdpa (no CUDA device)"
     run_dir = tmp_path / "run"
     for name in ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
                  "generation_config.json", "tokenizer.json", "run_record.json", "recipe.yaml"):  # fmt: skip

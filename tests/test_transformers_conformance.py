@@ -1,4 +1,4 @@
-"""The looped model behaves like transformers 5.24's decoders (issue 10).
+"""The looped model behaves like transformers 5.24's decoders (the conformance a user relies on).
 
 Legacy and unknown keywords, tuples, full-graph compile with a static cache, hidden states and
 attentions through transformers' output capturing, the standard heads, tensor parallelism, LoRA
