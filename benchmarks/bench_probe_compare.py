@@ -9,7 +9,8 @@ difference and the true delta is known). For each seed:
   ``git worktree add /tmp/old <commit>``), run in a subprocess: the probe fitted without any
   r = 1 run, independent bootstraps;
 - after: this checkout's ``compare_fits``: the probe fitted with the base's r = 1 runs, paired
-  bootstrap.
+  bootstrap with every resample fit checked; and the joint-fit profile-likelihood interval of
+  delta (row ``profile``), the fit-check summary and the verdict.
 
 Prints one row per seed and whether each 95% interval covers the true delta.
 
@@ -72,8 +73,10 @@ def run_old(old: Path, base: Path, probe: Path, n: int, seed: int) -> dict:
 
 def run_new(base: list[dict], probe: list[dict], n: int, seed: int) -> dict:
     c = compare_fits(base, probe, bootstrap=n, seed=seed)
+    assert c.profile is not None and c.checks is not None
     return {"base": c.base.params["phi"], "probe": c.probe.params["phi"], "delta": c.delta_phi,
-            "ci": list(c.ci), "shared": c.shared_r1}  # fmt: skip
+            "ci": list(c.ci), "shared": c.shared_r1, "profile": list(c.profile.interval),
+            "checks": c.checks.summary("resamples"), "verdict": c.verdict["line"]}  # fmt: skip
 
 
 def _row(name: str, r: dict, true_delta: float) -> str:
@@ -112,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             new = run_new(base, probe, args.bootstrap, seed)
             print(_row("after", new, true_delta) + f"  ({time.perf_counter() - t:.0f} s; "
                   f"{new['shared']} r = 1 runs shared from the base)")  # fmt: skip
+            plo, phi_ = new["profile"]
+            if plo is not None and phi_ is not None:
+                print(_row("profile", {**new, "ci": [plo, phi_]}, true_delta) + "  (joint-fit profile likelihood)")
+            print(f"  {new['checks']}\n  verdict: {new['verdict']}")
     return 0
 
 

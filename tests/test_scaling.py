@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fixture_path
 from scipy.optimize import check_grad
 
 from looped_hf.scaling import (
@@ -35,8 +36,8 @@ from looped_hf.scaling.resample import cell_groups, refit_many, resample_problem
 from looped_hf.scaling.synthetic import BUDGETS, TINY_V0, TRUE_PARAMS, design_runs, sample_truth, study_runs
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-CHINCHILLA_CSV = SHARED_DATA / "chinchilla_svg_extracted.csv"
+#: Epoch AI's extraction of Chinchilla's figure (tests/fixtures/chinchilla/PROVENANCE.md).
+CHINCHILLA_CSV = fixture_path("chinchilla", "chinchilla_svg_extracted.csv")
 
 # Besiroglu et al. 2024 (arXiv:2404.10102), Table 1: refit of Chinchilla Approach 3.
 EPOCH = {"E": 1.817, "A": 482.01, "B": 2085.43, "alpha": 0.3478, "beta": 0.3658}
@@ -48,12 +49,6 @@ EPOCH_CI = {
     "beta": (0.331, 0.415),
 }
 
-needs_chinchilla = pytest.mark.skipif(
-    not CHINCHILLA_CSV.is_file(),
-    reason=f"reference data not found at {CHINCHILLA_CSV} (shared/ beside the repo)",
-)
-
-
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -61,8 +56,6 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def chinchilla_rows() -> list[dict]:
-    if not CHINCHILLA_CSV.is_file():
-        pytest.skip(f"reference data not found at {CHINCHILLA_CSV}")
     return load_chinchilla_svg(CHINCHILLA_CSV)
 
 
@@ -126,7 +119,6 @@ def test_objective_is_a_sum_not_a_mean() -> None:
 
 
 # ----------------------------------------------------------------------------- reference data
-@needs_chinchilla
 def test_chinchilla_refit_reproduces_besiroglu_point_estimate(chinchilla_fit: ScalingLawFit) -> None:
     p = chinchilla_fit.params
     assert len(chinchilla_fit.residuals) == 240
@@ -137,7 +129,6 @@ def test_chinchilla_refit_reproduces_besiroglu_point_estimate(chinchilla_fit: Sc
         assert p[name] == pytest.approx(EPOCH[name], rel=0.05), name
 
 
-@needs_chinchilla
 def test_chinchilla_bootstrap_intervals_close_to_besiroglu(chinchilla_fit: ScalingLawFit) -> None:
     ci = chinchilla_fit.ci
     for name in ("E", "alpha", "beta"):
@@ -150,7 +141,6 @@ def test_chinchilla_bootstrap_intervals_close_to_besiroglu(chinchilla_fit: Scali
         assert ci[name][1] == pytest.approx(hi, rel=0.2), name
 
 
-@needs_chinchilla
 def test_screening_finds_the_exhaustive_optimum(
     chinchilla_rows: list[dict], chinchilla_fit: ScalingLawFit
 ) -> None:
@@ -160,7 +150,6 @@ def test_screening_finds_the_exhaustive_optimum(
     assert wide.params["alpha"] == pytest.approx(chinchilla_fit.params["alpha"], rel=1e-4)
 
 
-@needs_chinchilla
 def test_fit_accepts_a_dataframe_with_params_tokens_loss(chinchilla_rows: list[dict]) -> None:
     pd = pytest.importorskip("pandas")
     df = pd.DataFrame(chinchilla_rows)[["params", "tokens", "loss"]]
@@ -516,7 +505,7 @@ def test_batched_descent_lowers_every_row_and_reaches_the_lbfgsb_optimum() -> No
     lo, hi = np.array(law.BOUNDS).T
     assert np.all((theta >= lo) & (theta <= hi))
     with single_threaded_blas():  # L-BFGS-B's tiny BLAS calls crawl with a thread pool on a busy machine
-        best, _, _ = multistart(data, starts, free, n_polish=64)  # every start polished with L-BFGS-B
+        best, _, _ = multistart(data, starts, free, n_polish=64, polish_all=True)  # every start, L-BFGS-B
         polished = polish(theta[np.argmin(f)], data, None, free)
     assert polished.fun == pytest.approx(best.fun, rel=1e-6)
     assert polished.theta[5] == pytest.approx(best.theta[5], abs=1e-3)
@@ -546,7 +535,7 @@ def test_bootstrap_resamples_reach_the_exhaustive_multistart_optimum(weak_runs: 
         for b in range(problems.n):
             w = problems.weights[b]
             starts = random_starts(np.random.default_rng(10 + b), 500, {})
-            ref, _, _ = multistart(data, starts, free, w, n_polish=32)
+            ref, _, _ = multistart(data, starts, free, w, n_polish=32, polish_all=True)
             assert funs[b] <= ref.fun * (1 + 1e-6), b
             assert funs[b] == pytest.approx(law.objective(thetas[b][None], data, w)[0][0], rel=1e-9)
 

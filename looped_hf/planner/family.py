@@ -3,7 +3,10 @@ package docstring)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +26,9 @@ if TYPE_CHECKING:
 _FIT_MULTIPLES = (1, 2, 3)
 _CHECK_MULTIPLE = 7
 _PRECISION_FLAGS = ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval")
+#: The name the sweep saves its recipe under beside results.jsonl (``looped_hf.sweep.RECIPE_COPY``,
+#: repeated here because importing the sweep package imports torch; a test checks they agree).
+RECIPE_COPY = "sweep.yaml"
 
 # ---------------------------------------------------------------------------------------------
 # The architecture family: width -> the model's accounting, per r
@@ -124,20 +130,107 @@ class ArchitectureFamily:
     @classmethod
     def from_recipe(cls, recipe: str | os.PathLike[str] | Mapping[str, Any]) -> ArchitectureFamily:
         """The family of a sweep recipe (YAML path or mapping with a ``sweep:`` section); cached
-        per file and modification time."""
+        per file and modification time in memory, and on disk per recipe text and accounting code
+        (:func:`family_cache_dir`)."""
         if isinstance(recipe, Mapping):
-            return _family_from_recipe(dict(recipe), "<recipe mapping>")
+            text = json.dumps(recipe, sort_keys=True, default=str)
+            return _disk_cached(text, "<recipe mapping>", lambda: _family_from_recipe(dict(recipe), "<recipe mapping>"))
         path = Path(recipe).resolve()
         if not path.is_file():
             raise FileNotFoundError(f"recipe={str(recipe)!r}: no such file")
         return _cached_family(str(path), path.stat().st_mtime_ns)
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the disk cache's)."""
+        return {
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "members"},
+            "members": [
+                {k: (dataclasses.asdict(v) if isinstance(v, Quadratic) else v) for k, v in vars(m).items()}
+                for m in self.members.values()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], source: str) -> ArchitectureFamily:
+        """Inverse of :meth:`to_dict` (``source`` replaces the stored one: the cache is per text)."""
+        members = {}
+        for m in obj["members"]:
+            fields = {k: (Quadratic(**v) if isinstance(v, dict) else v) for k, v in m.items()}
+            members[int(fields["r"])] = FamilyMember(**fields)
+        tuples = ("sweep_budgets", "sweep_widths", "sweep_recurrences")
+        rest = {k: (tuple(v) if k in tuples else v) for k, v in obj.items() if k not in ("members", "source")}
+        return cls(members=members, source=source, **rest)
+
 
 @functools.lru_cache(maxsize=8)
 def _cached_family(path: str, _mtime_ns: int) -> ArchitectureFamily:
-    from looped_hf.arguments import load_yaml
+    def measure() -> ArchitectureFamily:
+        from looped_hf.arguments import load_yaml
 
-    return _family_from_recipe(load_yaml(path), path)
+        return _family_from_recipe(load_yaml(path), path)
+
+    return _disk_cached(Path(path).read_text(encoding="utf-8"), path, measure)
+
+
+#: Sources whose code decides a family's numbers (the recipe parser, the sweep plan, the model's
+#: accounting): a change to any of them makes every cached family stale.
+_ACCOUNTING_SOURCES = (
+    "arguments.py", "configuration_looped.py", "modeling_looped.py", "interface_looped.py",
+    "generation_looped.py", "sweep", "planner/family.py",
+)  # fmt: skip
+_FAMILY_FORMAT = "looped_hf.family/1"
+
+
+def family_cache_dir() -> Path | None:
+    """Where measured families are kept: ``$LOOPED_HF_CACHE/families`` (``LOOPED_HF_CACHE=""``
+    turns the disk cache off), else ``$XDG_CACHE_HOME/looped_hf/families`` (``~/.cache``).
+
+    Why a disk cache: measuring a family builds the recipe's models on torch's meta device, which
+    imports torch and transformers (~3.5 s) and takes seconds more; the numbers depend only on the
+    recipe text and the accounting code, so ``looped-hf plan`` on a recipe it has measured before
+    is numpy only.
+    """
+    env = os.environ.get("LOOPED_HF_CACHE")
+    if env == "":
+        return None
+    root = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "looped_hf"
+    return root / "families"
+
+
+def _accounting_key(recipe_text: str) -> str:
+    """sha256 of the recipe text and of every source file the family's numbers come from."""
+    digest = hashlib.sha256(recipe_text.encode("utf-8"))
+    package = Path(__file__).resolve().parents[1]
+    for name in _ACCOUNTING_SOURCES:
+        target = package / name
+        files = sorted(target.rglob("*.py")) if target.is_dir() else [target]
+        for path in files:
+            digest.update(path.relative_to(package).as_posix().encode())
+            digest.update(path.read_bytes() if path.is_file() else b"<missing>")
+    return digest.hexdigest()
+
+
+def _disk_cached(recipe_text: str, source: str, measure: Any) -> ArchitectureFamily:
+    """The family of ``recipe_text`` from the disk cache, else ``measure()`` and store it."""
+    root = family_cache_dir()
+    if root is None:
+        return measure()
+    path = root / f"{_accounting_key(recipe_text)}.json"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+        if obj.get("format") == _FAMILY_FORMAT:
+            return ArchitectureFamily.from_dict(obj["family"], source)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent, unreadable or from another version: measure again
+    family = measure()
+    try:
+        from looped_hf.fileio import write_text_atomic
+
+        root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"format": _FAMILY_FORMAT, "family": family.to_dict()}))
+    except OSError:
+        pass  # a read-only cache only costs the next run the measurement
+    return family
 
 
 def _family_from_recipe(data: dict[str, Any], where: str) -> ArchitectureFamily:
@@ -153,11 +246,12 @@ def _family_from_recipe(data: dict[str, Any], where: str) -> ArchitectureFamily:
     hd = sweep.head_dim
     measure = [hd * k for k in (*_FIT_MULTIPLES, _CHECK_MULTIPLE)]
     probe = dict(data)
-    # One budget far above any run (so no width falls under one optimizer step), one seed, every r;
-    # per-r learning rates are a training matter (and need every r listed): not the plan's.
+    # One budget far above any run (so no width falls under one optimizer step), yet low enough
+    # that the run's step counts fit the recipe's 64-bit integers; one seed, every r; per-r
+    # learning rates are a training matter (and need every r listed): not the plan's.
     probe["sweep"] = {
         **{k: v for k, v in data["sweep"].items() if k != "learning_rate_by_r"},
-        "budgets": [1e30], "widths": measure, "recurrences": rs, "seeds": [0],
+        "budgets": [1e24], "widths": measure, "recurrences": rs, "seeds": [0],
     }  # fmt: skip
     plan = make_plan(probe)
     members = {r: _measure_member(plan, r, measure) for r in rs}
@@ -219,8 +313,6 @@ def family_for_fit(
     fitted ``results.jsonl`` (``fit.runs.source``). Checks that the family's models are the fitted
     runs' (N_once, N_rec at their width and r)."""
     if recipe is None:
-        from looped_hf.sweep import RECIPE_COPY
-
         source = fit.runs.source if fit.runs is not None else None
         candidate = Path(source).parent / RECIPE_COPY if source and source != "<memory>" else None
         if candidate is None or not candidate.is_file():

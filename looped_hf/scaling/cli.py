@@ -7,7 +7,11 @@
 Prints the report, which ends its fit section with the identifiability verdict (is phi pinned
 down, and if not, what to add to the sweep). With ``--compare``, a probe sweep without r = 1
 runs (the study's truncated and hyperconnection probes) is fitted with the base's r = 1 runs,
-as the study does, and the interval of the phi difference comes from a paired bootstrap. Bad input (a ValueError naming row and column) exits with status 2 and
+as the study does; the phi difference gets a paired-bootstrap interval (every resample fit
+checked, failures refitted or dropped and counted) and a profile-likelihood interval from the
+joint fit, and a verdict that says whether the comparison decides and which interval it trusts.
+numpy/scipy only: neither this command nor ``python -m looped_hf fit`` imports torch or
+transformers. Bad input (a ValueError naming row and column) exits with status 2 and
 writes nothing; ``--out`` is written atomically (temp file + ``os.replace``) after the fit and
 plots succeeded.
 """

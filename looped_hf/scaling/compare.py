@@ -1,9 +1,19 @@
 """phi of a probe sweep against its baseline: ``compare_fits`` and its ``FitComparison``.
 
 A probe (truncated backprop, hyperconnections, ...) is judged by delta phi = phi_probe - phi_base
-with a bootstrap interval. Independent sweeps: the difference of independent bootstrap draws. A
-probe without r = 1 runs of its own (the study's layout): fitted with the base's r = 1 runs, and
-the bootstrap is paired, so the correlation the shared runs create is in the interval.
+with two 95% intervals:
+
+- a percentile bootstrap. Independent sweeps: the difference of independent bootstrap draws. A
+  probe without r = 1 runs of its own (the study's layout): fitted with the base's r = 1 runs,
+  and the bootstrap is paired, so the correlation the shared runs create is in the interval.
+  Every resample's two fits are checked (:func:`~.resample.refit_checked`); a pair whose fit
+  still fails after a refit from more starts is dropped and counted;
+- a profile-likelihood interval from the joint fit in which the probe's phi is the base's phi
+  + delta (:func:`~.profile.delta_profile`): it needs no resample fits, so degenerate resamples
+  cannot drag it.
+
+The verdict (:func:`comparison_verdict`) says whether the comparison decides the sign of delta
+and, when the two intervals disagree, which one it trusts and why.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ from .diagnose import diagnose
 from .fit import BootstrapMethod, ScalingLawFit, _free_mask, _law_data, _set_bootstrap, fit_scaling_law
 from .law import LawData
 from .optimize import single_threaded_blas
-from .profile import profile_phi
-from .resample import RESAMPLE_METHODS, paired_resample_problems, refit_many
+from .profile import DeltaProfile, delta_profile, profile_phi
+from .resample import RESAMPLE_METHODS, RefitStatus, paired_resample_problems, refit_checked
 
 
 @dataclass
@@ -47,6 +57,17 @@ class FitComparison:
     shared_r1: int = 0
     """Runs in both fits (the base's r = 1 runs a probe without any shares; 0: independent sweeps)."""
     bootstrap_method: str = ""
+    profile: DeltaProfile | None = None
+    """The profile-likelihood interval of delta from the joint fit (None: a fit has no phi profile)."""
+    checks: RefitStatus | None = None
+    """What the checks of the resample fits found (paired layout; None for stored draws)."""
+    n_resamples: int = 0
+    """Resamples drawn (``len(samples)`` is those kept after the fit checks)."""
+
+    @property
+    def verdict(self) -> dict[str, Any]:
+        """Does the comparison decide, and which interval it trusts (:func:`comparison_verdict`)."""
+        return comparison_verdict(self)
 
     def report(self) -> str:
         b, p = self.base.params["phi"], self.probe.params["phi"]
@@ -69,9 +90,23 @@ class FitComparison:
         else:
             how = f"independent {self.bootstrap_method} resamples of the two sweeps".replace("  ", " ")
         lines.append(
-            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}] "
+            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% bootstrap CI [{lo:+.3f}, {hi:+.3f}] "
             f"({len(self.samples)} {how}; the interval {verdict})"
         )
+        if self.checks is not None:
+            lines.append(f"  fit checks: {self.checks.summary('resamples (pairs of fits)')}")
+        if self.profile is not None:
+            plo, phi_ = self.profile.interval
+            pv = (
+                "excludes 0"
+                if (plo is not None and plo > 0) or (phi_ is not None and phi_ < 0)
+                else "includes 0"
+            )
+            lines.append(
+                f"delta phi 95% profile-likelihood CI {_fmt_open(self.profile.interval)} (joint fit, probe phi = "
+                f"base phi + delta, each sweep with its own E, A, alpha, B, beta; the interval {pv})"
+            )
+        lines.append(f"verdict: {self.verdict['line']}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,10 +114,77 @@ class FitComparison:
             "delta_phi": self.delta_phi,
             "ci": list(self.ci),
             "n_bootstrap": int(len(self.samples)),
+            "n_resamples": int(self.n_resamples or len(self.samples)),
             "shared_r1": self.shared_r1,
             "paired": bool(self.shared_r1),
             "bootstrap_method": self.bootstrap_method,
+            "bootstrap_checks": None if self.checks is None else self.checks.to_dict(),
+            "profile": None if self.profile is None else self.profile.to_dict(),
+            "verdict": self.verdict,
         }
+
+
+def _fmt_open(ci: tuple[float | None, float | None]) -> str:
+    lo, hi = ci
+    return f"[{'box' if lo is None else f'{lo:+.3f}'}, {'box' if hi is None else f'{hi:+.3f}'}]"
+
+
+#: A bootstrap that dropped more than this share of its resamples is not trusted over the profile.
+_MAX_DROPPED = 0.05
+
+
+def comparison_verdict(c: FitComparison) -> dict[str, Any]:
+    """Whether the comparison decides the sign of delta phi, and which interval it trusts.
+
+    Each 95% interval either excludes 0 (it decides a sign) or not. Both agree: that is the
+    answer. They disagree: the profile interval is trusted when the bootstrap is the suspect one
+    (it dropped more than 5% of its resamples as failed fits, or reaches further than the
+    profile's widest reach by more than the profile's own width: resamples in a flat direction);
+    otherwise the bootstrap is trusted (it keeps the correlation of runs in one (budget, r) cell,
+    which the profile's independent-error LR scale does not), and the line says so.
+    """
+    lo, hi = c.ci
+    boot_sign = 1 if lo > 0 else (-1 if hi < 0 else 0)
+    out: dict[str, Any] = {"bootstrap": [lo, hi], "profile": None}
+    if c.profile is None:
+        out.update(decides=bool(boot_sign), trusted="bootstrap", sign=boot_sign)
+        what = "delta phi > 0" if boot_sign > 0 else ("delta phi < 0" if boot_sign < 0 else "no sign")
+        out["line"] = (
+            f"{'decides' if boot_sign else 'does not decide'}: {what} (bootstrap only, no phi profiles)"
+        )
+        return out
+    plo, phi_ = c.profile.interval
+    out["profile"] = [plo, phi_]
+    prof_sign = 1 if (plo is not None and plo > 0) else (-1 if (phi_ is not None and phi_ < 0) else 0)
+    dropped = 0.0 if c.checks is None or not c.checks.n else c.checks.n_dropped / c.checks.n
+    # More than 5% (and more than one: one failure in a dozen quick resamples does not decide).
+    too_many = c.checks is not None and c.checks.n_dropped > max(1.0, _MAX_DROPPED * c.checks.n)
+    p_lo = -np.inf if plo is None else plo
+    p_hi = np.inf if phi_ is None else phi_
+    width = p_hi - p_lo
+    boot_wild = too_many or (np.isfinite(width) and (lo < p_lo - width or hi > p_hi + width))
+    if boot_sign == prof_sign:
+        trusted, sign = "both", boot_sign
+        why = "the two intervals agree"
+    elif boot_wild:
+        trusted, sign = "profile", prof_sign
+        why = (
+            "the intervals disagree; the profile interval is trusted: the bootstrap "
+            + (f"dropped {100 * dropped:.0f}% of its resamples as failed fits" if too_many
+               else "reaches far beyond the profile interval (resamples in a flat direction)")
+        )  # fmt: skip
+    else:
+        trusted, sign = "bootstrap", boot_sign
+        why = (
+            "the intervals disagree; the bootstrap is trusted: its resample fits passed the checks and it keeps "
+            "the correlation of runs in one (budget, r) cell, which the profile's LR scale does not"
+        )
+    what = (
+        "delta phi > 0" if sign > 0 else ("delta phi < 0" if sign < 0 else "0 is inside the trusted interval")
+    )
+    out.update(decides=bool(sign), trusted=trusted, sign=sign, dropped_share=dropped)
+    out["line"] = f"{'decides' if sign else 'does not decide'}: {what} ({why})"
+    return out
 
 
 def _fmt_ci(ci: tuple[float, float] | None) -> str:
@@ -139,9 +241,9 @@ def _bootstrap_extra(fit: ScalingLawFit, data: LawData, seed: int) -> list[np.nd
 def _paired_bootstrap(
     fb: ScalingLawFit, fp: ScalingLawFit, match: np.ndarray, method: BootstrapMethod, n: int, seed: int,
     n_starts: int = 16,
-) -> tuple[np.ndarray, np.ndarray, str]:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray, str, RefitStatus, RefitStatus]:  # fmt: skip
     """Refit both sweeps on ``n`` joint resamples (see :class:`FitComparison`): the thetas of
-    the base and of the probe, ``(n, 6)`` each, and the method used."""
+    the base and of the probe, ``(n, 6)`` each, the method used and each sweep's fit checks."""
     assert fb.runs is not None and fp.runs is not None
     data_b, data_p = _law_data(fb.runs, True), _law_data(fp.runs, True)
     free = _free_mask(True)
@@ -154,13 +256,14 @@ def _paired_bootstrap(
     prob_b, prob_p = paired_resample_problems(
         used, n, rng, data_b, data_p, fb.theta, fp.theta, units_b, units_p, match, int(free.sum())
     )
-    thetas = []
+    thetas, statuses = [], []
     for f, data, prob in ((fb, data_b, prob_b), (fp, data_p, prob_p)):
-        th, _ = refit_many(
+        th, _, status = refit_checked(
             data, prob, f.theta, free, rng, n_starts=n_starts, extra=_bootstrap_extra(f, data, seed)
         )
         thetas.append(th)
-    return thetas[0], thetas[1], used
+        statuses.append(status)
+    return thetas[0], thetas[1], used, statuses[0], statuses[1]
 
 
 def compare_fits(
@@ -233,10 +336,14 @@ def compare_fits(
     methods = {
         f.settings.get("bootstrap_method_used", f.settings.get("bootstrap_method", "")) for f in (fb, fp)
     }
-    return _comparison(fb, fp, phis, diff, bootstrap_method="/".join(sorted(str(m) for m in methods)))
+    n_runs = sum(len(f.runs) for f in (fb, fp) if f.runs is not None)
+    return _comparison(fb, fp, phis, diff, bootstrap_method="/".join(sorted(str(m) for m in methods)),
+                       n_resamples=n, profile=_delta_profile(fb, fp, n_runs))  # fmt: skip
 
 
-def _comparison(fb: ScalingLawFit, fp: ScalingLawFit, phis: list[float], diff: np.ndarray, **extra: Any) -> FitComparison:
+def _comparison(
+    fb: ScalingLawFit, fp: ScalingLawFit, phis: list[float], diff: np.ndarray, **extra: Any
+) -> FitComparison:
     """The comparison from the two fitted phi and the bootstrap draws of their difference."""
     lo, hi = np.percentile(diff, [2.5, 97.5])
     return FitComparison(base=fb, probe=fp, delta_phi=phis[1] - phis[0], ci=(float(lo), float(hi)), samples=diff,
@@ -268,12 +375,30 @@ def _compare_paired(
     fb, fp = fits
     phis = [_compared_phi("base", fb), _compared_phi("probe", fp)]
     with single_threaded_blas():
-        th_b, th_p, used = _paired_bootstrap(fb, fp, match, method, bootstrap, seed)
-    for f, th in ((fb, th_b), (fp, th_p)):
+        th_b, th_p, used, st_b, st_p = _paired_bootstrap(fb, fp, match, method, bootstrap, seed)
+    for f, th, st in ((fb, th_b, st_b), (fp, th_p, st_p)):
         if any(f is g for g in fitted_here):
             # The marginal of the joint resample is this sweep's bootstrap (its CIs, its verdict).
-            _set_bootstrap(f, th, _free_mask(True))
+            _set_bootstrap(f, th, _free_mask(True), st)
             f.settings.update(bootstrap=bootstrap, bootstrap_method_used=f"paired {used}")
             f.diagnostics = diagnose(f)
-    assert fp.runs is not None
-    return _comparison(fb, fp, phis, th_p[:, 5] - th_b[:, 5], shared_r1=int((match >= 0).sum()), bootstrap_method=used)
+    # A pair counts only when both of its fits passed; "refitted": pairs with either fit refitted.
+    refitted = int(np.count_nonzero(_refitted_mask(st_b) | _refitted_mask(st_p)))
+    status = st_b.combine(st_p, refitted)
+    keep = ~status.failed
+    assert fp.runs is not None and fb.runs is not None
+    shared = int((match >= 0).sum())
+    return _comparison(fb, fp, phis, th_p[keep, 5] - th_b[keep, 5], shared_r1=shared, bootstrap_method=used,
+                       checks=status, n_resamples=bootstrap,
+                       profile=_delta_profile(fb, fp, len(fb.runs) + len(fp.runs) - shared))  # fmt: skip
+
+
+def _refitted_mask(status: RefitStatus) -> np.ndarray:
+    return status.refitted_mask if status.refitted_mask is not None else np.zeros(status.n, bool)
+
+
+def _delta_profile(fb: ScalingLawFit, fp: ScalingLawFit, n_runs: int) -> DeltaProfile | None:
+    """The joint-fit profile interval of delta phi from the two fits' phi profiles (None without them)."""
+    if fb.profile is None or fp.profile is None:
+        return None
+    return delta_profile(fb.profile, fp.profile, n_runs)

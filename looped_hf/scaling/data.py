@@ -202,6 +202,14 @@ def _records_from(source: Any) -> tuple[list[dict[str, Any]], list[str], str]:
     )
 
 
+def _show(x: Any) -> str:
+    """A number as Python writes it (``0``, ``-2``, ``0.5``), never numpy's ``np.float64(0.0)``."""
+    if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
+        f = float(x)
+        return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+    return repr(x)
+
+
 def _number(rec: Mapping[str, Any], col: str, label: str, where: str) -> float:
     """Parse ``rec[col]`` as a finite float or raise a ValueError naming row and column."""
     if col not in rec or rec[col] is None:
@@ -212,9 +220,11 @@ def _number(rec: Mapping[str, Any], col: str, label: str, where: str) -> float:
     try:
         x = float(v)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}{label}: column {col!r} is not a number ({v!r})") from None
+        raise ValueError(f"{where}{label}: column {col!r} is not a number ({_show(v)})") from None
     if not math.isfinite(x):
-        raise ValueError(f"{where}{label}: column {col!r} is {x!r}; losses, sizes and tokens must be finite")
+        raise ValueError(
+            f"{where}{label}: column {col!r} is {_show(x)}; losses, sizes and tokens must be finite"
+        )
     return x
 
 
@@ -224,7 +234,7 @@ def _optional_number(rec: Mapping[str, Any], col: str, label: str, where: str) -
         return math.nan
     x = _number(rec, col, label, where)
     if x <= 0 and col != "seed":
-        raise ValueError(f"{where}{label}: column {col!r} must be > 0, got {x!r}")
+        raise ValueError(f"{where}{label}: column {col!r} must be > 0, got {_show(x)}")
     return x
 
 
@@ -415,23 +425,25 @@ def _build_runs(
         for col in ("loss", "tokens"):
             x = _number(rec, col, label, where)
             if x <= 0:
-                raise ValueError(f"{where}{label}: column {col!r} must be > 0, got {x!r}")
+                raise ValueError(f"{where}{label}: column {col!r} must be > 0, got {_show(x)}")
             (loss if col == "loss" else tokens)[i] = x
         if kind == "plain":
             n_once[i] = _number(rec, "params", label, where)
             if n_once[i] <= 0:
-                raise ValueError(f"{where}{label}: column 'params' must be > 0, got {n_once[i]!r}")
+                raise ValueError(f"{where}{label}: column 'params' must be > 0, got {_show(n_once[i])}")
         else:
             n_once[i] = _number(rec, "n_once", label, where)
             n_rec[i] = _number(rec, "n_rec", label, where)
             reps[i] = _number(rec, "num_recurrences", label, where)
             for col, x in (("n_once", n_once[i]), ("n_rec", n_rec[i])):
                 if x < 0:
-                    raise ValueError(f"{where}{label}: column {col!r} must be >= 0, got {x!r}")
+                    raise ValueError(f"{where}{label}: column {col!r} must be >= 0, got {_show(x)}")
             if n_once[i] + n_rec[i] <= 0:
                 raise ValueError(f"{where}{label}: columns 'n_once' + 'n_rec' must be > 0 (both are 0)")
             if reps[i] < 1:
-                raise ValueError(f"{where}{label}: column 'num_recurrences' must be >= 1, got {reps[i]!r}")
+                raise ValueError(
+                    f"{where}{label}: column 'num_recurrences' must be >= 1, got {_show(reps[i])}"
+                )
         budget[i] = _optional_number(rec, "budget", label, where)
         flops[i] = _optional_number(rec, "train_flops", label, where)
         seed[i] = _optional_number(rec, "seed", label, where)

@@ -12,14 +12,16 @@ to judge that, all JSON-safe:
   parameter there is not estimated, it is clipped);
 - ``profile``: the profile-likelihood interval of phi and the LR statistic at phi = 0 and 1
   (:mod:`.profile`);
-- ``bootstrap``: the share of resamples with phi (or any parameter) on a bound;
+- ``bootstrap``: the share of kept resamples with phi (or any parameter) on a bound, and the
+  fit checks (``checks``: resamples refitted, dropped, and why);
 - ``verdict``: identified or not, and the reasons in words a user can act on (an identified
   phi can still carry placement advice: widths on one side of the optimum make the law
   extrapolate there).
 
 phi counts as identified when both 95% intervals (profile, and bootstrap if run) are closed
 inside the search box and no wider than :data:`PHI_WIDTH_IDENTIFIED`, and no fitted parameter
-sits on a bound. The width limit is half the distance between the two readings that matter
+sits on a bound, and the bootstrap (if run) dropped at most :data:`DROPPED_IDENTIFIED` of its
+resamples (or one) as failed fits. The width limit is half the distance between the two readings that matter
 (phi = 0: looping adds nothing; phi = 1: a recurrence is worth a unique block).
 
 :class:`SizeFamily` describes the sweep's models at one r as functions of their size, so that
@@ -306,7 +308,15 @@ def _bootstrap_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
         "at_bound_by_param": {
             _NATURAL[n]: float(on[:, i].mean()) for i, n in enumerate(PARAM_NAMES) if on[:, i].any()
         },
+        # Resample fits refitted / dropped by the fit checks (None: a fit saved before the checks).
+        "checks": fit.bootstrap_checks,
     }
+
+
+#: A bootstrap that had to drop more than this share of its resamples (failed fits; and more
+#: than one, so that one failure in a dozen quick resamples does not decide) does not identify
+#: phi on its own.
+DROPPED_IDENTIFIED = 0.05
 
 
 def _fmt_interval(ci: Any) -> str:
@@ -357,6 +367,16 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         intervals.append(
             ("bootstrap", (None if ci[0] <= lo_b + 1e-3 else ci[0], None if ci[1] >= hi_b - 1e-3 else ci[1]))
         )
+    checks = fit.bootstrap_checks or {}
+    if checks.get("n") and checks.get("dropped", 0) > max(1.0, DROPPED_IDENTIFIED * checks["n"]):
+        # Dropped resamples are failed fits, not evidence; but many of them mean many resamples
+        # leave phi (or another parameter) unbounded, so the kept ones understate the spread.
+        ok = False
+        n_drop, n_all = checks["dropped"], checks["n"]
+        reasons.append(f"{n_drop} of {n_all} bootstrap resamples could not be fitted (on a bound, not converged "
+                       "or a local optimum, even from more starts) and were dropped: the bootstrap interval "
+                       "understates the uncertainty; trust the profile interval")  # fmt: skip
+        short.append(f"{n_drop} of {n_all} bootstrap resamples failed to fit")
     if not intervals:
         ok = False
         reasons.append("no interval for phi: fit with checks (profile) or a bootstrap")

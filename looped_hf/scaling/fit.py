@@ -27,9 +27,13 @@ What makes the bootstrap honest where the objective is flat (a weakly identified
    reparametrisation; the basic (reflected) interval ``2 phi_hat - q`` leaves the box when the
    bootstrap distribution is skewed by a flat direction, and BCa's acceleration, estimated by
    the jackknife, is unstable on such multi-modal distributions;
-3. resamples that end on a bound are kept (dropping them would narrow the interval exactly
-   when the data say least); their share is reported, and a percentile end on the box is an
-   open end: the verdict then says phi is not identified.
+3. every resample's fit is checked (:func:`~.resample.refit_checked`): it must have converged,
+   sit at no parameter bound and reach an objective no worse than the descent of that resample
+   from the full-data optimum. A failing one is refitted from four times the starts; one that
+   still fails is a failure of the optimiser (a flat direction run onto the box, a local
+   optimum), not evidence about phi, and is dropped. How many were refitted and dropped is in
+   ``bootstrap_checks`` (JSON) and in the report, so that a bootstrap that had to drop many
+   resamples is read as the weak evidence it is (the profile interval does not depend on it).
 
 The coverage of both intervals is validated on synthetic sweeps with random truth, for the
 study's design and for a weakly identified one, by ``scripts/validate_phi_coverage.py``.
@@ -55,7 +59,7 @@ from .diagnose import diagnose
 from .law import LawData
 from .optimize import Polished, chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
 from .profile import PhiProfile, profile_phi
-from .resample import RESAMPLE_METHODS, cell_groups, refit_many, resample_problems
+from .resample import RESAMPLE_METHODS, RefitStatus, cell_groups, refit_checked, resample_problems
 
 BootstrapMethod = Literal["cell", "run", "residual"]
 StartMethod = Literal["auto", "random", "grid"]
@@ -108,7 +112,11 @@ class ScalingLawFit:
         phi_identifiable: whether the data identify phi.
         fixed_phi: the value phi was held at, if any.
         runs: the fitted runs (kept for reports, plots and the JSON round trip).
-        bootstrap_samples: ``(n_ok, 6)`` natural parameters of the bootstrap fits.
+        bootstrap_samples: ``(n_ok, 6)`` natural parameters of the bootstrap fits that passed
+            the fit checks (see ``bootstrap_checks``).
+        bootstrap_checks: what the checks of every resample's fit found
+            (:class:`~.resample.RefitStatus` as a dict: ``n``, ``refitted``, ``dropped``,
+            ``reasons``, ``summary``); ``None`` without a bootstrap.
         restricted: ``{"phi=0": {...}, "phi=1": {...}}`` with each restricted fit's ``r2``,
             ``objective`` and ``params``.
         holdout: leave-one-budget-out check (fit without the largest budget, error on it).
@@ -130,6 +138,7 @@ class ScalingLawFit:
     fixed_phi: float | None = None
     runs: Runs | None = None
     bootstrap_samples: np.ndarray | None = None
+    bootstrap_checks: dict[str, Any] | None = None
     restricted: dict[str, dict[str, Any]] = field(default_factory=dict)
     holdout: dict[str, Any] | None = None
     profile: PhiProfile | None = None
@@ -248,6 +257,7 @@ class ScalingLawFit:
             "phi_identifiable": self.phi_identifiable,
             "fixed_phi": self.fixed_phi,
             "bootstrap_samples": None if self.bootstrap_samples is None else self.bootstrap_samples.tolist(),
+            "bootstrap_checks": self.bootstrap_checks,
             "restricted": self.restricted,
             "holdout": self.holdout,
             "profile": None if self.profile is None else self.profile.to_dict(),
@@ -291,6 +301,7 @@ class ScalingLawFit:
             fixed_phi=obj.get("fixed_phi"),
             runs=runs,
             bootstrap_samples=None if bs is None else np.asarray(bs, float).reshape(-1, len(NATURAL_NAMES)),
+            bootstrap_checks=obj.get("bootstrap_checks"),
             restricted=obj.get("restricted", {}),
             holdout=obj.get("holdout"),
             profile=PhiProfile.from_dict(obj["profile"]) if obj.get("profile") else None,
@@ -578,13 +589,18 @@ def _bootstrap(
     # Starts of every resample: the point estimate, the profile's valley floor at phi spread over
     # the box, the point fit's other local optima, then screened random starts.
     extra = (fit.profile.valley() if fit.profile is not None else []) + optima
-    thetas, _ = refit_many(data, problems, theta, free, brng, n_starts=n_starts, extra=extra)
-    _set_bootstrap(fit, thetas, free)
+    thetas, _, status = refit_checked(data, problems, theta, free, brng, n_starts=n_starts, extra=extra)
+    _set_bootstrap(fit, thetas, free, status)
 
 
-def _set_bootstrap(fit: ScalingLawFit, thetas: np.ndarray, free: np.ndarray) -> None:
-    """Store the resampled fits ``thetas`` as ``fit.bootstrap_samples`` and their percentile CIs."""
-    fit.bootstrap_samples = np.array([_natural_row(th) for th in thetas])
+def _set_bootstrap(fit: ScalingLawFit, thetas: np.ndarray, free: np.ndarray, status: RefitStatus) -> None:
+    """Store the resampled fits ``thetas`` that passed the fit checks as ``fit.bootstrap_samples``,
+    their percentile CIs, and what the checks found (``fit.bootstrap_checks``)."""
+    fit.bootstrap_checks = status.to_dict()
+    kept = thetas[~status.failed]
+    if not len(kept):
+        raise RuntimeError(f"no bootstrap resample could be fitted: {status.summary()}")
+    fit.bootstrap_samples = np.array([_natural_row(th) for th in kept])
     lo, hi = np.percentile(fit.bootstrap_samples, [2.5, 97.5], axis=0)
     fit.ci = {}
     for j, name in enumerate(NATURAL_NAMES):
@@ -614,7 +630,9 @@ def rebootstrap(
         raise ValueError(f"bootstrap must be >= 1, got {bootstrap}")
     if bootstrap_starts < 1:
         raise ValueError(f"bootstrap_starts must be >= 1, got {bootstrap_starts}")
-    out = dataclasses.replace(fit, ci={}, notes=list(fit.notes), settings=dict(fit.settings))
+    out = dataclasses.replace(
+        fit, ci={}, notes=list(fit.notes), settings=dict(fit.settings), bootstrap_checks=None
+    )
     out.settings["bootstrap_method"] = bootstrap_method
     phi_free = fit.phi_identifiable and fit.fixed_phi is None and fit.kind == "looped"
     data = _law_data(fit.runs, fit.phi_identifiable)

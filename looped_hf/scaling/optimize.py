@@ -4,9 +4,11 @@ Strategy (why it is fast): a start costs ~80 us per L-BFGS-B iteration and needs
 iterations, so polishing 500 (or Chinchilla's 4500) starts one by one takes seconds to minutes.
 Most starts are hopeless (``a = 30, alpha = 0`` predicts a loss of e^30), and the batched
 objective in :mod:`.law` evaluates all of them in one numpy call. We therefore screen every start
-with that call and polish only the ``n_polish`` best with L-BFGS-B (analytic gradient,
-``jac=True``); the best polished point is the answer. ``tests/test_scaling.py`` checks that the
-screened answer equals the exhaustive one on the Chinchilla data.
+with that call, descend the ``n_polish`` best together with the batched Levenberg-Marquardt
+(:func:`batched_descent`, a few numpy calls per iteration for all of them) and polish only the
+best few distinct end points with L-BFGS-B (analytic gradient, ``jac=True``); the best polished
+point is the answer. ``tests/test_scaling.py`` checks that the screened answer equals the
+exhaustive one (every start polished, ``polish_all=True``) on the Chinchilla data.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ import numpy as np
 from scipy.optimize import minimize
 
 from .law import BOUNDS, HUBER_DELTA, LawData, lse_terms, objective, objective_single
+
+#: Iterations of the batched descent when it only ranks starts (the best are then polished by
+#: L-BFGS-B): on the study design the polished objectives after 15, 30 and 60 iterations matched
+#: those after 200 within 1e-7 (relative), in a quarter of the time.
+DESCENT_ITERS = 25
+#: Distinct end points of the multistart's batched descent that L-BFGS-B polishes.
+_POLISH_TOP = 4
 
 # Tight tolerances: the objective is ~1e-3 at the optimum and A, B are weakly identified, so
 # scipy's defaults (gtol 1e-5) stop visibly early.
@@ -155,16 +164,42 @@ def multistart(
     free: np.ndarray,
     weights: np.ndarray | None = None,
     n_polish: int = 64,
+    *,
+    polish_all: bool = False,
 ) -> tuple[Polished, np.ndarray, list[Polished]]:
-    """Screen all ``starts`` with the batched objective, polish the ``n_polish`` best.
+    """Screen all ``starts`` with the batched objective, descend the ``n_polish`` best, polish the
+    best distinct end points with L-BFGS-B (``polish_all``: every one of the ``n_polish`` starts
+    polished with L-BFGS-B from where it starts, the slow exhaustive reference).
 
     Returns the best polished point, the screened order of starts (best first) and every
-    polished point (best first), so that callers (the bootstrap) can reuse the local optima.
+    end point (best first), so that callers (the bootstrap) can reuse the local optima.
     """
     f0 = objective(starts, data, weights)[0]
     f0 = np.where(np.isfinite(f0), f0, np.inf)
     order = np.argsort(f0, kind="stable")
-    polished = [polish(starts[i], data, weights, free) for i in order[: max(1, n_polish)]]
+    top = order[: max(1, n_polish)]
+    if polish_all:
+        every = sorted((p for p in (polish(starts[i], data, weights, free) for i in top) if np.isfinite(p.fun)),
+                       key=lambda p: p.fun)  # fmt: skip
+        if not every:
+            raise RuntimeError("no start converged to a finite objective")
+        return every[0], starts[order], every
+    # The n_polish best screened starts descend together (one batched run instead of n_polish
+    # sequential L-BFGS-B runs); L-BFGS-B then polishes the best few distinct end points, which
+    # is where the reported optimum comes from.
+    th, fd = batched_descent(data, starts[top], free, weights, max_iter=DESCENT_ITERS)
+    rank = np.argsort(np.where(np.isfinite(fd), fd, np.inf), kind="stable")
+    polished: list[Polished] = []
+    done: list[np.ndarray] = []
+    for k in rank:
+        if len(done) < _POLISH_TOP and all(np.max(np.abs(th[k] - q)) > 1e-3 for q in done):
+            done.append(th[k])
+            p = polish(th[k], data, weights, free)
+            polished.append(
+                p if np.isfinite(p.fun) and p.fun <= fd[k] else Polished(th[k], float(fd[k]), False, 0)
+            )
+        elif np.isfinite(fd[k]):
+            polished.append(Polished(th[k], float(fd[k]), False, 0))
     polished = sorted((p for p in polished if np.isfinite(p.fun)), key=lambda p: p.fun)
     if not polished:
         raise RuntimeError("no start converged to a finite objective")

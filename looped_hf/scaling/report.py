@@ -102,9 +102,15 @@ def render_report(fit: ScalingLawFit) -> str:
     s = fit.settings
     lines.append(
         f"{n} runs{src}; Huber delta {s.get('huber_delta', 1e-3):g} on log residuals, summed; "
-        f"L-BFGS-B from {s.get('n_starts', '?')} {s.get('starts', '')} starts "
-        f"(best {s.get('n_polish', '?')} polished), seed {s.get('seed', '?')}"
+        f"{s.get('n_starts', '?')} {s.get('starts', '')} starts screened, the best {s.get('n_polish', '?')} "
+        f"descended together (batched Levenberg-Marquardt), the best distinct end points polished with "
+        f"L-BFGS-B (analytic gradient), seed {s.get('seed', '?')}"
     )
+    bounds = s.get("bounds")
+    if bounds:
+        names = ("log A", "alpha", "log B", "beta", "log E", "phi")
+        box = ", ".join(f"{n} [{lo:g}, {hi:g}]" for n, (lo, hi) in zip(names, bounds))
+        lines.append(f"search box (starts and L-BFGS-B bounds): {box}")
     lines.append("")
 
     # Parameters.
@@ -127,6 +133,8 @@ def render_report(fit: ScalingLawFit) -> str:
         )
         lines.append(f"{name:<8} {_num(val):>12}      {ci_s}")
     lines.append(f"R^2 (loss) = {fit.r2:.4f}   objective = {fit.objective:.6g}")
+    if fit.bootstrap_checks:
+        lines.append(f"bootstrap fit checks: {fit.bootstrap_checks.get('summary', '')}")
     lines.append("")
     lines += _diagnosis_lines(fit)
 

@@ -107,12 +107,13 @@ def _study_cells(
     recurrences: tuple[int, ...],
     width_factors: tuple[float, ...] = WIDTH_FACTORS,
     truncated: bool = False,
+    last_widths: int | None = 4,
 ) -> tuple[Cell, ...]:
     cells = []
     for k, budget in enumerate(budgets):
         # Widths bracket the 20-tokens-per-parameter optimum of a plain model at this budget.
         s_opt = np.sqrt(np.sqrt(budget / 120.0) / 240.0) / 64.0
-        factors = width_factors if k < len(budgets) - 1 else width_factors[:4]
+        factors = width_factors if k < len(budgets) - 1 else width_factors[:last_widths]
         widths = sorted({max(2, int(round(s_opt * f))) for f in factors})
         for r in recurrences:
             for s in widths:
@@ -262,3 +263,46 @@ def tiny_v0_runs(
     """The v0.1 demo design (36 runs) under ``params`` (default: a draw from its prior, seed 0)."""
     p = sample_truth(TINY_V0, np.random.default_rng(0)) if params is None else params
     return design_runs(TINY_V0, p, noise=noise, seed=seed)
+
+
+#: The study's truncated-backprop probe as a synthetic design: 4 budgets, r in {2, 4, 8}, six
+#: widths per budget (one wider than the base sweep's), 72 cells of which :func:`probe_runs`
+#: drops some at random (the study's probe has 61 of its 69 runs).
+PROBE_BUDGETS: tuple[float, ...] = BUDGETS[:4]
+PROBE_WIDTH_FACTORS: tuple[float, ...] = (0.55, 0.75, 1.0, 1.35, 1.8, 2.4)
+
+
+def probe_runs(
+    *,
+    params: dict[str, float] | None = None,
+    phi: float = 0.35,
+    noise_nats: float = 0.001,
+    missing: int = 8,
+    seed: int = 0,
+    variant: str = "truncated",
+) -> list[dict[str, object]]:
+    """A truncated-backprop probe shaped like the study's: no r = 1 runs, r in {2, 4, 8} over
+    :data:`PROBE_BUDGETS`, the FLOPs per token of truncated backprop, ``missing`` runs dropped
+    at random, additive loss noise of ``noise_nats`` (the study's IsoFLOP losses scatter by
+    0.0004-0.002 nats). The law is ``params`` (default :data:`TRUE_PARAMS`) with phi ``phi``.
+    """
+    rng = np.random.default_rng([seed, 7])
+    cells = _study_cells(PROBE_BUDGETS, (2, 4, 8), PROBE_WIDTH_FACTORS, truncated=True, last_widths=None)
+    keep = np.sort(rng.choice(len(cells), size=len(cells) - missing, replace=False))
+    design = Design("probe", tuple(cells[i] for i in keep), 0.0, *([(0.0, 0.0)] * 5))
+    law = {**(TRUE_PARAMS if params is None else params), "phi": phi}
+    runs = design_runs(design, law, noise=0.0, seed=seed, variant=variant)
+    for rec in runs:
+        rec["loss"] = float(rec["loss"]) + noise_nats * float(rng.standard_normal())  # type: ignore[arg-type]
+    return runs
+
+
+def base_runs_nats(
+    *, params: dict[str, float] | None = None, noise_nats: float = 0.001, seed: int = 0, variant: str = "base"
+) -> list[dict[str, object]]:
+    """The study's 116-run base sweep (:func:`study_runs`) with additive loss noise in nats."""
+    rng = np.random.default_rng([seed, 8])
+    runs = study_runs(params=params, noise=0.0, seed=seed, variant=variant)
+    for rec in runs:
+        rec["loss"] = float(rec["loss"]) + noise_nats * float(rng.standard_normal())  # type: ignore[arg-type]
+    return runs
