@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -209,6 +210,25 @@ def test_fix_phi_holds_phi() -> None:
 
 
 # ----------------------------------------------------------------------------- identifiability
+def test_many_failed_resamples_make_the_verdict_rest_on_the_profile(synthetic_fit: ScalingLawFit) -> None:
+    """Failed resample fits are not evidence: past 5% dropped, the bootstrap interval stops
+    counting, and a narrow profile interval still identifies phi (a wide bootstrap would not)."""
+    from looped_hf.scaling.diagnose import verdict
+
+    d = synthetic_fit.diagnostics
+    wide = dataclasses.replace(
+        synthetic_fit, ci={**synthetic_fit.ci, "phi": (0.05, 0.95)},
+        bootstrap_checks={"n": 20, "refitted": 3, "dropped": 3},
+    )  # fmt: skip
+    v = verdict(wide, d["budgets"], d["at_bound"], d["profile"])
+    assert v["identified"] is True and "3 of 20 bootstrap resamples failed to fit" in v["line"]
+    assert any("trust the profile interval" in r for r in v["reasons"])
+    kept = dataclasses.replace(wide, bootstrap_checks={"n": 20, "refitted": 1, "dropped": 1})
+    assert verdict(kept, d["budgets"], d["at_bound"], d["profile"])["identified"] is False
+    no_profile = verdict(wide, d["budgets"], d["at_bound"], None)
+    assert no_profile["identified"] is False and "no interval for phi" in no_profile["line"]
+
+
 def test_all_r1_runs_make_phi_not_identifiable() -> None:
     rows = study_runs(seed=0, recurrences=(1,))
     fit = fit_scaling_law(rows, checks=False)

@@ -367,21 +367,23 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         intervals.append(
             ("bootstrap", (None if ci[0] <= lo_b + 1e-3 else ci[0], None if ci[1] >= hi_b - 1e-3 else ci[1]))
         )
+    judged = list(intervals)  # the intervals the verdict rests on
     checks = fit.bootstrap_checks or {}
     if checks.get("n") and checks.get("dropped", 0) > max(1.0, DROPPED_IDENTIFIED * checks["n"]):
         # Dropped resamples are failed fits, not evidence; but many of them mean many resamples
-        # leave phi (or another parameter) unbounded, so the kept ones understate the spread.
-        ok = False
+        # leave phi (or another parameter) unbounded, so the kept ones understate the spread. The
+        # verdict then rests on the profile alone (and fails without one).
         n_drop, n_all = checks["dropped"], checks["n"]
         reasons.append(f"{n_drop} of {n_all} bootstrap resamples could not be fitted (on a bound, not converged "
                        "or a local optimum, even from more starts) and were dropped: the bootstrap interval "
                        "understates the uncertainty; trust the profile interval")  # fmt: skip
-        short.append(f"{n_drop} of {n_all} bootstrap resamples failed to fit")
-    if not intervals:
+        short.append(f"{n_drop} of {n_all} bootstrap resamples failed to fit (read the profile interval)")
+        judged = [(name, iv) for name, iv in intervals if name != "bootstrap"]
+    if not judged:
         ok = False
         reasons.append("no interval for phi: fit with checks (profile) or a bootstrap")
         short.append("no interval for phi")
-    for name, (lo, hi) in intervals:
+    for name, (lo, hi) in judged:
         if lo is None or hi is None:
             ok = False
             side = " and ".join(s for s, e in (("below", lo), ("above", hi)) if e is None)
