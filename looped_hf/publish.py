@@ -201,9 +201,14 @@ def build_folder(
         plot = run.path / "test_time_scaling.png"
         if plot.is_file():
             shutil.copyfile(plot, tmp / plot.name)
+        # `looped-hf eval`'s figure; its table the card finds beside the run (eval_results.json).
+        eval_plot = run.path / "eval_results.png"
+        if eval_plot.is_file():
+            shutil.copyfile(eval_plot, tmp / eval_plot.name)
         card = render_checkpoint_card(
             run.record, model, repo_id=repo_id, license=license, fit=fit_obj,
             test_time_plot=plot.name if plot.is_file() else None,
+            evaluation_plot=eval_plot.name if eval_plot.is_file() else None,
         )  # fmt: skip
         card.save(tmp / CARD_NAME)
         _check_output(tmp)

@@ -313,6 +313,66 @@ def test_card_cli_draws_the_study_style_figure_with_probe_panels(sweep_and_fit, 
 
 
 # --------------------------------------------------------------------------------------------
+# Downstream evaluation results (looped-hf eval) in the cards
+# --------------------------------------------------------------------------------------------
+EVAL_FIXTURE = Path(__file__).parent / "fixtures" / "eval_bundle"
+
+
+def test_checkpoint_card_shows_task_scores_at_every_r_and_indexes_them_at_the_trained_r(tmp_path: Path):
+    from looped_hf.evaluation import evaluate_model, load_bundle, load_checkpoint, write_results
+
+    run = make_run_dir(tmp_path / "loop2-w32-b0")
+    model, tokenizer, info = load_checkpoint(run)
+    results = {**info, **evaluate_model(model, tokenizer, [load_bundle(EVAL_FIXTURE)], [1, 2, 4])}
+    write_results(results, run)
+    record = json.loads((run / "run_record.json").read_text())
+    plot = "eval_results.png"
+    card = cards.render_checkpoint_card(record, model, repo_id="me/looped-tiny", evaluation_plot=plot)
+    card.save(tmp_path / "README.md")
+    text = (tmp_path / "README.md").read_text()
+    assert "## Downstream tasks at every r" in text
+    assert text.index("## Downstream") < text.index("## Limitations")
+    assert "| capitals_mc | knowledge |" in text and "| r = 4 |" in text
+    assert "![task score vs r](eval_results.png)" in text
+    index = ModelCard.load(tmp_path / "README.md").data.eval_results
+    accuracy = {e.dataset_name: e.metric_value for e in index if e.metric_type == "accuracy"}
+    at_trained = results["rows"][1]["tasks"]
+    assert accuracy == {label: pytest.approx(at_trained[label]["accuracy"]) for label in at_trained}
+    assert all("r = 2" in e.metric_name for e in index if e.metric_type == "accuracy")
+    # Results measured on other weights are not shown.
+    stale = json.loads((run / "eval_results.json").read_text())
+    (run / "eval_results.json").write_text(json.dumps({**stale, "weights_sha256": "0" * 64}))
+    assert "## Downstream" not in cards.render_checkpoint_card(record, model, repo_id="me/looped-tiny").text
+
+
+def test_sweep_card_plots_task_scores_against_training_flops_per_r(sweep_and_fit, tmp_path: Path):
+    import shutil
+
+    from looped_hf.evaluation.report import RESULTS_JSON
+
+    source, fit = sweep_and_fit
+    sweep = tmp_path / source.name
+    shutil.copytree(source, sweep)
+    records = [json.loads(line) for line in (sweep / "results.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if r["status"] == "ok" and r["hidden_size"] == 64][:4]
+    for k, rec in enumerate(evaluated):
+        rows = [{"num_recurrences": r, "tasks": {}, "bundles": {"builtin": {"mean_centered": 0.1 * k + 0.01 * r,
+                 "group_mean": 0.0, "groups": {}}}} for r in (1, rec["num_recurrences"])]  # fmt: skip
+        (sweep / rec["run_id"]).mkdir()
+        (sweep / rec["run_id"] / RESULTS_JSON).write_text(json.dumps({"trained_num_recurrences": rec["num_recurrences"],
+                                                                      "rows": rows, "tasks": []}))  # fmt: skip
+    path = cards.write_sweep_card(sweep, fit, tmp_path / "card")
+    text = path.read_text()
+    assert "## Downstream tasks against training compute" in text and "4 runs were scored" in text
+    assert "plots/eval_score_vs_flops.png" in cards.card_image_links(path)
+    assert (tmp_path / "card" / "plots" / "eval_score_vs_flops.png").stat().st_size > 0
+    first = evaluated[0]
+    row = f"| {first['run_id']} | {first['num_recurrences']} | {first['train_flops']:.3g} | builtin |"
+    assert row in text
+    assert text.index("## Downstream") < text.index("## Citation")
+
+
+# --------------------------------------------------------------------------------------------
 # The evaluate metric shipped in the package
 # --------------------------------------------------------------------------------------------
 def test_token_perplexity_metric_loads_offline_by_path_and_weights_by_tokens(tmp_path: Path, monkeypatch):

@@ -316,3 +316,21 @@ def test_verify_recomputes_the_recorded_heldout_loss(
         build_folder(run, "me/verified", tmp_path / "bad", verify=True)
     assert not (tmp_path / "bad").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+
+
+def test_published_card_shows_the_runs_downstream_results_and_plot(tmp_path: Path):
+    """`looped-hf eval` on a run directory, then publish: the folder carries the figure and the
+    card shows the task table and model-index entries at the trained r."""
+    from huggingface_hub import ModelCard
+
+    from looped_hf.evaluation.cli import main as eval_main
+
+    run = make_run_dir(tmp_path / "runs" / "loop2-w32-b0")
+    bundle = Path(__file__).parent / "fixtures" / "eval_bundle"
+    assert eval_main([str(run), "--bundle", str(bundle), "--recurrences", "1", "2", "--max-per-task", "3"]) == 0
+    out = build_folder(run, "me/looped-tiny", tmp_path / "pub")
+    assert (out / "eval_results.png").stat().st_size > 0
+    card = (out / "README.md").read_text()
+    assert "eval_results.png" in card and "capitals_mc" in card
+    index = ModelCard.load(out / "README.md").data.eval_results or []
+    assert any(e.dataset_name == "capitals_mc" for e in index)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from .checkpoint import architecture_diagram as architecture_diagram
 from .checkpoint import checkpoint_card_data as checkpoint_card_data
+from .checkpoint import evaluation_model_index as evaluation_model_index
 from .checkpoint import render_checkpoint_card as render_checkpoint_card
 from .checkpoint import tokenizer_description as tokenizer_description
 from .cli import main as main
@@ -43,6 +44,7 @@ from .common import si as si
 from .sweep import best_run as best_run
 from .sweep import card_image_links as card_image_links
 from .sweep import default_commands as default_commands
+from .sweep import evaluation_section as evaluation_section
 from .sweep import fit_summary as fit_summary
 from .sweep import identifiability_summary as identifiability_summary
 from .sweep import render_sweep_card as render_sweep_card

@@ -249,6 +249,8 @@ def render_checkpoint_card(
     prompt: str = "To be, or not to be",
     test_time: Mapping[str, Any] | PathLike | None = None,
     test_time_plot: str | None = None,
+    evaluation: Mapping[str, Any] | PathLike | None = None,
+    evaluation_plot: str | None = None,
 ) -> ModelCard:
     """The model card of one checkpoint (``model``: the loaded ``LoopedForCausalLM``).
 
@@ -258,6 +260,13 @@ def render_checkpoint_card(
     measured on these weights. The card then shows the held-out loss at every r measured, and
     ``test_time_plot`` (a path relative to the card, e.g. ``test_time_scaling.png`` copied beside
     it) as an image.
+
+    ``evaluation``: the checkpoint's downstream results (``looped-hf eval``: a results dict of
+    ``looped_hf.evaluation.evaluate_model`` or the path of its ``eval_results.json``). ``None``: the
+    ``eval_results.json`` beside the loaded checkpoint, if measured on these weights. The card then
+    shows the task x r table of centered scores, ``evaluation_plot`` (a path relative to the card,
+    e.g. ``eval_results.png`` copied beside it), and ``model-index`` gets each task's accuracy at
+    the trained r.
     """
     from looped_hf import __version__
 
@@ -266,6 +275,9 @@ def render_checkpoint_card(
     params = model.num_scaling_params()
     model_name = repo_id.split("/")[-1]
     data = checkpoint_card_data(record, config, params, model_name=model_name, license=license, fit=fit)
+    evaluated = _evaluation_results(model, evaluation)
+    if evaluated is not None:
+        data.eval_results = [*(data.eval_results or []), *evaluation_model_index(evaluated)]
     seq_len = int(record.get("seq_len") or config.max_position_embeddings)
     per_r = model.inference_flops_per_token(seq_len, 2) - model.inference_flops_per_token(seq_len, 1)
     k = config.backprop_recurrences
@@ -292,7 +304,7 @@ def render_checkpoint_card(
         f"held-out loss {metrics['loss']:.4f} nats/token after {si(record.get('tokens'))} tokens, "
         f"{si(record.get('train_flops'))} training FLOPs"
     )
-    return ModelCard.from_template(
+    card = ModelCard.from_template(
         data,
         template_path=str(_template(CHECKPOINT_TEMPLATE)),
         model_name=model_name,  # to_dict() drops it once eval_results are set
@@ -322,6 +334,86 @@ def render_checkpoint_card(
         looped_hf_link=_project_link(),
         looped_hf_version=__version__,
     )
+    if evaluated is not None:
+        section = _evaluation_section(evaluated, evaluation_plot)
+        card.text = _insert_section(card.text, section, before="## Limitations")
+    return card
+
+
+def _evaluation_results(
+    model: Any, evaluation: Mapping[str, Any] | PathLike | None
+) -> Mapping[str, Any] | None:
+    """The downstream results to show: the ones given, or those saved beside the loaded checkpoint."""
+    from looped_hf.evaluation.report import RESULTS_JSON, load_results
+
+    if isinstance(evaluation, Mapping):
+        return evaluation
+    if evaluation is not None:
+        path = Path(evaluation)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"evaluation={str(evaluation)!r}: no such file (write it with `looped-hf eval`)"
+            )
+        return json.loads(path.read_text(encoding="utf-8"))
+    source = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not (source / RESULTS_JSON).is_file():
+        return None
+    weights = source / "model.safetensors"
+    # Only results measured on exactly these weights (a retrained run leaves stale ones behind).
+    return load_results(source, sha256_file(weights) if weights.is_file() else None)
+
+
+def evaluation_model_index(results: Mapping[str, Any]) -> list[EvalResult]:
+    """``model-index`` entries: each task's accuracy (and centered score) at the trained r; none when
+    the trained r was not among those evaluated."""
+    from looped_hf.evaluation.report import row_at
+
+    trained = int(results["trained_num_recurrences"])
+    row = row_at(results, trained)
+    if row is None:
+        return []
+    out = []
+    for task in results.get("tasks", []):
+        label = task["label"]
+        metrics = row["tasks"].get(label)
+        if metrics is None:
+            continue
+        common = dict(task_type="text-generation", task_name="Downstream evaluation", dataset_name=label,
+                      dataset_type=f"{task.get('bundle') or task.get('source', 'eval')}/{label}")  # fmt: skip
+        out.append(EvalResult(metric_type="accuracy", metric_name=f"accuracy (r = {trained})",
+                              metric_value=round(float(metrics["accuracy"]), 6), **common))  # fmt: skip
+        if metrics.get("centered") is not None and task.get("source") != "lm-eval":
+            out.append(EvalResult(metric_type="centered_accuracy", metric_name=f"centered accuracy (r = {trained})",
+                                  metric_value=round(float(metrics["centered"]), 6), **common))  # fmt: skip
+    return out
+
+
+def _evaluation_section(results: Mapping[str, Any], plot: str | None) -> str:
+    from looped_hf.evaluation.report import score_table, summary_line
+
+    lines = [
+        "## Downstream tasks at every r",
+        "",
+        f"{summary_line(results)} Scored as the study scores its bundles (few-shot prompts, lowest mean "
+        "continuation loss for multiple choice, greedy match for language modelling); the centered score "
+        "rescales accuracy so chance is 0 and perfect is 1. `looped-hf eval` measures it.",
+        "",
+        score_table(results, "centered"),
+    ]
+    if results.get("adaptive"):
+        recurrences = score_table(results, "mean_recurrences", False)
+        lines += ["", "Mean recurrences used per scored token:", "", recurrences]
+    if plot:
+        lines += ["", f"![task score vs r]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def _insert_section(text: str, section: str, before: str) -> str:
+    """``section`` placed before the heading ``before`` (at the end when there is none)."""
+    at = text.find(f"\n{before}")
+    if at < 0:
+        return text.rstrip() + "\n\n" + section
+    return text[: at + 1] + section + "\n" + text[at + 1 :]
 
 
 def _test_time_curve(model: Any, test_time: Mapping[str, Any] | PathLike | None) -> Mapping[str, Any] | None:

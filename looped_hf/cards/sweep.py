@@ -319,9 +319,11 @@ def render_sweep_card(
     best_where: str = "",
     license: str = "apache-2.0",
     plan: str | None = None,
+    evaluation: str | None = None,
 ) -> ModelCard:
     """The sweep's card (``plots``: template entries from :func:`_plots`, paths relative to the card;
-    ``plan``: the markdown of :func:`plan_section`)."""
+    ``plan``: the markdown of :func:`plan_section`; ``evaluation``: the markdown of
+    :func:`evaluation_section`, placed before the citation)."""
     from looped_hf import __version__
     from looped_hf.sweep import RECIPE_COPY, RESULTS_NAME, read_jsonl
 
@@ -355,7 +357,7 @@ def render_sweep_card(
     else:
         best_info = None
     n_failed = len(records) - len(ok)
-    return ModelCard.from_template(
+    card = ModelCard.from_template(
         data,
         template_path=str(_template(SWEEP_TEMPLATE)),
         title=f"Iso-depth sweep `{sweep.name}`: what one recurrence is worth",
@@ -386,6 +388,40 @@ def render_sweep_card(
         looped_hf_version=__version__,
         plan_section=plan,
     )
+    if evaluation:
+        at = card.text.find("\n## Citation")
+        card.text = (
+            card.text.rstrip() + "\n\n" + evaluation
+            if at < 0
+            else card.text[: at + 1] + evaluation + "\n" + card.text[at + 1 :]
+        )
+    return card
+
+
+EVAL_PLOT = "eval_score_vs_flops.png"
+
+
+def evaluation_section(sweep_dir: PathLike, plots_dir: PathLike) -> str | None:
+    """Downstream scores of the sweep's runs (those with ``eval_results.json`` from ``looped-hf
+    eval``, measured on their current weights): mean centered score against training FLOPs, per r
+    at inference, as a plot (written into ``plots_dir``) and a table. None when no run has results."""
+    from looped_hf.evaluation.report import collect_sweep_results, plot_score_vs_flops, sweep_score_table
+
+    collected = collect_sweep_results(sweep_dir)
+    if not collected:
+        return None
+    plot = plot_score_vs_flops(collected, Path(plots_dir) / EVAL_PLOT)
+    return "\n".join([
+        "## Downstream tasks against training compute",
+        "",
+        f"{len(collected)} runs were scored with `looped-hf eval` (mean centered score of each bundle: 0 is "
+        "chance, 1 perfect), at their trained r and at other r at inference.",
+        "",
+        f"![task score vs training FLOPs]({PLOTS_DIR}/{plot.name})",
+        "",
+        sweep_score_table(collected),
+        "",
+    ])  # fmt: skip
 
 
 def write_sweep_card(
@@ -426,9 +462,11 @@ def write_sweep_card(
         from looped_hf.sweep import RECIPE_COPY
 
         plan = plan_section(fit, sweep / RECIPE_COPY, tmp / PLOTS_DIR)
+        evaluation = evaluation_section(sweep, tmp / PLOTS_DIR)
         card = render_sweep_card(
-            sweep, fit, plots, commands=commands, best=best, best_where=best_where, license=license, plan=plan
-        )
+            sweep, fit, plots, commands=commands, best=best, best_where=best_where, license=license, plan=plan,
+            evaluation=evaluation,
+        )  # fmt: skip
         card.save(tmp / CARD_NAME)
         fit.to_json(tmp / FIT_NAME)
         replace_dir(tmp, out)

@@ -1,0 +1,221 @@
+"""Load a checkpoint and evaluate bundles (and lm-eval tasks) at every r: the results object.
+
+:func:`evaluate_model` is the work (a loaded model, bundles, r values -> one JSON-ready dict);
+:func:`load_checkpoint` finds what to load in a run directory (``looped-hf train``), a published
+folder (``looped-hf publish``) or a Hub id, as ``looped-hf test-time`` and ``publish`` load them
+(``LoopedForCausalLM.from_pretrained`` + ``AutoTokenizer.from_pretrained``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .bundle import Bundle
+from .scoring import (
+    DEFAULT_BATCH_TOKENS,
+    EvalError,
+    aggregate,
+    bos_id,
+    prepare_task,
+    score_sequences,
+    task_metrics,
+)
+
+PathLike = str | os.PathLike[str]
+RECORD_NAME = "run_record.json"  # looped_hf.train.RECORD_NAME (not imported: torch at import time)
+WEIGHTS_NAME = "model.safetensors"
+#: The settings of generate()/forward that change what the model computes per token at a given r.
+CALL_SETTINGS = ("exit_criterion", "exit_threshold", "min_recurrences", "kv_budget")
+
+
+def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
+    """(model in eval mode, tokenizer, info) of a run directory, a published folder or a Hub id.
+
+    ``info``: ``checkpoint`` (as given), ``run_id`` (the run record's, else the folder or repo
+    name), ``local`` (a directory here), ``weights_sha256`` (local weights) and the run record's
+    ``train_flops`` / ``tokens`` / ``num_recurrences`` when there is one."""
+    from transformers import AutoTokenizer
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.fileio import sha256_file
+
+    path = Path(checkpoint)
+    local = path.is_dir()
+    if path.exists() and not local:
+        raise EvalError(
+            f"checkpoint={str(checkpoint)!r}: not a directory (a run directory, a published folder or a Hub id)"
+        )
+    record: dict[str, Any] = {}
+    if local and (path / RECORD_NAME).is_file():
+        record = json.loads((path / RECORD_NAME).read_text(encoding="utf-8"))
+        if record.get("status") not in (None, "ok"):
+            raise EvalError(
+                f"{path / RECORD_NAME}: status={record.get('status')!r}; only finished runs have weights"
+            )
+    model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    weights = path / WEIGHTS_NAME
+    info = {
+        "checkpoint": str(checkpoint),
+        "run_id": record.get("run_id") or (path.name if local else str(checkpoint)),
+        "local": local,
+        "weights_sha256": sha256_file(weights) if local and weights.is_file() else None,
+        "train_flops": record.get("train_flops"),
+        "tokens": record.get("tokens"),
+        "variant": record.get("variant"),
+    }
+    return model, tokenizer, info
+
+
+def _check_recurrences(model: Any, recurrences: Sequence[int]) -> list[int]:
+    grid = sorted({int(r) for r in recurrences})
+    if not grid or grid[0] < 1:
+        raise EvalError(f"recurrences={list(recurrences)!r}: need at least one r, each >= 1")
+    config = model.config
+    if getattr(config, "is_recurrence_locked", False) and grid != [config.num_recurrences]:
+        raise EvalError(
+            f"recurrences={grid}: input_injection={config.input_injection!r} indexes parameters by recurrence step, "
+            f"so this model runs only at its trained num_recurrences={config.num_recurrences}"
+        )
+    return grid
+
+
+def _call_kwargs(settings: Mapping[str, Any], r: int) -> dict[str, Any]:
+    """The forward keywords of one pass. ``min_recurrences`` is capped at r, so one setting serves a
+    whole r sweep (r = 1 with min_recurrences 2 runs its one recurrence)."""
+    kwargs = {k: v for k, v in settings.items() if v is not None}
+    if "min_recurrences" in kwargs:
+        kwargs["min_recurrences"] = min(int(kwargs["min_recurrences"]), r)
+    return kwargs
+
+
+def evaluate_model(
+    model: Any,
+    tokenizer: Any,
+    bundles: Sequence[Bundle],
+    recurrences: Sequence[int],
+    *,
+    max_per_task: int | None = None,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    settings: Mapping[str, Any] | None = None,
+    lm_eval_tasks: Sequence[str] = (),
+    lm_eval_include: PathLike | None = None,
+    lm_eval_batch_size: int = 8,
+    seed: int = 0,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Score every task of ``bundles`` (and the lm-eval tasks) at every r; returns the results dict.
+
+    Args:
+        model: a ``LoopedForCausalLM`` (eval mode).
+        tokenizer: its tokenizer.
+        bundles: read with :func:`looped_hf.evaluation.load_bundle`.
+        recurrences: the r values (sorted, deduplicated).
+        max_per_task: at most this many items per task (the study's seeded shuffle, then the first N).
+        batch_tokens: padded tokens per forward.
+        settings: ``exit_criterion`` / ``exit_threshold`` / ``min_recurrences`` / ``kv_budget`` for
+            every forward (None: the model's config).
+        lm_eval_tasks: lm-evaluation-harness task names run at every r too (table rows ``lm_eval``).
+        lm_eval_include: a folder of lm-eval task YAMLs to register.
+        seed: torch is re-seeded before each r (a model with a random initial state scores the same twice).
+        progress: a callable taking one line of text (e.g. ``print``), or None.
+
+    Returns:
+        ``rows`` (one per r: ``num_recurrences``, ``tasks`` {label: accuracy, centered, loss,
+        num_items, mean_recurrences}, ``bundles`` {name: mean_centered, group_mean, groups},
+        ``mean_recurrences``), ``tasks`` (each task's description), ``trained_num_recurrences``,
+        ``settings`` and provenance."""
+    import torch
+
+    from looped_hf.train import versions
+
+    unknown = sorted(set(settings or {}) - set(CALL_SETTINGS))
+    if unknown:
+        raise EvalError(f"settings {unknown}: unknown; one of {list(CALL_SETTINGS)}")
+    settings = {k: (settings or {}).get(k) for k in CALL_SETTINGS}
+    grid = _check_recurrences(model, recurrences)
+    say = progress or (lambda _line: None)
+    started = time.time()
+    max_length = getattr(model.config, "max_position_embeddings", None)
+    prepared, groups, bundle_of = [], {}, {}
+    for bundle in bundles:
+        for task in bundle.tasks:
+            if task.label in bundle_of:
+                raise EvalError(
+                    f"task label {task.label!r} is in both {bundle_of[task.label]!r} and {bundle.name!r}"
+                )
+            bundle_of[task.label], groups[task.label] = bundle.name, task.group
+            prepared.append(prepare_task(task, tokenizer, max_per_task, max_length))  # once, for every r
+    pad = bos_id(tokenizer)
+    rows = []
+    for r in grid:
+        kwargs = _call_kwargs(settings, r)
+        results: dict[str, dict[str, Any]] = {}
+        for p in prepared:
+            torch.manual_seed(seed)
+            t0 = time.time()
+            scores = score_sequences(
+                model, p.sequences, r, batch_tokens=batch_tokens, call_kwargs=kwargs, pad_id=pad
+            )
+            results[p.task.label] = {**task_metrics(p, scores), "seconds": round(time.time() - t0, 3)}
+            m = results[p.task.label]
+            say(
+                f"[eval] r={r} {p.task.label}: accuracy {m['accuracy']:.4f}, centered {m['centered']:.4f}, "
+                f"loss {m['loss']:.4f}, {m['num_items']} items, {m['seconds']:.1f}s"
+            )
+        per_bundle = {
+            b.name: aggregate({t.label: results[t.label] for t in b.tasks}, groups)
+            for b in bundles
+            if b.tasks
+        }
+        rows.append({"num_recurrences": r, "tasks": results, "bundles": per_bundle})
+    lm_meta = []
+    if lm_eval_tasks:
+        from .lm_eval_bridge import run_lm_eval
+
+        lm_rows = run_lm_eval(
+            model, tokenizer, lm_eval_tasks, grid, include_path=lm_eval_include, limit=max_per_task or None,
+            batch_size=lm_eval_batch_size, call_kwargs={k: v for k, v in settings.items() if v is not None},
+        )  # fmt: skip
+        for row in rows:
+            found = lm_rows[row["num_recurrences"]]
+            for label in found:
+                if label in bundle_of:
+                    raise EvalError(
+                        f"lm-eval task {label!r} has the label of a bundle task of {bundle_of[label]!r}"
+                    )
+                groups[label] = "lm_eval"
+            row["tasks"].update(found)
+            row["bundles"]["lm_eval"] = aggregate(found, groups)
+            for label, m in found.items():
+                say(f"[eval] r={row['num_recurrences']} {label} (lm-eval {m['metric']}): {m['accuracy']:.4f}")
+        first = lm_rows[grid[0]]
+        lm_meta = [
+            {"label": t, "group": "lm_eval", "source": "lm-eval", "metric": first[t]["metric"]} for t in first
+        ]
+    for row in rows:
+        rec = [m["mean_recurrences"] for m in row["tasks"].values() if m.get("mean_recurrences") is not None]
+        finite = [x for x in rec if math.isfinite(x)]
+        row["mean_recurrences"] = sum(finite) / len(finite) if finite else None
+    return {
+        "trained_num_recurrences": int(model.config.num_recurrences),
+        "recurrences": grid,
+        "settings": {**settings, "max_per_task": max_per_task, "batch_tokens": batch_tokens, "seed": seed},
+        "adaptive": any(settings.get(k) is not None for k in CALL_SETTINGS)
+        or getattr(model.config, "exit_criterion", None) not in (None, "none"),
+        "bundles": [{"name": b.name, "path": str(b.path)} for b in bundles],
+        "tasks": [{**t.to_meta(), "bundle": b.name} for b in bundles for t in b.tasks] + lm_meta,
+        "rows": rows,
+        "wall_time_s": round(time.time() - started, 3),
+        "versions": versions(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+__all__ = ["CALL_SETTINGS", "evaluate_model", "load_checkpoint"]
