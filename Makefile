@@ -21,7 +21,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-# pytest-xdist workers for `make test` (each runs torch on one thread).
+# pytest-xdist workers for `make test` and `make test-slow` (each runs torch on one thread).
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-slow lint
@@ -38,7 +38,7 @@ test: install
 	$(PYTHON) -m pytest tests -m "not slow" -n $(TEST_WORKERS) --durations=10
 
 test-slow:
-	$(PYTHON) -m pytest tests -m slow --durations=10
+	$(PYTHON) -m pytest tests -m slow -n $(TEST_WORKERS) --durations=10
 
 lint:
 	ruff check .
