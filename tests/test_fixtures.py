@@ -26,6 +26,8 @@ from conftest import FIXTURES, REPO, fixture_path
 BUDGET_BYTES = 8 * 1024 * 1024
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([\d,]+)\s*\|\s*([0-9a-f]{64})\s*\|\s*$")
 SETS = sorted(p for p in FIXTURES.iterdir() if p.is_dir()) if FIXTURES.is_dir() else []
+# The older test data with saved models carries its provenance too (the sweep recipe beside it is code).
+SETS.append(REPO / "tests" / "data" / "v0_1_0")
 #: The sets the tests need: each must be present (a clone without one fails here, by name).
 REQUIRED = ("chinchilla", "study_checkpoints", "study_plan", "study_prepacked")
 
