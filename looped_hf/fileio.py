@@ -53,6 +53,12 @@ def replace_dir(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+#: Files of a run directory that training writes and several modules read (this module imports
+#: no torch, so the light commands can name them too).
+RECORD_NAME = "run_record.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """The file's SHA-256, hex (cards, curves and conversions record which checkpoint they describe).
     Read in 1 MiB chunks: checkpoints can be many GB."""
@@ -61,6 +67,13 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def weights_sha256(directory: str | os.PathLike) -> str | None:
+    """sha256 of a checkpoint folder's single-file weights, or None where it has none (sharded, or
+    not local): what results saved beside a checkpoint are tied to, so stale ones are ignored."""
+    path = Path(directory) / WEIGHTS_NAME
+    return sha256_file(path) if path.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------

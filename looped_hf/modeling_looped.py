@@ -536,23 +536,22 @@ class LoopedModel(LoopedPreTrainedModel):
                 recurrent += list(module.parameters())
         return {"once": once, "recurrent": recurrent, "embedding": list(self.embed_tokens.parameters())}
 
-    def _injection_split(self, e: torch.Tensor, legacy: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(W_e e, W_h) for the linear injection u = W [e; h] = W_e e + W_h h, or ``None``.
 
         e is the same at every recurrence, so W_e e is computed once per forward instead of a
         concat and a d x 2d matmul per recurrence (r + 1 d x d matmuls instead of 2r, forward and
         backward). Only for a plain ``nn.Linear``: a wrapped adapter (LoRA, quantisation, FSDP)
-        must see its own forward called, and gets ``self.injection(cat)`` instead.
+        must see its own forward called, and gets ``self.injection(cat)`` instead. Not for
+        looped_format 1 (0.1.0) checkpoints either: their logits are pinned to 1e-6, and the split's
+        two matmuls round differently from the one concatenated matmul they were saved with.
         """
         injection = self.injection
-        if type(injection) is not nn.Linear or injection.bias is not None:
+        if self.config.looped_format == 1 or type(injection) is not nn.Linear or injection.bias is not None:
             return None
         d = self.config.hidden_size
-        # The study's order is [e; h] (W = [I | 0] reads e); looped_format 1 concatenated [h; e].
-        w_e, w_h = (injection.weight[:, d:], injection.weight[:, :d]) if legacy else (
-            injection.weight[:, :d], injection.weight[:, d:]
-        )
-        return F.linear(e, w_e), w_h
+        # The study's order is [e; h]: W = [I | 0] reads e.
+        return F.linear(e, injection.weight[:, :d]), injection.weight[:, d:]
 
     def _inject(
         self, h: torch.Tensor, e: torch.Tensor, legacy: bool, split: tuple[torch.Tensor, torch.Tensor] | None
@@ -667,9 +666,7 @@ class LoopedModel(LoopedPreTrainedModel):
         hc = self.hyperconnection
         legacy = config.looped_format == 1
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        # 0.1.0 checkpoints (format 1) keep its one concatenated matmul: their logits are pinned to
-        # 1e-6, and the split's two matmuls round differently.
-        split = self._injection_split(e, legacy) if config.input_injection == "linear" and not legacy else None
+        split = self._injection_split(e) if config.input_injection == "linear" else None
         K = len(self.recurrent_layers)
         num_new_tokens = inputs_embeds.shape[1]
 

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from looped_hf.fileio import RECORD_NAME
+
 PathLike = str | os.PathLike[str]
 
-RECORD_NAME = "run_record.json"  # looped_hf.train.RECORD_NAME (not imported: train pulls in the Trainer)
 WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: Files every published folder has (plus README.md and at least one tokenizer file).

@@ -38,14 +38,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from looped_hf.fileio import RECORD_NAME
+
 PathLike = str | os.PathLike[str]
 
 CURVE_STEM = "test_time_scaling"
 CURVE_JSON = f"{CURVE_STEM}.json"
 CURVE_MD = f"{CURVE_STEM}.md"
 CURVE_PNG = f"{CURVE_STEM}.png"
-RECORD_NAME = "run_record.json"  # looped_hf.train.RECORD_NAME (not imported at module level: torch)
-WEIGHTS_NAME = "model.safetensors"
 DEFAULT_MAX_FACTOR = 4
 
 
@@ -192,7 +192,7 @@ def evaluate_recurrences(
     """
     import torch
 
-    from looped_hf.fileio import sha256_file
+    from looped_hf.fileio import weights_sha256
     from looped_hf.train import versions
 
     path = Path(run_dir)
@@ -217,7 +217,6 @@ def evaluate_recurrences(
     fpt_trained = model.inference_flops_per_token(len(heldout[0]["input_ids"]), trained)
     for row in rows:
         row["relative_compute"] = row["inference_flops_per_token"] / fpt_trained
-    weights = path / WEIGHTS_NAME
     return {
         "run_id": record.get("run_id") or path.name,
         "run_dir": str(path),
@@ -232,7 +231,7 @@ def evaluate_recurrences(
         "loss_at_trained_r": at_trained["loss"] if at_trained else None,
         "best": {"num_recurrences": best["num_recurrences"], "loss": best["loss"]},
         "rows": rows,
-        "weights_sha256": sha256_file(weights) if weights.is_file() else None,
+        "weights_sha256": weights_sha256(path),
         "wall_time_s": round(time.time() - started, 3),
         "versions": versions(),
         "torch_threads": torch.get_num_threads(),

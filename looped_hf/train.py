@@ -49,9 +49,8 @@ from looped_hf.arguments import (
     tokens_per_step,
 )
 from looped_hf.attention_backends import apply_attention_backend
-from looped_hf.fileio import append_jsonl, write_json_atomic, write_yaml_atomic
+from looped_hf.fileio import RECORD_NAME, append_jsonl, write_json_atomic, write_yaml_atomic
 
-RECORD_NAME = "run_record.json"
 RECIPE_NAME = "recipe.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_NAME = "progress.json"

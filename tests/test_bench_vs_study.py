@@ -4,6 +4,7 @@ private Trainer methods, which a transformers release may move."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import transformers
@@ -89,18 +90,25 @@ def compute_gradient_stats(model, mode):
 '''
 
 
+def write_fake_study(root: Path) -> Path:
+    """A stand-in for the study's nanochat package under ``root``; returns the folder to pass as
+    ``--study-src`` (the study's own code is never in this repository)."""
+    study = root / "nanochat"
+    study.mkdir(parents=True)
+    (study / "__init__.py").write_text("")
+    (study / "gpt.py").write_text(FAKE_GPT)
+    (study / "common.py").write_text(FAKE_COMMON)
+    return root
+
+
 @pytest.mark.slow
 def test_three_sides_per_width_with_mfu_phases_and_top_kernels(tmp_path, capsys):
     """The comparison's whole path on a CPU (the GPU run differs in device, bf16 and compile):
     per width, the study / looped_hf / bare sides interleaved, MFU from the model's FLOPs, each
     side's phases and the top entries of one profiled step."""
-    study = tmp_path / "study" / "nanochat"
-    study.mkdir(parents=True)
-    (study / "__init__.py").write_text("")
-    (study / "gpt.py").write_text(FAKE_GPT)
-    (study / "common.py").write_text(FAKE_COMMON)
+    study_src = write_fake_study(tmp_path / "study")
     out = tmp_path / "numbers.json"
-    argv = ["--study-src", str(study.parent), "--widths", "32", "48", "--head-dim", "16", "--seq", "32",
+    argv = ["--study-src", str(study_src), "--widths", "32", "48", "--head-dim", "16", "--seq", "32",
             "--batch", "2", "--steps", "2", "--warmup", "1", "--profile-top", "3", "--overhead-steps", "0",
             "--peak-flops", "1e10", "--json", str(out)]  # fmt: skip
     assert load_benchmark("bench_vs_study").main(argv) == 0

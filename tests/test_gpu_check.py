@@ -140,15 +140,11 @@ def test_the_study_comparison_section_with_study_src(tmp_path):
     """``--study-src`` adds ``vs_study``: three sides at the check's width, tokens/s, MFU, phases
     and each side's top kernels, in the JSON and the markdown (a stand-in for the study's
     nanochat package here; its code is never in this repository)."""
-    from test_bench_vs_study import FAKE_COMMON, FAKE_GPT
+    from test_bench_vs_study import write_fake_study
 
-    study = tmp_path / "study" / "nanochat"
-    study.mkdir(parents=True)
-    (study / "__init__.py").write_text("")
-    (study / "gpt.py").write_text(FAKE_GPT)
-    (study / "common.py").write_text(FAKE_COMMON)
+    study_src = write_fake_study(tmp_path / "study")
     out = tmp_path / "gc"
-    argv = ["--out", str(out), "--tiny", "--only", "vs_study", "--study-src", str(study.parent), "--peak-flops", "1e10"]
+    argv = ["--out", str(out), "--tiny", "--only", "vs_study", "--study-src", str(study_src), "--peak-flops", "1e10"]
     assert gpu_check.main(argv) == 0
     sec = json.loads((out / "gpu_check.json").read_text())["sections"]["vs_study"]
     assert sec["status"] == "ok" and sec["shape"]["width"] == gpu_check.TINY.width

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from looped_hf.fileio import weights_sha256
+
 from .common import (
     CHECKPOINT_TEMPLATE,
     PathLike,
@@ -26,7 +28,6 @@ from .common import (
     _template,
     heldout_metrics,
     phi_caveat,
-    sha256_file,
     si,
 )
 
@@ -358,9 +359,8 @@ def _evaluation_results(
     source = Path(str(getattr(model, "name_or_path", "") or ""))
     if not (source / RESULTS_JSON).is_file():
         return None
-    weights = source / "model.safetensors"
     # Only results measured on exactly these weights (a retrained run leaves stale ones behind).
-    return load_results(source, sha256_file(weights) if weights.is_file() else None)
+    return load_results(source, weights_sha256(source))
 
 
 def evaluation_model_index(results: Mapping[str, Any]) -> list[EvalResult]:
@@ -430,9 +430,8 @@ def _test_time_curve(model: Any, test_time: Mapping[str, Any] | PathLike | None)
     source = Path(str(getattr(model, "name_or_path", "") or ""))
     if not (source / CURVE_JSON).is_file():
         return None
-    weights = source / "model.safetensors"
     # Only a curve measured on exactly these weights (a retrained run leaves a stale one behind).
-    return load_curve(source, sha256_file(weights) if weights.is_file() else None)
+    return load_curve(source, weights_sha256(source))
 
 
 def _test_time_summary(curve: Mapping[str, Any]) -> str:

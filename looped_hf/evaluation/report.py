@@ -164,7 +164,7 @@ def collect_sweep_results(sweep_dir: PathLike) -> list[dict[str, Any]]:
     """The evaluation results of a sweep's runs: one entry per finished run whose directory
     (``<sweep>/<run_id>``) holds ``eval_results.json`` measured on its current weights, with the
     run's ``run_id``, ``train_flops``, trained ``num_recurrences`` and ``results``."""
-    from looped_hf.fileio import read_jsonl, sha256_file
+    from looped_hf.fileio import read_jsonl, weights_sha256
 
     sweep = Path(sweep_dir)
     records = read_jsonl(sweep / "results.jsonl") if (sweep / "results.jsonl").is_file() else []
@@ -173,8 +173,7 @@ def collect_sweep_results(sweep_dir: PathLike) -> list[dict[str, Any]]:
         run_dir = sweep / str(record.get("run_id"))
         if record.get("status") != "ok" or not (run_dir / RESULTS_JSON).is_file():
             continue
-        weights = run_dir / "model.safetensors"
-        results = load_results(run_dir, sha256_file(weights) if weights.is_file() else None)
+        results = load_results(run_dir, weights_sha256(run_dir))
         if results is None or not record.get("train_flops"):
             continue
         out.append({

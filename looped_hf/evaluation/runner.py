@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from looped_hf.fileio import RECORD_NAME
+
 from .bundle import Bundle
 from .scoring import (
     DEFAULT_BATCH_TOKENS,
@@ -28,8 +30,6 @@ from .scoring import (
 )
 
 PathLike = str | os.PathLike[str]
-RECORD_NAME = "run_record.json"  # looped_hf.train.RECORD_NAME (not imported: torch at import time)
-WEIGHTS_NAME = "model.safetensors"
 #: The settings of generate()/forward that change what the model computes per token at a given r.
 CALL_SETTINGS = ("exit_criterion", "exit_threshold", "min_recurrences", "kv_budget")
 
@@ -43,7 +43,7 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from looped_hf import LoopedForCausalLM
-    from looped_hf.fileio import sha256_file
+    from looped_hf.fileio import weights_sha256
 
     path = Path(checkpoint)
     local = path.is_dir()
@@ -60,12 +60,11 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
             )
     model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    weights = path / WEIGHTS_NAME
     info = {
         "checkpoint": str(checkpoint),
         "run_id": record.get("run_id") or (path.name if local else str(checkpoint)),
         "local": local,
-        "weights_sha256": sha256_file(weights) if local and weights.is_file() else None,
+        "weights_sha256": weights_sha256(path) if local else None,
         "train_flops": record.get("train_flops"),
         "tokens": record.get("tokens"),
         "variant": record.get("variant"),

@@ -44,7 +44,7 @@ def _failed_record(run: PlannedRun, run_dir: Path, error: str) -> dict[str, Any]
 
 
 def _read_record(run_dir: Path) -> dict[str, Any] | None:
-    from looped_hf.train import RECORD_NAME
+    from looped_hf.fileio import RECORD_NAME
 
     path = run_dir / RECORD_NAME
     if not path.exists():
