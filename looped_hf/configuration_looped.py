@@ -25,6 +25,8 @@ This file is shipped with every checkpoint as remote code: it imports only trans
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -88,6 +90,52 @@ def tensor_parallel_plan(
         for stack in stacks
         for module, style in modules
     }
+
+
+@dataclass(frozen=True)
+class KVSlotPlan:
+    """Which KV-cache slot each layer application of one forward writes and reads.
+
+    The one place that owns the looped cache layout, shared by ``modeling_looped`` (transformers'
+    ``Cache``) and the vLLM model (one ``Attention`` per slot): prelude layer j -> slot j; block
+    layer j at recurrence i (0-based) -> slot P + (i mod k)*K + j (the study's nanochat/gpt.py
+    ``_get_kv_layer_idx``); coda layer j -> slot P + k*K + j. k = min(kv_budget, r), so with no
+    budget every layer application owns a slot (P + r*K + C in all).
+    """
+
+    num_prelude: int
+    num_recurrent: int
+    num_coda: int
+    num_recurrences: int
+    kv_budget: int  # effective: min(k, r)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_prelude + self.kv_budget * self.num_recurrent + self.num_coda
+
+    @property
+    def shares_slots(self) -> bool:
+        """True when a later recurrence overwrites an earlier one's slot (kv_budget < r)."""
+        return self.kv_budget < self.num_recurrences
+
+    def prelude(self, j: int) -> int:
+        return j
+
+    def block(self, step: int, j: int) -> int:
+        return self.num_prelude + (step % self.kv_budget) * self.num_recurrent + j
+
+    def coda(self, j: int) -> int:
+        return self.num_prelude + self.kv_budget * self.num_recurrent + j
+
+    def applications(self) -> Iterator[tuple[str, int, int, int]]:
+        """Every layer application in forward order: (stack, recurrence step or 0, layer j, slot)."""
+        for j in range(self.num_prelude):
+            yield "prelude", 0, j, self.prelude(j)
+        for step in range(self.num_recurrences):
+            for j in range(self.num_recurrent):
+                yield "recurrent", step, j, self.block(step, j)
+        for j in range(self.num_coda):
+            yield "coda", 0, j, self.coda(j)
 
 
 class LoopedConfig(PreTrainedConfig):
@@ -373,10 +421,21 @@ class LoopedConfig(PreTrainedConfig):
     def num_kv_slots(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> int:
         """KV-cache slots a call needs: P + min(k, r)*K + C, k the KV budget (default: the config's;
         none means every recurrence keeps its slots, k = r). See ``kv_budget``."""
+        return self.slot_plan(num_recurrences, kv_budget).num_slots
+
+    def slot_plan(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> KVSlotPlan:
+        """The KV-cache layout of a call at ``num_recurrences`` (default: r) with ``kv_budget``
+        (default: the config's; none: every recurrence keeps its slots). Raises ``ValueError``
+        naming the field and the value."""
         r = self.num_recurrences if num_recurrences is None else num_recurrences
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"num_recurrences={r!r}: must be an integer >= 1")
         k = self.kv_budget if kv_budget is None else kv_budget
-        k = r if k is None else min(k, r)
-        return self.num_prelude_layers + k * self.num_recurrent_layers + self.num_coda_layers
+        if k is None:
+            k = r
+        elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"kv_budget={k!r}: must be None (every recurrence keeps its KV cache) or an integer >= 1")
+        return KVSlotPlan(self.num_prelude_layers, self.num_recurrent_layers, self.num_coda_layers, r, min(k, r))
 
     def exit_settings(
         self, criterion: str | None = None, threshold: float | None = None, min_recurrences: int | None = None
@@ -431,4 +490,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["KVSlotPlan", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
