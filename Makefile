@@ -1,14 +1,15 @@
 # The main job and the tests, one command each.
 #   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~10 min, 2 CPU cores)
-#   make test    install, then the test suite (offline, CPU) without the few multi-process end-to-end
-#                tests marked slow, on 2 workers; `make test-slow` runs those (CI runs both)
+#   make test    install with the test extras, then the test suite (offline, CPU) without the few
+#                multi-process end-to-end tests marked slow, on 2 workers; `make test-slow` runs those
+#                (CI runs both)
 # Re-running `make demo` resumes the sweep where it stopped.
 
 PYTHON ?= python
 TORCH_VERSION ?= 2.13.0
-# Extra pip arguments for torch. An unpinned torch pulls a multi-GB CUDA build; on a Linux machine
-# without a local wheel mirror, use the CPU wheels:
-#   make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# An unpinned torch from PyPI pulls a multi-GB CUDA build on Linux, so torch comes first and from
+# CPU wheels: a local wheel when pip has one (the fast path, no index asked), else PyTorch's CPU index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
 RECIPE ?= recipes/iso_depth_tiny.yaml
 OUT ?= runs/iso_depth_tiny
@@ -24,17 +25,28 @@ export TOKENIZERS_PARALLELISM ?= false
 # pytest-xdist workers for `make test` and `make test-slow` (each runs torch on one thread).
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-slow lint
+.PHONY: install install-torch install-test demo test test-slow lint
 
 # torch first and pinned, so that `pip install -e .` (torch>=2.5) finds it satisfied.
-install:
-	$(PYTHON) -m pip install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+install-torch:
+	@if $(PYTHON) -m pip install --no-index --no-deps "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
+		$(PYTHON) -m pip install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
+	else \
+		$(PYTHON) -m pip install "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX) $(TORCH_PIP_ARGS); \
+	fi
+
+# What the demo needs: the package alone.
+install: install-torch
+	$(PYTHON) -m pip install -e .
+
+# What the tests need: the package with its test extras (pytest, lm-eval, peft, submitit, ...).
+install-test: install-torch
 	$(PYTHON) -m pip install -e ".[test]"
 
 demo: install
 	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP) $(if $(JOBS),--jobs $(JOBS))
 
-test: install
+test: install-test
 	$(PYTHON) -m pytest tests -m "not slow" -n $(TEST_WORKERS) --durations=10
 
 test-slow:
