@@ -25,6 +25,7 @@ This file is shipped with every checkpoint as remote code: it imports only trans
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,6 +127,15 @@ class KVSlotPlan:
 
     def coda(self, j: int) -> int:
         return self.num_prelude + self.kv_budget * self.num_recurrent + j
+
+    def overwritten(self, step: int) -> bool:
+        """Whether a later recurrence of the same forward writes recurrence ``step``'s slots again
+        (step < r - k): its KV serves its own tokens only and is cropped back out of the cache."""
+        return step < self.num_recurrences - self.kv_budget
+
+    def block_layer(self, slot: int) -> int:
+        """The block layer j that writes ``slot`` (a block slot: P <= slot < P + k*K)."""
+        return (slot - self.num_prelude) % self.num_recurrent
 
     def applications(self) -> Iterator[tuple[str, int, int, int]]:
         """Every layer application in forward order: (stack, recurrence step or 0, layer j, slot)."""
@@ -436,6 +446,28 @@ class LoopedConfig(PreTrainedConfig):
         elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"kv_budget={k!r}: must be None (every recurrence keeps its KV cache) or an integer >= 1")
         return KVSlotPlan(self.num_prelude_layers, self.num_recurrent_layers, self.num_coda_layers, r, min(k, r))
+
+    def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
+        """The r of a call: ``num_recurrences`` (default: the config's) as a Python int, checked.
+
+        r must be a Python int (``torch.compile`` builds one graph per r); numpy and 0-d tensor
+        integers convert. Raises ``ValueError`` naming the value: not an integer >= 1, or another r
+        than the trained one for a hyperconnection model (its parameters are indexed by step)."""
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        try:
+            r = operator.index(r) if not isinstance(r, bool) else None
+        except TypeError:
+            r = None
+        if r is None:
+            raise ValueError(f"num_recurrences={num_recurrences!r}: must be an integer >= 1")
+        if r < 1:
+            raise ValueError(f"num_recurrences={r}: must be >= 1")
+        if self.is_recurrence_locked and r != self.num_recurrences:
+            raise ValueError(
+                f"num_recurrences={r}: this model uses input_injection='hyperconnection', whose parameters are "
+                f"indexed by recurrence step, so it can only run at its trained num_recurrences={self.num_recurrences}"
+            )
+        return r
 
     def exit_settings(
         self, criterion: str | None = None, threshold: float | None = None, min_recurrences: int | None = None
