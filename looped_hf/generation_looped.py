@@ -36,6 +36,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from transformers.masking_utils import create_causal_mask
 
 from .configuration_looped import KVSlotPlan
+from .interface_looped import check_positions
 
 # ---------------------------------------------------------------------------------------------
 # Adaptive exit (test-time compute): which tokens stop, and the KV they offer once stopped
@@ -459,6 +460,16 @@ class LoopedGenerationMixin(GenerationMixin):
                 extras["num_accepted_draft_tokens"] = run.drafter.num_accepted_draft_tokens
             out = LoopedGenerateOutput(**out, **extras)
         return out
+
+    def _validate_generated_length(self, generation_config: GenerationConfig, input_ids_length: int,
+                                   has_default_max_length: bool) -> None:  # fmt: skip
+        # Hook: generate() calls it once the final max_length (prompt + new tokens) is known, before
+        # the prefill; a run that would outgrow the positions is refused here, not at the step that
+        # runs out. (transformers caps a default max_length at the positions itself.)
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        new = generation_config.max_length - input_ids_length
+        check_positions(self.config, generation_config.max_length, 0,
+                        detail=f" (a prompt of {input_ids_length} tokens + up to {new} new: max_new_tokens)")  # fmt: skip
 
     @torch.no_grad()
     def greedy_gaps(self, sequences: torch.Tensor, prompt_length: int, **forward_kwargs) -> torch.Tensor:

@@ -103,6 +103,51 @@ def _checked_kwargs(owner: nn.Module, kwargs: dict, accepted: frozenset[str] = _
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Inputs the model cannot read: refused with the name of the argument
+# ---------------------------------------------------------------------------------------------
+
+
+def check_positions(
+    config: PreTrainedConfig, num_new: int, past: int | None, what: str = "input_ids", detail: str = ""
+) -> None:
+    """``ValueError`` naming ``what`` when ``past`` cached + ``num_new`` tokens need more positions
+    than ``config.max_position_embeddings``. Only Python ints are compared, so it is free: with
+    ``past=None`` (the caller gave position ids, whose values would have to be read from the
+    device) or a tensor (a static cache's length under ``torch.compile``) only the new tokens'
+    count is checked. Not with ``rope_type="dynamic"``, which exists to run past that length."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":
+        return
+    if not isinstance(past, int):
+        past = 0
+    limit = config.max_position_embeddings
+    total = num_new + past
+    if total > limit:
+        cached = f" ({past} in the cache + {num_new} new)" if past else ""
+        raise ValueError(
+            f"{what}: {total} positions{cached}{detail} exceed max_position_embeddings={limit}, the positions "
+            "this model was built for"
+        )
+
+
+def check_token_ids(config: PreTrainedConfig, input_ids: torch.Tensor, training: bool) -> None:
+    """``ValueError`` naming ``input_ids`` when an id lies outside [0, vocab_size) (the embedding
+    would raise a bare IndexError on a CPU, a device-side assert on a GPU, or read a padded row).
+
+    Reading the min and max waits for the device, so it is skipped where that costs: while
+    tracing (``torch.compile``, whose graphs must not branch on data) and in a training step on
+    an accelerator (a host sync per micro-batch; training ids come from the tokenizer through
+    ``TokenBlocks``). A CPU tensor is checked always, and so is every eval / generation forward,
+    whose decoding loop waits for the device each step anyway."""
+    if is_tracing(input_ids) or input_ids.numel() == 0 or (training and input_ids.device.type != "cpu"):
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= config.vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, vocab_size={config.vocab_size})")
+
+
 def _select_hidden_states_at_r(forward: Callable) -> Callable:
     """Make ``output_hidden_states=[i, ...]`` select by the indices of the call's r.
 

@@ -61,6 +61,8 @@ from .interface_looped import (
     _checked_kwargs,
     _select_hidden_states_at_r,
     causal_attention_mask,
+    check_positions,
+    check_token_ids,
 )
 from .recurrent_block_looped import LoopedRecurrentBlock
 
@@ -467,6 +469,7 @@ class LoopedModel(LoopedPreTrainedModel):
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
 
         if inputs_embeds is None:
+            check_token_ids(config, input_ids, self.training and torch.is_grad_enabled())
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
@@ -474,10 +477,13 @@ class LoopedModel(LoopedPreTrainedModel):
             prepare_cache(cache, plan)
 
         positions_given = position_ids is not None
+        past_seen_tokens = None
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
+        what = "input_ids" if input_ids is not None else "inputs_embeds"
+        check_positions(config, inputs_embeds.shape[1], past_seen_tokens, what)
         causal_mask = causal_attention_mask(
             config, inputs_embeds, attention_mask, cache, position_ids if positions_given else None
         )
