@@ -1,4 +1,4 @@
-"""Issue 33, the model side: values a LoopedConfig cannot work with, a folder of another model
+"""The model side of "every bad input refused": values a LoopedConfig cannot work with, a folder of another model
 type, inputs beyond the positions or the vocabulary, and a recurrence count past the ceiling are
 refused with a ValueError naming the field (or ``input_ids``) and the value."""
 
