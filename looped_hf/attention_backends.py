@@ -7,7 +7,7 @@ Everything goes through transformers' attention registry: ``flash_attention_2/3/
 transformers' own integrations, which also take the hub kernel (``kernels-community/...``) when
 the ``kernels`` package is installed and the pip package is not. A backend that is not installed
 or does not load falls back to SDPA with one log line; SDPA gets the causal fast path from the
-model itself (no materialised mask for unpadded rows, see ``modeling_looped.causal_attention_mask``).
+model itself (no materialised mask for unpadded rows, see ``interface_looped.causal_attention_mask``).
 
 ``select_attention_backend`` is the pure decision (device capability and installed packages in,
 an ordered list of candidates out), so it is tested on a CPU with any fake GPU;

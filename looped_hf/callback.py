@@ -57,6 +57,8 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
+from looped_hf.accounting_looped import num_scaling_params, training_flops_per_token
+
 logger = logging.getLogger(__name__)
 
 
@@ -176,7 +178,7 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
     @staticmethod
     def _static_fields(model: torch.nn.Module) -> dict[str, Any]:
         config = model.config
-        params = model.num_scaling_params()
+        params = num_scaling_params(model)
         return {
             "n_once": int(params["once"]),
             "n_rec": int(params["recurrent"]),
@@ -188,7 +190,7 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
     def _flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
         key = (seq_len, num_recurrences)
         if key not in self._fpt_cache:
-            self._fpt_cache[key] = float(self._model.training_flops_per_token(seq_len, num_recurrences))
+            self._fpt_cache[key] = float(training_flops_per_token(self._model, seq_len, num_recurrences))
         return self._fpt_cache[key]
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

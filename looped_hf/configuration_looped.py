@@ -25,6 +25,8 @@ This file is shipped with every checkpoint as remote code: it imports only trans
 from __future__ import annotations
 
 import math
+import operator
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +39,11 @@ QK_NORMS = ("after_rope", "learnable_before_rope", "none")
 # "hf": transformers' normal(0, initializer_range); "study": nanochat/gpt.py init_weights.
 INIT_SCHEMES = ("hf", "study")
 LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module docstring
+# The most recurrences a call may run, as a multiple of the trained r, unless ``max_recurrences``
+# says otherwise: far past any test-time extrapolation that helps (the study and Huginn stay
+# within a few x), and each recurrence costs K layer applications per token, so a typo such as
+# r = 10**7 is refused with its cost instead of running for days.
+RECURRENCE_CEILING_FACTOR = 64
 STATE_INITS = ("prelude", "zeros", "noise")
 ROPE_TABLE_DTYPES = ("bfloat16", "float16", "float32")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
@@ -127,6 +134,15 @@ class KVSlotPlan:
     def coda(self, j: int) -> int:
         return self.num_prelude + self.kv_budget * self.num_recurrent + j
 
+    def overwritten(self, step: int) -> bool:
+        """Whether a later recurrence of the same forward writes recurrence ``step``'s slots again
+        (step < r - k): its KV serves its own tokens only and is cropped back out of the cache."""
+        return step < self.num_recurrences - self.kv_budget
+
+    def block_layer(self, slot: int) -> int:
+        """The block layer j that writes ``slot`` (a block slot: P <= slot < P + k*K)."""
+        return (slot - self.num_prelude) % self.num_recurrent
+
     def applications(self) -> Iterator[tuple[str, int, int, int]]:
         """Every layer application in forward order: (stack, recurrence step or 0, layer j, slot)."""
         for j in range(self.num_prelude):
@@ -177,6 +193,10 @@ class LoopedConfig(PreTrainedConfig):
         congruent to i mod k (with k = 1: always the last recurrence's). The current tokens always
         attend to their own fresh KV. ``k >= r`` is exactly the default. ``forward`` and
         ``generate`` accept ``kv_budget=`` per call. Memory only: compute stays P + r*K + C.
+    max_recurrences:
+        The most recurrences one call may run (``num_recurrences=`` of ``forward`` / ``generate``).
+        ``None`` (default): ``RECURRENCE_CEILING_FACTOR`` (64) x ``num_recurrences``. A call above
+        it is refused with its cost (layer applications per token); set this to go further.
     exit_criterion, exit_threshold, min_recurrences:
         Per-token adaptive exit (Huginn's, per token instead of per sequence). ``None`` (default):
         every token runs all r recurrences. Otherwise, after recurrence c >= ``min_recurrences``
@@ -276,6 +296,7 @@ class LoopedConfig(PreTrainedConfig):
     backprop_recurrences: int | None = None
     recurrence_norm: bool = True
     kv_budget: int | None = None
+    max_recurrences: int | None = None
     exit_criterion: str | None = None
     exit_threshold: float | None = None
     min_recurrences: int = 1
@@ -378,19 +399,71 @@ class LoopedConfig(PreTrainedConfig):
             raise bad("pad_vocab_size_to_multiple_of", "must be an integer >= 1 (1: no padding)")
         if self.rope_table_dtype is not None and self.rope_table_dtype not in ROPE_TABLE_DTYPES:
             raise bad("rope_table_dtype", f"must be None (full precision) or one of {ROPE_TABLE_DTYPES}")
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise bad("logit_softcap", "must be None or > 0")
-        if self.state_init_std < 0:
-            raise bad("state_init_std", "must be >= 0")
+        # Real-valued fields, each with the range the forward can use. NaN fails every comparison,
+        # so each test says what is inside the range, never what is outside.
+        def real(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        for field, value, ok, why in (
+            ("rms_norm_eps", self.rms_norm_eps, lambda v: real(v) and v > 0,
+             "must be a finite number > 0 (a norm divides by sqrt(mean + eps))"),
+            ("initializer_range", self.initializer_range, lambda v: real(v) and v >= 0,
+             "must be a finite standard deviation >= 0"),
+            ("state_init_std", self.state_init_std, lambda v: real(v) and v >= 0,
+             "must be a finite standard deviation >= 0"),
+            ("attention_dropout", self.attention_dropout, lambda v: real(v) and 0 <= v <= 1,
+             "must be a probability in [0, 1]"),
+            ("logit_softcap", self.logit_softcap, lambda v: v is None or (real(v) and v > 0),
+             "must be None or a finite number > 0"),
+            ("rope_parameters", theta, lambda v: v is None or (real(v) and v > 0),
+             "rope_theta must be a finite number > 0"),
+        ):  # fmt: skip
+            if not ok(value):
+                raise bad(field, why)
+        for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            # A special token outside the vocabulary: the embedding has no row for it (pad: its
+            # padding row), and generation could never emit or stop on it.
+            value = getattr(self, field)
+            ids = value if isinstance(value, (list, tuple)) else [value]
+            if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size)
+                   for i in ids):  # fmt: skip
+                raise bad(field, f"must be None or a token id in [0, vocab_size={self.vocab_size})")
+        ceiling = self.max_recurrences
+        if ceiling is not None and (
+            isinstance(ceiling, bool) or not isinstance(ceiling, int) or ceiling < self.num_recurrences
+        ):
+            raise bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
+                                         f"integer >= num_recurrences={self.num_recurrences}")  # fmt: skip
 
     # --- versioning ---------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            # transformers only warns, then builds a looped model from another architecture's
+            # fields (a gpt2 config.json has none of the loop's): weights that do not fit, or
+            # defaults standing in for what the folder describes. A config without the key is
+            # accepted (a hand-written dict, or looped_hf 0.1.0's).
+            raise ValueError(
+                f"model_type={model_type!r}: {cls.__name__} loads only model_type {cls.model_type!r} configs; "
+                "load this checkpoint with its own class (AutoModelForCausalLM picks it)"
+            )
         # A config.json without ``looped_format`` was written by looped_hf 0.1.0: keep its forward
         # semantics so its weights give the logits they were trained to give.
-        if config_dict.get("model_type", cls.model_type) == cls.model_type and "looped_format" not in config_dict:
+        if "looped_format" not in config_dict:
             config_dict = {**config_dict, "looped_format": 1}
         return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> LoopedConfig:
+        # The same refusal, naming the folder (or repository) it came from.
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except ValueError as err:
+            if str(err).startswith("model_type="):
+                raise ValueError(f"{pretrained_model_name_or_path}: config.json {err}") from None
+            raise
 
     def to_dict(self) -> dict:
         # ``save_pretrained`` writes ``auto_map`` for the saved class only; every class lives in the
@@ -437,6 +510,35 @@ class LoopedConfig(PreTrainedConfig):
             raise ValueError(f"kv_budget={k!r}: must be None (every recurrence keeps its KV cache) or an integer >= 1")
         return KVSlotPlan(self.num_prelude_layers, self.num_recurrent_layers, self.num_coda_layers, r, min(k, r))
 
+    def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
+        """The r of a call: ``num_recurrences`` (default: the config's) as a Python int, checked.
+
+        r must be a Python int (``torch.compile`` builds one graph per r); numpy and 0-d tensor
+        integers convert. Raises ``ValueError`` naming the value: not an integer >= 1, or another r
+        than the trained one for a hyperconnection model (its parameters are indexed by step)."""
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        try:
+            r = operator.index(r) if not isinstance(r, bool) else None
+        except TypeError:
+            r = None
+        if r is None:
+            raise ValueError(f"num_recurrences={num_recurrences!r}: must be an integer >= 1")
+        if r < 1:
+            raise ValueError(f"num_recurrences={r}: must be >= 1")
+        if r > self.recurrence_ceiling:
+            raise ValueError(
+                f"num_recurrences={r}: exceeds this model's ceiling of {self.recurrence_ceiling} recurrences "
+                f"({self._ceiling_source()}); it would run {self.num_layer_applications(r)} layer applications per "
+                f"token, against {self.num_layer_applications()} at the trained num_recurrences={self.num_recurrences}. "
+                "Set config.max_recurrences to allow it"
+            )
+        if self.is_recurrence_locked and r != self.num_recurrences:
+            raise ValueError(
+                f"num_recurrences={r}: this model uses input_injection='hyperconnection', whose parameters are "
+                f"indexed by recurrence step, so it can only run at its trained num_recurrences={self.num_recurrences}"
+            )
+        return r
+
     def exit_settings(
         self, criterion: str | None = None, threshold: float | None = None, min_recurrences: int | None = None
     ) -> tuple[str, float, int] | None:
@@ -481,6 +583,19 @@ class LoopedConfig(PreTrainedConfig):
         return self.num_layer_applications()
 
     @property
+    def recurrence_ceiling(self) -> int:
+        """The most recurrences a call may run: ``max_recurrences``, else
+        ``RECURRENCE_CEILING_FACTOR`` x the trained ``num_recurrences``."""
+        if self.max_recurrences is not None:
+            return self.max_recurrences
+        return RECURRENCE_CEILING_FACTOR * self.num_recurrences
+
+    def _ceiling_source(self) -> str:
+        if self.max_recurrences is not None:
+            return "config.max_recurrences"
+        return f"{RECURRENCE_CEILING_FACTOR} x the trained num_recurrences={self.num_recurrences}"
+
+    @property
     def num_unique_layers(self) -> int:
         return self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers
 
@@ -490,4 +605,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["KVSlotPlan", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["KVSlotPlan", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

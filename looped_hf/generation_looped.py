@@ -10,9 +10,9 @@ relative import), so it imports only torch, transformers and ``.configuration_lo
   criterion's memory and who stopped when; ``resolve_exit_rule`` checks a call's rule.
 - The cache a call needs: one slot per layer application (``_grow_cache``; a cache is filled at
   one r and one budget, ``_check_cache_recurrences``). A KV budget k (``config.kv_budget`` or
-  ``kv_budget=`` per call, the study's engine) keeps only k recurrence slots: recurrence i's block
-  layer j uses slot P + (i mod k)*K + j and the coda's slots follow at P + k*K, so the cache has
-  P + k*K + C slots; a slot keeps the KV of the last recurrence that wrote it (see
+  ``kv_budget=`` per call, the study's engine) keeps only k recurrence slots; which slot each
+  layer application uses is the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``, the one
+  formula); a slot keeps the KV of the last recurrence that wrote it (see
   ``LoopedConfig.kv_budget``); the model's forward does the writes and crops.
 - ``generate(..., draft_num_recurrences=k)`` decodes self-speculatively: the same weights at k
   recurrences draft, r verifies, through transformers' assisted decoding
@@ -35,7 +35,8 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig,
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.masking_utils import create_causal_mask
 
-from .configuration_looped import LoopedConfig
+from .configuration_looped import KVSlotPlan
+from .interface_looped import check_positions
 
 # ---------------------------------------------------------------------------------------------
 # Adaptive exit (test-time compute): which tokens stop, and the KV they offer once stopped
@@ -54,15 +55,14 @@ class _ExitKV:
     attention calls it with its fresh KV, and the exited positions are swapped for their latest.
     """
 
-    def __init__(self, cache: Cache | None, first_slot: int, num_layers: int) -> None:
+    def __init__(self, cache: Cache | None, plan: KVSlotPlan) -> None:
         self.cache = cache
-        self.first_slot = first_slot
-        self.num_layers = num_layers
+        self.plan = plan
         self.exited: torch.Tensor | None = None  # (batch, tokens) bool, None while no token exited
-        self.latest: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.latest: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * plan.num_recurrent
 
     def update(self, key: torch.Tensor, value: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = (slot - self.first_slot) % self.num_layers
+        j = self.plan.block_layer(slot)
         if self.exited is not None:
             stopped = self.exited[:, None, :, None]  # key/value: (batch, kv heads, tokens, head_dim)
             key = torch.where(stopped, self.latest[j][0], key)
@@ -70,16 +70,12 @@ class _ExitKV:
         self.latest[j] = (key, value)
         return (key, value) if self.cache is None else self.cache.update(key, value, slot)
 
-    def refill(self, slot: int) -> None:
-        """Write the latest KV into ``slot`` for a recurrence that no token of the call runs."""
+    def refill_recurrence(self, step: int) -> None:
+        """Write the latest KV into the block's slots of recurrence ``step`` (0-based), which no
+        token of the call runs because all have stopped."""
         if self.cache is not None:
-            self.cache.update(*self.latest[(slot - self.first_slot) % self.num_layers], slot)
-
-    def refill_recurrence(self, step: int, kv_budget: int) -> None:
-        """Refill the block's slots of recurrence ``step`` (0-based, under budget k: slots
-        P + (step mod k)*K + j), which no token of the call runs because all have stopped."""
-        for j in range(self.num_layers):
-            self.refill(self.first_slot + (step % kv_budget) * self.num_layers + j)
+            for j in range(self.plan.num_recurrent):
+                self.cache.update(*self.latest[j], self.plan.block(step, j))
 
 
 class _AdaptiveExit:
@@ -288,24 +284,14 @@ def _check_cache_recurrences(cache: Cache, r: int, kv_budget: int | None = None)
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_kv_budget(config: LoopedConfig, kv_budget: int | None, r: int) -> int:
-    """The call's effective KV budget, min(k, r): ``kv_budget`` (else ``config.kv_budget``, else r,
-    every recurrence keeping its slots). A budget of r or more is the default."""
-    k = config.kv_budget if kv_budget is None else kv_budget
-    if k is None:
-        return r
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"kv_budget={k!r}: must be None (every recurrence keeps its KV cache) or an integer >= 1")
-    return min(k, r)
-
-
-def prepare_cache(cache: Cache, num_slots: int, r: int, kv_budget: int) -> None:
-    """Make ``cache`` ready for a call at r recurrences with the effective KV budget ``kv_budget``
-    (min(k, r)) and ``num_slots`` slots: grow it (or refuse) first, so a refused call leaves the
-    cache's recorded r unchanged; then check it was filled at this r and budget."""
-    _grow_cache(cache, num_slots, shrink=kv_budget < r)
+def prepare_cache(cache: Cache, plan: KVSlotPlan) -> None:
+    """Make ``cache`` ready for a call laid out by ``plan`` (its r and effective KV budget): grow it
+    (or refuse) first, so a refused call leaves the cache's recorded r unchanged; then check it
+    was filled at this r and budget."""
+    r, kv_budget = plan.num_recurrences, plan.kv_budget
+    _grow_cache(cache, plan.num_slots, shrink=plan.shares_slots)
     _check_cache_recurrences(cache, r, kv_budget)
-    if kv_budget < r and not _croppable(cache):
+    if plan.shares_slots and not _croppable(cache):
         # An overwritten slot is written then cropped back; a cache layer that cannot crop
         # (quantised) cannot take a second write of the same positions.
         raise ValueError(
@@ -474,6 +460,16 @@ class LoopedGenerationMixin(GenerationMixin):
                 extras["num_accepted_draft_tokens"] = run.drafter.num_accepted_draft_tokens
             out = LoopedGenerateOutput(**out, **extras)
         return out
+
+    def _validate_generated_length(self, generation_config: GenerationConfig, input_ids_length: int,
+                                   has_default_max_length: bool) -> None:  # fmt: skip
+        # Hook: generate() calls it once the final max_length (prompt + new tokens) is known, before
+        # the prefill; a run that would outgrow the positions is refused here, not at the step that
+        # runs out. (transformers caps a default max_length at the positions itself.)
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        new = generation_config.max_length - input_ids_length
+        check_positions(self.config, generation_config.max_length, 0,
+                        detail=f" (a prompt of {input_ids_length} tokens + up to {new} new: max_new_tokens)")  # fmt: skip
 
     @torch.no_grad()
     def greedy_gaps(self, sequences: torch.Tensor, prompt_length: int, **forward_kwargs) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """What a looped forward takes and returns: its output classes, the keywords ``**kwargs`` may carry
-(anything else raises instead of vanishing), and ``output_hidden_states=[...]`` at the call's r.
+(anything else raises instead of vanishing), ``output_hidden_states=[...]`` at the call's r, and
+the attention mask every layer application gets (``causal_attention_mask``: ``None``, the
+backend's own causal mode, wherever that is the same thing).
 
 Hidden states, ``output_hidden_states=True``: P + r*K + C + 1 tensors, one per layer
 *application* in execution order. Index 0 is the input of the first application (with P > 0 the
@@ -25,8 +27,17 @@ from functools import wraps
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    create_causal_mask,
+    flash_attention_mask,
+    sdpa_mask,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import TransformersKwargs
+from transformers.utils.import_utils import is_tracing
 
 # ---------------------------------------------------------------------------------------------
 # Outputs
@@ -92,6 +103,51 @@ def _checked_kwargs(owner: nn.Module, kwargs: dict, accepted: frozenset[str] = _
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Inputs the model cannot read: refused with the name of the argument
+# ---------------------------------------------------------------------------------------------
+
+
+def check_positions(
+    config: PreTrainedConfig, num_new: int, past: int | None, what: str = "input_ids", detail: str = ""
+) -> None:
+    """``ValueError`` naming ``what`` when ``past`` cached + ``num_new`` tokens need more positions
+    than ``config.max_position_embeddings``. Only Python ints are compared, so it is free: with
+    ``past=None`` (the caller gave position ids, whose values would have to be read from the
+    device) or a tensor (a static cache's length under ``torch.compile``) only the new tokens'
+    count is checked. Not with ``rope_type="dynamic"``, which exists to run past that length."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":
+        return
+    if not isinstance(past, int):
+        past = 0
+    limit = config.max_position_embeddings
+    total = num_new + past
+    if total > limit:
+        cached = f" ({past} in the cache + {num_new} new)" if past else ""
+        raise ValueError(
+            f"{what}: {total} positions{cached}{detail} exceed max_position_embeddings={limit}, the positions "
+            "this model was built for"
+        )
+
+
+def check_token_ids(config: PreTrainedConfig, input_ids: torch.Tensor, training: bool) -> None:
+    """``ValueError`` naming ``input_ids`` when an id lies outside [0, vocab_size) (the embedding
+    would raise a bare IndexError on a CPU, a device-side assert on a GPU, or read a padded row).
+
+    Reading the min and max waits for the device, so it is skipped where that costs: while
+    tracing (``torch.compile``, whose graphs must not branch on data) and in a training step on
+    an accelerator (a host sync per micro-batch; training ids come from the tokenizer through
+    ``TokenBlocks``). A CPU tensor is checked always, and so is every eval / generation forward,
+    whose decoding loop waits for the device each step anyway."""
+    if is_tracing(input_ids) or input_ids.numel() == 0 or (training and input_ids.device.type != "cpu"):
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= config.vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, vocab_size={config.vocab_size})")
+
+
 def _select_hidden_states_at_r(forward: Callable) -> Callable:
     """Make ``output_hidden_states=[i, ...]`` select by the indices of the call's r.
 
@@ -119,3 +175,62 @@ def _select_hidden_states_at_r(forward: Callable) -> Callable:
         return out if return_dict else out.to_tuple()
 
     return wrapper
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention mask
+# ---------------------------------------------------------------------------------------------
+
+# Mask builders whose attention function applies a plain causal mask itself when it gets none
+# (SDPA's ``is_causal``, flash-attention's ``causal``). Keyed by the builder, not by the name, so a
+# hub kernel or a registered alias that reuses one of them is covered too.
+_CAUSAL_BY_ITSELF = (sdpa_mask, flash_attention_mask)
+
+
+def _plain_causal(attention_mask: torch.Tensor | None, cache: Cache | None, q_length: int) -> bool:
+    """Whether attention over these inputs is exactly the causal triangle over the new tokens:
+    no padding (no mask, or a 2-D mask that is all ones, read only outside tracing), and no
+    earlier tokens in the cache (the keys are the queries' own tokens, so the square is causal)."""
+    # The cache first: it is host-side bookkeeping, while reading the mask's values waits for the device.
+    if cache is not None:
+        if getattr(cache, "is_compileable", False):
+            return False  # a static cache attends over all max_cache_len slots: it needs its mask
+        if cache.get_seq_length() != 0 or cache.get_mask_sizes(q_length, 0)[0] != q_length:
+            return False
+    if attention_mask is None:
+        return True
+    return attention_mask.ndim == 2 and not is_tracing(attention_mask) and bool(attention_mask.all())
+
+
+def causal_attention_mask(
+    config: PreTrainedConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The mask every layer application gets, or ``None`` where the attention function's own causal
+    mode is the same thing.
+
+    Why not always ``create_causal_mask``: under ``torch.compile`` it cannot read tensors, so it
+    assumes the worst (position ids might be packed documents, a mask might have padding) and
+    materialises a (batch, 1, T, T) mask even for unpadded training rows. SDPA then cannot take
+    its causal fast path (the flash kernel skips the upper triangle only with ``is_causal``) and
+    reads the mask in backward too (docs/gpu.md, "Attention without a mask"). So when the call is
+    plain causal (``_plain_causal``), ``position_ids`` were not given (this forward's own
+    positions are one sequence per row, never packed) and the backend masks causally by itself,
+    the answer is ``None`` — in eager mode and compiled alike. Everything else (padding, decode
+    steps and chunked prefill over a cache, static caches, packed ``position_ids``, eager / flex
+    attention, which need their mask) goes to ``create_causal_mask`` unchanged.
+    """
+    builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(config._attn_implementation)
+    if (
+        position_ids is None
+        and builder in _CAUSAL_BY_ITSELF
+        and _plain_causal(attention_mask, cache, inputs_embeds.shape[1])
+    ):
+        return None
+    return create_causal_mask(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+        position_ids=position_ids,
+    )

@@ -4,34 +4,25 @@
            -> r times: h = block(inject(h, e)) [-> norm]     block: K shared layers
            -> coda (C layers) -> norm -> lm_head [-> soft-cap]
 
-The layer is Llama's (pre-norm, RoPE, GQA) with the study's switches: squared-ReLU MLP, QK-norm,
-logit soft-cap. Where the study's code (kschwethelm/looped-lm-scaling, nanochat/gpt.py) fixes a
-convention, this file follows it and says so: injection order and init, hyperconnection update,
-QK-norm placement, initialisation, parameter groups. ``config.looped_format == 1`` keeps the forward
-of looped_hf 0.1.0 for checkpoints saved by it. Every *application* of a layer (P + r*K + C per
-token) owns one KV-cache slot, so the cache is the flat stack a looped model unrolls into;
-``config.num_hidden_layers`` is that depth at the default r and a dynamic cache grows when a call
-asks for more recurrences.
+Top to bottom: Llama's layer (pre-norm, RoPE, GQA) with the study's switches (squared-ReLU MLP,
+QK-norm, logit soft-cap), the hyperconnection lanes, the models, the standard heads. The loop
+itself is ``LoopedRecurrentBlock`` (``recurrent_block_looped.py``), which ``LoopedModel.forward``
+runs between the prelude and the coda. Where the study's code (kschwethelm/looped-lm-scaling,
+nanochat/gpt.py) fixes a convention, this file follows it and says so; ``config.looped_format ==
+1`` keeps looped_hf 0.1.0's forward for its checkpoints. Every layer *application* (P + r*K + C
+per token) owns a KV-cache slot, placed by the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``).
 
-It behaves like transformers 5.24's Llama wherever a looped model can: ``cache=`` (the old
-``past_key_values=`` is mapped with Llama's deprecation warning), ``return_dict=False`` gives a
-tuple, a keyword the model does not know raises ``TypeError`` instead of vanishing into
-``**kwargs``, hidden states and attentions are collected per layer application by transformers'
-output-capturing hooks (``interface_looped.py`` says which index is which), the forward compiles
-with ``torch.compile(fullgraph=True)`` at a fixed r, and the standard heads (sequence / token
-classification, question answering) are transformers' generic ones. What a call may add at test
-time (a KV budget, per-token adaptive exit, self-speculative drafting) lives in
-``generation_looped.py``.
-
-This module is the one owner of parameter and FLOP accounting (``num_scaling_params``,
-``training_flops_per_token``, ``inference_flops_per_token``); training, planning and model cards
-call it. It is shipped with checkpoints as remote code, so it imports only torch, transformers
-and ``.configuration_looped``.
+It behaves like transformers 5.24's Llama wherever a looped model can (``cache=``, tuples with
+``return_dict=False``, per-application hidden states and attentions, ``torch.compile(fullgraph=
+True)`` at a fixed r); an unknown keyword raises ``TypeError``. Beside it, shipped with every
+checkpoint as remote code: ``recurrent_block_looped.py`` (the loop), ``interface_looped.py``
+(outputs, keywords, the attention mask), ``generation_looped.py`` (KV budget, adaptive exit,
+self-drafting) and ``accounting_looped.py`` (parameters and FLOPs). It imports only torch,
+transformers and those modules.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 
 import torch
@@ -40,12 +31,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    create_causal_mask,
-    flash_attention_mask,
-    sdpa_mask,
-)
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -57,20 +42,17 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import TransformersKwargs, can_return_tuple, merge_with_config_defaults
-from transformers.utils.import_utils import is_tracing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .accounting_looped import inference_flops_per_token, num_scaling_params, training_flops_per_token
 from .configuration_looped import LoopedConfig
 from .generation_looped import (
     LoopedGenerateOutput,
     LoopedGenerationMixin,
     RecurrenceDraftCandidateGenerator,
-    _AdaptiveExit,
-    _ExitKV,
     coda_predictor,
     prepare_cache,
     resolve_exit_rule,
-    resolve_kv_budget,
 )
 from .interface_looped import (
     _LOSS_KWARGS,
@@ -78,7 +60,11 @@ from .interface_looped import (
     LoopedModelOutputWithPast,
     _checked_kwargs,
     _select_hidden_states_at_r,
+    causal_attention_mask,
+    check_positions,
+    check_token_ids,
 )
+from .recurrent_block_looped import LoopedRecurrentBlock
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (Llama's, with the study's switches)
@@ -143,8 +129,8 @@ class _SoftCap(torch.autograd.Function):
 
     The forward is the study's three ops, so logits are bit-identical. Autograd's own backward
     of them is three passes over the (batch, seq, vocab) logits (x cap, tanh', / cap), the
-    largest tensors of a training step (16 GB of traffic at batch 8 x 2048 x 32k); the derivative
-    is 1 - tanh^2(x / cap), one ``tanh_backward`` from the saved tanh. The gradient equals
+    largest tensors of a training step; the derivative is 1 - tanh^2(x / cap), one
+    ``tanh_backward`` from the saved tanh. The gradient equals
     autograd's up to the rounding of the x cap / cap pair it skips (1 ulp).
     """
 
@@ -259,8 +245,7 @@ class LoopedAttention(nn.Module):
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
         # only then turn into attention's (batch, heads, seq, head_dim) view: the same values bit for
-        # bit (elementwise ops and a norm over head_dim), without norming a strided view (~10% of
-        # their time on a CPU).
+        # bit (elementwise ops and a norm over head_dim), without norming a strided view.
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, unsqueeze_dim=2)
         if self.qk_norm == "after_rope":
@@ -358,75 +343,8 @@ class LoopedHyperConnection(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# The attention mask
-# ---------------------------------------------------------------------------------------------
-
-# Mask builders whose attention function applies a plain causal mask itself when it gets none
-# (SDPA's ``is_causal``, flash-attention's ``causal``). Keyed by the builder, not by the name, so a
-# hub kernel or a registered alias that reuses one of them is covered too.
-_CAUSAL_BY_ITSELF = (sdpa_mask, flash_attention_mask)
-
-
-def _plain_causal(attention_mask: torch.Tensor | None, cache: Cache | None, q_length: int) -> bool:
-    """Whether attention over these inputs is exactly the causal triangle over the new tokens:
-    no padding (no mask, or a 2-D mask that is all ones, read only outside tracing), and no
-    earlier tokens in the cache (the keys are the queries' own tokens, so the square is causal)."""
-    # The cache first: it is host-side bookkeeping, while reading the mask's values waits for the device.
-    if cache is not None:
-        if getattr(cache, "is_compileable", False):
-            return False  # a static cache attends over all max_cache_len slots: it needs its mask
-        if cache.get_seq_length() != 0 or cache.get_mask_sizes(q_length, 0)[0] != q_length:
-            return False
-    if attention_mask is None:
-        return True
-    return attention_mask.ndim == 2 and not is_tracing(attention_mask) and bool(attention_mask.all())
-
-
-def causal_attention_mask(
-    config: LoopedConfig,
-    inputs_embeds: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cache: Cache | None,
-    position_ids: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """The mask every layer application gets, or ``None`` where the attention function's own causal
-    mode is the same thing.
-
-    Why not always ``create_causal_mask``: under ``torch.compile`` it cannot read tensors, so it
-    assumes the worst (position ids might be packed documents, a mask might have padding) and
-    materialises a (batch, 1, T, T) mask even for unpadded training rows. SDPA then cannot take
-    its causal fast path (the flash kernel skips the upper triangle only with ``is_causal``) and
-    reads the mask in backward too: about 3x the attention time on an H200. So when the call is
-    plain causal (``_plain_causal``), ``position_ids`` were not given (this forward's own
-    positions are one sequence per row, never packed) and the backend masks causally by itself,
-    the answer is ``None`` — in eager mode and compiled alike. Everything else (padding, decode
-    steps and chunked prefill over a cache, static caches, packed ``position_ids``, eager / flex
-    attention, which need their mask) goes to ``create_causal_mask`` unchanged.
-    """
-    builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(config._attn_implementation)
-    if (
-        position_ids is None
-        and builder in _CAUSAL_BY_ITSELF
-        and _plain_causal(attention_mask, cache, inputs_embeds.shape[1])
-    ):
-        return None
-    return create_causal_mask(
-        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-        position_ids=position_ids,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
-
-
-def _all_in_mode(module: nn.Module, mode: bool) -> bool:
-    """Whether `module` and all its submodules have `training == mode` (a plain walk: `modules()`
-    builds every module's dotted name on the way, three times slower)."""
-    if module.training is not mode:
-        return False
-    return all(child is None or _all_in_mode(child, mode) for child in module._modules.values())
 
 
 class LoopedPreTrainedModel(PreTrainedModel):
@@ -449,14 +367,6 @@ class LoopedPreTrainedModel(PreTrainedModel):
         "hidden_states": OutputRecorder(LoopedDecoderLayer, index=0),
         "attentions": OutputRecorder(LoopedAttention, index=1),
     }
-
-    def train(self, mode: bool = True):
-        # The Trainer calls `model.train()` before every micro-batch and torch's walks every module
-        # (~3 us each on a CPU: 0.3 ms a step for the loop4 model, on the training loop's host
-        # path). When every module is already in `mode` there is nothing to set.
-        if isinstance(mode, bool) and _all_in_mode(self, mode):
-            return self
-        return super().train(mode)
 
     def _init_weights(self, module: nn.Module) -> None:
         """transformers' init (``init_scheme="hf"``) or the study's (``"study"``, nanochat/gpt.py
@@ -520,72 +430,6 @@ class LoopedModel(LoopedPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    # The parameter groups of the study's accounting (nanochat/gpt.py num_scaling_params and
-    # effective_params): "recurrent" (N_rec) is the block and the injection adapter or
-    # hyperconnection gains; "once" (N_once) is prelude + coda + the model-level norm scales, the
-    # recurrence norm INCLUDED although it runs r times (the study counts all three norm_* scales
-    # as "scalars", run once). The token embedding is apart (a lookup: no FLOPs).
-    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
-        once = [*self.prelude_layers.parameters(), *self.coda_layers.parameters(), *self.norm.parameters()]
-        for module in (self.embedding_norm, self.recurrence_norm):
-            if module is not None:
-                once += list(module.parameters())
-        recurrent = list(self.recurrent_layers.parameters())
-        for module in (self.injection, self.hyperconnection):
-            if module is not None:
-                recurrent += list(module.parameters())
-        return {"once": once, "recurrent": recurrent, "embedding": list(self.embed_tokens.parameters())}
-
-    def _injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(W_e e, W_h) for the linear injection u = W [e; h] = W_e e + W_h h, or ``None``.
-
-        e is the same at every recurrence, so W_e e is computed once per forward instead of a
-        concat and a d x 2d matmul per recurrence (r + 1 d x d matmuls instead of 2r, forward and
-        backward). Only for a plain ``nn.Linear``: a wrapped adapter (LoRA, quantisation, FSDP)
-        must see its own forward called, and gets ``self.injection(cat)`` instead. Not for
-        looped_format 1 (0.1.0) checkpoints either: their logits are pinned to 1e-6, and the split's
-        two matmuls round differently from the one concatenated matmul they were saved with.
-        """
-        injection = self.injection
-        if self.config.looped_format == 1 or type(injection) is not nn.Linear or injection.bias is not None:
-            return None
-        d = self.config.hidden_size
-        # The study's order is [e; h]: W = [I | 0] reads e.
-        return F.linear(e, injection.weight[:, :d]), injection.weight[:, d:]
-
-    def _inject(
-        self, h: torch.Tensor, e: torch.Tensor, legacy: bool, split: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor:
-        """The block's input u from the state h and the prelude output e (see LoopedConfig)."""
-        mode = self.config.input_injection
-        if mode == "linear":
-            if split is not None:
-                e_part, w_h = split
-                return e_part + F.linear(h, w_h)
-            return self.injection(torch.cat([h, e] if legacy else [e, h], dim=-1))
-        if mode == "add":
-            return h + e
-        return h
-
-    def _resolve_num_recurrences(self, num_recurrences: int | None) -> int:
-        config = self.config
-        r = config.num_recurrences if num_recurrences is None else num_recurrences
-        try:
-            # r must be a Python int (a graph per r under torch.compile); numpy / 0-d tensor ints convert.
-            r = operator.index(r) if not isinstance(r, bool) else None
-        except TypeError:
-            r = None
-        if r is None:
-            raise ValueError(f"num_recurrences={num_recurrences!r}: must be an integer >= 1")
-        if r < 1:
-            raise ValueError(f"num_recurrences={r}: must be >= 1")
-        if config.is_recurrence_locked and r != config.num_recurrences:
-            raise ValueError(
-                f"num_recurrences={r}: this model uses input_injection='hyperconnection', whose parameters are "
-                f"indexed by recurrence step, so it can only run at its trained num_recurrences={config.num_recurrences}"
-            )
-        return r
-
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @_select_hidden_states_at_r
     @merge_with_config_defaults
@@ -620,22 +464,26 @@ class LoopedModel(LoopedPreTrainedModel):
         kwargs = _checked_kwargs(self, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        r = self._resolve_num_recurrences(num_recurrences)
-        budget = resolve_kv_budget(config, kv_budget, r)
+        r = config.resolve_num_recurrences(num_recurrences)
+        plan = config.slot_plan(r, kv_budget)
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
 
         if inputs_embeds is None:
+            check_token_ids(config, input_ids, self.training and torch.is_grad_enabled())
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
         if cache is not None:
-            prepare_cache(cache, config.num_kv_slots(r, budget), r, budget)
+            prepare_cache(cache, plan)
 
         positions_given = position_ids is not None
+        past_seen_tokens = None
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
+        what = "input_ids" if input_ids is not None else "inputs_embeds"
+        check_positions(config, inputs_embeds.shape[1], past_seen_tokens, what)
         causal_mask = causal_attention_mask(
             config, inputs_embeds, attention_mask, cache, position_ids if positions_given else None
         )
@@ -649,106 +497,28 @@ class LoopedModel(LoopedPreTrainedModel):
         if positions_given:
             layer_kwargs["position_ids"] = position_ids
 
-        app = 0  # index of the current layer application == its cache slot
         h = inputs_embeds
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
-        for layer in self.prelude_layers:
-            h = layer(h, cache_index=app, **layer_kwargs)[0]
-            app += 1
-        e = h
-        if config.state_init == "zeros":
-            h = torch.zeros_like(e)
-        elif config.state_init == "noise":
-            # Huginn's random state: draws from the global RNG, which Trainer/set_seed seed.
-            h = torch.randn_like(e) * config.state_init_std
-
-        hc = self.hyperconnection
-        legacy = config.looped_format == 1
-        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        split = self._injection_split(e) if config.input_injection == "linear" else None
-        K = len(self.recurrent_layers)
+        for j, layer in enumerate(self.prelude_layers):
+            h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
         num_new_tokens = inputs_embeds.shape[1]
-
-        def block_layer(layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
-            """Block layer j at recurrence ``step``, in cache slot P + (step mod k)*K + j (the
-            study's nanochat/gpt.py ``_get_kv_layer_idx``). The study writes a slot at every
-            recurrence, so the slot ends up holding its last writer's KV, while each writer's own
-            tokens attend to their fresh KV. Same here: an earlier writer (step < r - k, a later
-            recurrence reuses its slot) writes, attends, then crops its tokens back out."""
-            slot = len(self.prelude_layers) + (step % budget) * K + j
-            x = layer(x, cache_index=slot, **block_kwargs)[0]
-            if cache is not None and step < r - budget:
-                cache.layers[slot].crop(-num_new_tokens)
-            return x
-
-        def recurrence(step: int, h: torch.Tensor, lanes: torch.Tensor | None) -> tuple:
-            """One pass through the block; returns (h, lanes, the state after it)."""
-            if hc is not None:
-                x = hc.read(lanes, step)
-                y = x
-                for j, layer in enumerate(self.recurrent_layers):
-                    y = block_layer(layer, y, step, j)
-                if legacy:
-                    lanes = hc.write(lanes, step, y - x)
-                    if self.recurrence_norm is not None:
-                        lanes = self.recurrence_norm(lanes)
-                else:
-                    lanes = hc.write(lanes, step, self.recurrence_norm(y) if self.recurrence_norm is not None else y)
-                return h, lanes, lanes.sum(0)
-            h = self._inject(h, e, legacy, split)
-            for j, layer in enumerate(self.recurrent_layers):
-                h = block_layer(layer, h, step, j)
-            if self.recurrence_norm is not None:
-                h = self.recurrence_norm(h)
-            return h, lanes, h
-
-        # Truncated backprop: the first r - k recurrences run under no_grad (the study's detach of
-        # the state). Without truncation no grad-mode switch is entered at all.
-        k = config.backprop_recurrences
-        no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
-        recurrent_states: list[torch.Tensor] = []
-        state = None  # the state after the last recurrence run; exit's criterion starts from h_0
-        coda_start = len(self.prelude_layers) + budget * K  # the coda's slots follow the k recurrence slots
-        exit_, block_kwargs = None, layer_kwargs  # adaptive exit gives the block its own cache view
-        if exit_rule is not None:
-            exit_kv = _ExitKV(cache, len(self.prelude_layers), K)
-            block_kwargs = {**layer_kwargs, "cache": exit_kv}
-            predict = None
-            if exit_head is not None:
-                predict = coda_predictor(self.coda_layers, self.norm, exit_head, coda_start, layer_kwargs, num_new_tokens)
-            state = lanes.sum(0) if hc is not None else h
-            exit_ = _AdaptiveExit(exit_rule, r, state, exit_kv, predict)
-        for step in range(r):
-            if exit_ is not None and exit_.all_exited:
-                # Every token has stopped: nothing runs; later tokens will read the latest KV.
-                if cache is not None and step >= r - budget:
-                    exit_kv.refill_recurrence(step, budget)
-            else:
-                old = (h, lanes, state)
-                if step < no_grad_steps:
-                    with torch.no_grad():
-                        h, lanes, state = recurrence(step, h, lanes)
-                else:
-                    h, lanes, state = recurrence(step, h, lanes)
-                if exit_ is not None:
-                    h, lanes, state = exit_.step(step + 1, old, (h, lanes, state))
-            if output_recurrent_states:
-                recurrent_states.append(state)
-        if hc is not None:
-            h = lanes.sum(0)  # lanes are summed before the coda
-        app = coda_start
-        for layer in self.coda_layers:
-            h = layer(h, cache_index=app, **layer_kwargs)[0]
-            app += 1
+        predict = None  # the distribution exit criteria's decoder: coda, norm, head
+        if exit_rule is not None and exit_head is not None:
+            predict = coda_predictor(self.coda_layers, self.norm, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
+        loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
+        h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states)
+        for j, layer in enumerate(self.coda_layers):
+            h = layer(h, cache_index=plan.coda(j), **layer_kwargs)[0]
         h = self.norm(h)
 
         return LoopedModelOutputWithPast(
             last_hidden_state=h,
             cache=cache if use_cache else None,
             recurrent_states=tuple(recurrent_states) if output_recurrent_states else None,
-            recurrences_used=exit_.used if exit_ is not None else None,
+            recurrences_used=used,
         )
+
 
 class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -849,92 +619,19 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             recurrences_used=outputs.recurrences_used,
         )
 
-    # -----------------------------------------------------------------------------------------
-    # Accounting: the one place that counts parameters and FLOPs.
-    # -----------------------------------------------------------------------------------------
+    # The study's accounting, for users; accounting_looped.py owns it (training, planning and cards call it).
     def num_scaling_params(self) -> dict[str, int]:
-        """Parameters in the study's groups; the parts sum to the real parameter count.
-
-        ``once``: prelude + coda + the model-level norm scales (after the embedding, after every
-        recurrence, before the head: the study counts all three as run-once "scalars").
-        ``recurrent``: the block + the injection adapter or hyperconnection gains. ``embedding``
-        and ``lm_head`` apart (a tied head counts 0 here: its weights are the embedding's). The
-        scaling law's N_once and N_rec are ``once`` and ``recurrent`` (the study's
-        ``effective_params``: once = prelude + coda + scalars, reused = recur_block + inject).
-        """
-        groups = {name: sum(p.numel() for p in params) for name, params in self.model.parameter_groups().items()}
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
-        groups["lm_head"] = 0 if tied else self.lm_head.weight.numel()
-        groups["total"] = groups["once"] + groups["recurrent"] + groups["embedding"] + groups["lm_head"]
-        # Unique tensors only, so a shared or tied weight is never counted twice.
-        real = sum(p.numel() for p in self.parameters())
-        if groups["total"] != real:
-            raise RuntimeError(f"parameter groups sum to {groups['total']} but the model has {real}")
-        return groups
-
-    def _flops_terms(self, seq_len: int, num_recurrences: int | None) -> tuple[int, int, int, int, int]:
-        config = self.config
-        r = config.num_recurrences if num_recurrences is None else int(num_recurrences)
-        if r < 1 or seq_len < 1:
-            raise ValueError(f"num_recurrences={r}, seq_len={seq_len}: both must be >= 1")
-        k = config.backprop_recurrences
-        r_grad = r if k is None else min(k, r)
-        params = self.num_scaling_params()
-        # The head's matmul costs V*d per token whether or not its weights are tied; V counts the
-        # padded rows (they are computed, then cropped), as the study's estimate_flops does.
-        n_head = config.padded_vocab_size * config.hidden_size
-        n_rec = params["recurrent"]
-        hc = self.model.hyperconnection
-        if hc is not None:
-            # Lane mixing is no weight matmul: per step and token it reads N lanes, mixes N x N and
-            # writes N gains, all of width d. The study (gpt.py estimate_flops) counts it as
-            # (N^2 + 2N) d "equivalent params" per recurrence in place of the r (N^2 + 2N) scalars.
-            n = hc.num_lanes
-            n_rec += (n * n + 2 * n) * config.hidden_size - sum(p.numel() for p in hc.parameters())
-        # The model-level norm scales (after the embedding, after each recurrence, before the head)
-        # are elementwise, not matmuls: the study's estimate_flops leaves them out; so do we.
-        base = self.model
-        scalars = sum(
-            p.numel() for m in (base.embedding_norm, base.recurrence_norm, base.norm) if m is not None for p in m.parameters()
-        )
-        return r, r_grad, params["once"] - scalars + n_head, n_rec, config.num_attention_heads * config.head_dim
+        """Parameters in the study's groups: ``once``, ``recurrent``, ``embedding``, ``lm_head``,
+        ``total`` (``accounting_looped.num_scaling_params``)."""
+        return num_scaling_params(self)
 
     def training_flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
-        """Training FLOPs per token (the study's count; PaLM's MFU formula for a looped model).
-
-        A matmul with N weights costs 2N FLOPs per token forward and 4N backward (grads of the
-        input and of the weights): 6N per token for a parameter used once with gradient. So:
-
-            6 * (N_once + N_head)                          prelude, coda (their layer norms too, as
-                                                           the study), lm_head; not the model-level
-                                                           norm scales (elementwise)
-          + (6 * r_grad + 2 * r_nograd) * N_rec            the block + injection (hyperconnections:
-                                                           (N^2 + 2N) d per step, as the study);
-                                                           with truncated backprop only
-                                                           the last k = r_grad steps train; the
-                                                           first r - k run forward only (2x)
-          + 12 * h * q * T * (P + C + r_grad * K)          attention scores + weighted sum: 2*2*h*q*T
-          +  4 * h * q * T * (r_nograd * K)                forward per application, x3 with grad
-
-        with T the full sequence length (no causal halving, as in PaLM and the study), h heads of
-        size q. The embedding lookup is free. Norm and elementwise FLOPs are ignored (O(d)).
-        """
-        config = self.config
-        r, r_grad, n_once_head, n_rec, hq = self._flops_terms(seq_len, num_recurrences)
-        r_nograd = r - r_grad
-        K = config.num_recurrent_layers
-        apps_grad = config.num_prelude_layers + config.num_coda_layers + r_grad * K
-        apps_nograd = r_nograd * K
-        dense = 6 * n_once_head + (6 * r_grad + 2 * r_nograd) * n_rec
-        attention = 12 * hq * seq_len * apps_grad + 4 * hq * seq_len * apps_nograd
-        return float(dense + attention)
+        """Training FLOPs per token at ``seq_len`` and r (``accounting_looped.training_flops_per_token``)."""
+        return training_flops_per_token(self, seq_len, num_recurrences)
 
     def inference_flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
-        """Forward-only FLOPs per token at context ``seq_len``: 2 * (N_once + N_head + r * N_rec)
-        + 4 * h * q * T per layer application (P + r*K + C applications)."""
-        config = self.config
-        r, _, n_once_head, n_rec, hq = self._flops_terms(seq_len, num_recurrences)
-        return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * config.num_layer_applications(r))
+        """Forward FLOPs per token at context ``seq_len`` and r (``accounting_looped.inference_flops_per_token``)."""
+        return inference_flops_per_token(self, seq_len, num_recurrences)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -942,10 +639,8 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
 # ---------------------------------------------------------------------------------------------
 
 
-# The generic heads build their trunk with ``AutoModel.from_config(config)``, which cannot resolve
-# the looped trunk in a process that loads it as remote code without looped_hf installed (the
-# config class is not registered there). So each head builds ``LoopedModel`` itself, exactly as
-# the generic ``__init__`` would, and keeps the generic forward and loss unchanged.
+# The generic heads build their trunk with ``AutoModel.from_config``, which cannot resolve the looped
+# trunk as remote code without looped_hf installed; so each builds ``LoopedModel`` itself.
 
 
 class LoopedForSequenceClassification(GenericForSequenceClassification, LoopedPreTrainedModel):

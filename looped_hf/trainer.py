@@ -12,6 +12,10 @@ changes what the Trainer does every optimizer step, never what it logs or saves:
   (`DefaultFlowCallback`'s rule), so every logged `grad_norm` is the one the vanilla Trainer
   logs. (A callback that forces `should_log` on another step gets an entry without
   `grad_norm`.) With clipping the norm is needed every step and nothing changes.
+- `training_step`: the Trainer calls `model.train()` before every micro-batch, and torch's walks
+  every module and sets its flag, on the training loop's host path. When every module is already
+  training (a plain walk, `_all_in_mode`, is much cheaper than torch's) the call is skipped;
+  otherwise the vanilla `train()` runs.
 - `_track_num_input_tokens`: the vanilla count puts the batch's token count on the device,
   gathers it and reads it back (`.item()`), a host-device sync every micro-batch. With
   `include_num_input_tokens_seen: all` it is a Python sum of the same numbers: in one process,
@@ -30,11 +34,21 @@ logging step (the logged values).
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import IntervalStrategy
+
+
+def _all_in_mode(module: nn.Module, mode: bool) -> bool:
+    """Whether `module` and all its submodules have `training == mode` (a plain walk: `modules()`
+    builds every module's dotted name on the way)."""
+    if module.training is not mode:
+        return False
+    return all(child is None or _all_in_mode(child, mode) for child in module._modules.values())
 
 
 class LoopedTrainer(Trainer):
@@ -52,6 +66,20 @@ class LoopedTrainer(Trainer):
         if self._flops_params is None or self._flops_params[0] != id(self.model):
             self._flops_params = (id(self.model), self.model.num_parameters(exclude_embeddings=True))
         return 6 * inputs[main_input].numel() * self._flops_params[1]
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        if not _all_in_mode(model, True):
+            return super().training_step(model, inputs, num_items_in_batch)
+        # Every module is training already: the vanilla step's `model.train()` would only walk the
+        # tree. An instance attribute shadows the method for this one call (nothing else runs in
+        # between on this thread) and is removed after it, whatever happens.
+        model.train = MethodType(_already_training, model)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del model.train
 
     def logs_next_step(self) -> bool:
         """Whether the optimizer step now in progress (global_step + 1) will be logged, by the rule
@@ -98,6 +126,12 @@ class LoopedTrainer(Trainer):
             and not accelerator.dispatch_batches
             and not accelerator.split_batches
         )
+
+
+def _already_training(model: nn.Module, mode: bool = True) -> nn.Module:
+    """`model.train` during a `training_step` whose model is all in training mode already: nothing
+    to set for `mode=True`; any other mode goes to the class's own `train`."""
+    return model if mode is True else type(model).train(model, mode)
 
 
 __all__ = ["LoopedTrainer"]

@@ -287,3 +287,33 @@ def test_budget_survives_save_and_load(tmp_path):
     assert loaded.config.num_hidden_layers == P + R * K + C  # compute depth, not the cache's
     ids = prompts()
     assert torch.equal(greedy(loaded.eval(), ids), greedy(model, ids, kv_budget=2))
+
+
+# --------------------------------------------------------------------------------------------
+# The slot plan: the one layout the model, generation and the vLLM model share
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p, k_layers, c, r, k", [(1, 2, 1, 4, None), (1, 2, 1, 4, 1), (2, 3, 0, 5, 2), (0, 1, 2, 3, 7)])
+def test_the_slot_plan_is_the_studys_layout_and_knows_its_overwritten_recurrences(p, k_layers, c, r, k):
+    """Slots written in forward order: prelude j -> j, block (i, j) -> P + (i mod k)*K + j, coda j ->
+    P + k*K + j; each slot's last writer is what a cache keeps, and a recurrence is "overwritten"
+    exactly when a later one of the same forward writes its slots again."""
+    config = tiny_looped_config(num_prelude_layers=p, num_recurrent_layers=k_layers, num_coda_layers=c, num_recurrences=r)
+    plan = config.slot_plan(kv_budget=k)
+    kk = r if k is None else min(k, r)
+    apps = list(plan.applications())
+    assert len(apps) == config.num_layer_applications() and plan.num_slots == p + kk * k_layers + c
+    assert {slot for *_, slot in apps} == set(range(plan.num_slots))
+    last = {}
+    for stack, step, j, slot in apps:
+        want = {"prelude": j, "recurrent": p + (step % kk) * k_layers + j, "coda": p + kk * k_layers + j}[stack]
+        assert slot == want
+        last[slot] = (stack, step)
+        if stack == "recurrent":
+            assert plan.block_layer(slot) == j
+    for step in range(r):
+        rewritten = any(s > step and s % kk == step % kk for s in range(r))
+        assert plan.overwritten(step) == rewritten
+        assert all(last[plan.block(step, j)] == ("recurrent", step) for j in range(k_layers)) == (not rewritten)
+    assert plan.shares_slots == (kk < r)

@@ -270,17 +270,18 @@ def render_checkpoint_card(
     the trained r.
     """
     from looped_hf import __version__
+    from looped_hf.accounting_looped import inference_flops_per_token, num_scaling_params
 
     config = model.config
     curve = _test_time_curve(model, test_time)
-    params = model.num_scaling_params()
+    params = num_scaling_params(model)
     model_name = repo_id.split("/")[-1]
     data = checkpoint_card_data(record, config, params, model_name=model_name, license=license, fit=fit)
     evaluated = _evaluation_results(model, evaluation)
     if evaluated is not None:
         data.eval_results = [*(data.eval_results or []), *evaluation_model_index(evaluated)]
     seq_len = int(record.get("seq_len") or config.max_position_embeddings)
-    per_r = model.inference_flops_per_token(seq_len, 2) - model.inference_flops_per_token(seq_len, 1)
+    per_r = inference_flops_per_token(model, seq_len, 2) - inference_flops_per_token(model, seq_len, 1)
     k = config.backprop_recurrences
     arch = {
         "num_recurrences": config.num_recurrences,

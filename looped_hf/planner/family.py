@@ -176,7 +176,7 @@ def _cached_family(path: str, _mtime_ns: int) -> ArchitectureFamily:
 #: accounting): a change to any of them makes every cached family stale.
 _ACCOUNTING_SOURCES = (
     "arguments.py", "configuration_looped.py", "modeling_looped.py", "interface_looped.py",
-    "generation_looped.py", "sweep", "planner/family.py",
+    "generation_looped.py", "accounting_looped.py", "recurrent_block_looped.py", "sweep", "planner/family.py",
 )  # fmt: skip
 _FAMILY_FORMAT = "looped_hf.family/1"
 
@@ -273,6 +273,11 @@ def _measure_member(plan: SweepPlan, r: int, widths: list[int]) -> FamilyMember:
     import torch
 
     from looped_hf import LoopedForCausalLM
+    from looped_hf.accounting_looped import (
+        inference_flops_per_token,
+        num_scaling_params,
+        training_flops_per_token,
+    )
     from looped_hf.arguments import parse_recipe
 
     rows: list[tuple[float, ...]] = []
@@ -284,11 +289,11 @@ def _measure_member(plan: SweepPlan, r: int, widths: list[int]) -> FamilyMember:
         config = model_args.to_config(plan.vocab_size, plan.seq_len)
         with torch.device("meta"):
             model = LoopedForCausalLM(config)
-        counts = model.num_scaling_params()
-        inf_r = model.inference_flops_per_token(plan.seq_len, r)
+        counts = num_scaling_params(model)
+        inf_r = inference_flops_per_token(model, plan.seq_len, r)
         rows.append((
-            counts["once"], counts["recurrent"], model.training_flops_per_token(plan.seq_len), inf_r,
-            model.inference_flops_per_token(plan.seq_len, r + 1) - inf_r,
+            counts["once"], counts["recurrent"], training_flops_per_token(model, plan.seq_len), inf_r,
+            inference_flops_per_token(model, plan.seq_len, r + 1) - inf_r,
             config.num_key_value_heads * config.head_dim,
         ))  # fmt: skip
         shape = (run.num_prelude_layers, run.num_recurrent_layers, run.num_coda_layers)

@@ -1,0 +1,124 @@
+"""Parameter and FLOP accounting of a looped model: the one place that counts them.
+
+Training (``LoopedComputeCallback``), planning (``looped_hf.planner``), sweeps and model cards
+all ask this module; ``LoopedForCausalLM.num_scaling_params`` / ``training_flops_per_token`` /
+``inference_flops_per_token`` are thin methods over it for users. The counts follow the study
+(kschwethelm/looped-lm-scaling, nanochat/gpt.py ``num_scaling_params``, ``effective_params`` and
+``estimate_flops``): see docs/conventions.md for the derivation and the checks against it.
+
+Shipped beside ``modeling_looped.py`` in every checkpoint (the model's methods import it), so it
+imports only torch. The functions read the model's modules by name (``model.model.prelude_layers``
+...), never its classes, so they work the same on a model loaded as remote code.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def parameter_groups(base: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The parameters of a ``LoopedModel`` (the trunk) in the study's groups.
+
+    ``recurrent`` (N_rec): the block and the injection adapter or hyperconnection gains.
+    ``once`` (N_once): prelude + coda + the model-level norm scales, the recurrence norm INCLUDED
+    although it runs r times (the study counts all three norm scales as run-once "scalars").
+    ``embedding``: the token embedding, apart (a lookup: no FLOPs).
+    """
+    once = [*base.prelude_layers.parameters(), *base.coda_layers.parameters(), *base.norm.parameters()]
+    for module in (base.embedding_norm, base.recurrence_norm):
+        if module is not None:
+            once += list(module.parameters())
+    recurrent = list(base.recurrent_layers.parameters())
+    for module in (base.injection, base.hyperconnection):
+        if module is not None:
+            recurrent += list(module.parameters())
+    return {"once": once, "recurrent": recurrent, "embedding": list(base.embed_tokens.parameters())}
+
+
+def num_scaling_params(model: nn.Module) -> dict[str, int]:
+    """Parameters of a ``LoopedForCausalLM`` in the study's groups; the parts sum to the real count.
+
+    ``once``, ``recurrent`` and ``embedding`` as ``parameter_groups``; ``lm_head`` apart (a tied
+    head counts 0 here: its weights are the embedding's); ``total``. The scaling law's N_once and
+    N_rec are ``once`` and ``recurrent``. Raises ``RuntimeError`` if a parameter belongs to no
+    group (a module added to the model without a place in the accounting).
+    """
+    base = model.model
+    groups = {name: sum(p.numel() for p in params) for name, params in parameter_groups(base).items()}
+    tied = model.lm_head.weight is base.embed_tokens.weight
+    groups["lm_head"] = 0 if tied else model.lm_head.weight.numel()
+    groups["total"] = groups["once"] + groups["recurrent"] + groups["embedding"] + groups["lm_head"]
+    # Unique tensors only, so a shared or tied weight is never counted twice.
+    real = sum(p.numel() for p in model.parameters())
+    if groups["total"] != real:
+        raise RuntimeError(f"parameter groups sum to {groups['total']} but the model has {real}")
+    return groups
+
+
+def _flops_terms(model: nn.Module, seq_len: int, num_recurrences: int | None) -> tuple[int, int, int, int, int]:
+    """(r, r_grad, N_once + N_head, N_rec per recurrence, h * q): the terms both FLOP counts use."""
+    config = model.config
+    r = config.num_recurrences if num_recurrences is None else int(num_recurrences)
+    if r < 1 or seq_len < 1:
+        raise ValueError(f"num_recurrences={r}, seq_len={seq_len}: both must be >= 1")
+    k = config.backprop_recurrences
+    r_grad = r if k is None else min(k, r)
+    params = num_scaling_params(model)
+    # The head's matmul costs V*d per token whether or not its weights are tied; V counts the
+    # padded rows (they are computed, then cropped), as the study's estimate_flops does.
+    n_head = config.padded_vocab_size * config.hidden_size
+    n_rec = params["recurrent"]
+    base = model.model
+    hc = base.hyperconnection
+    if hc is not None:
+        # Lane mixing is no weight matmul: per step and token it reads N lanes, mixes N x N and
+        # writes N gains, all of width d. The study (gpt.py estimate_flops) counts it as
+        # (N^2 + 2N) d "equivalent params" per recurrence in place of the r (N^2 + 2N) scalars.
+        n = hc.num_lanes
+        n_rec += (n * n + 2 * n) * config.hidden_size - sum(p.numel() for p in hc.parameters())
+    # The model-level norm scales (after the embedding, after each recurrence, before the head)
+    # are elementwise, not matmuls: the study's estimate_flops leaves them out; so do we.
+    norms = (base.embedding_norm, base.recurrence_norm, base.norm)
+    scalars = sum(p.numel() for m in norms if m is not None for p in m.parameters())
+    return r, r_grad, params["once"] - scalars + n_head, n_rec, config.num_attention_heads * config.head_dim
+
+
+def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: int | None = None) -> float:
+    """Training FLOPs per token (the study's count; PaLM's MFU formula for a looped model).
+
+    A matmul with N weights costs 2N FLOPs per token forward and 4N backward (grads of the
+    input and of the weights): 6N per token for a parameter used once with gradient. So:
+
+        6 * (N_once + N_head)                          prelude, coda (their layer norms too, as
+                                                       the study), lm_head; not the model-level
+                                                       norm scales (elementwise)
+      + (6 * r_grad + 2 * r_nograd) * N_rec            the block + injection (hyperconnections:
+                                                       (N^2 + 2N) d per step, as the study);
+                                                       with truncated backprop only
+                                                       the last k = r_grad steps train; the
+                                                       first r - k run forward only (2x)
+      + 12 * h * q * T * (P + C + r_grad * K)          attention scores + weighted sum: 2*2*h*q*T
+      +  4 * h * q * T * (r_nograd * K)                forward per application, x3 with grad
+
+    with T the full sequence length (no causal halving, as in PaLM and the study), h heads of
+    size q. The embedding lookup is free. Norm and elementwise FLOPs are ignored (O(d)).
+    """
+    config = model.config
+    r, r_grad, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences)
+    r_nograd = r - r_grad
+    K = config.num_recurrent_layers
+    apps_grad = config.num_prelude_layers + config.num_coda_layers + r_grad * K
+    apps_nograd = r_nograd * K
+    dense = 6 * n_once_head + (6 * r_grad + 2 * r_nograd) * n_rec
+    attention = 12 * hq * seq_len * apps_grad + 4 * hq * seq_len * apps_nograd
+    return float(dense + attention)
+
+
+def inference_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: int | None = None) -> float:
+    """Forward-only FLOPs per token at context ``seq_len``: 2 * (N_once + N_head + r * N_rec)
+    + 4 * h * q * T per layer application (P + r*K + C applications)."""
+    r, _, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences)
+    return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * model.config.num_layer_applications(r))
+
+
+__all__ = ["inference_flops_per_token", "num_scaling_params", "parameter_groups", "training_flops_per_token"]

@@ -1,0 +1,164 @@
+"""The loop of a looped decoder: its shared block run r times, for one forward.
+
+``LoopedModel.forward`` (``modeling_looped.py``) runs embed -> prelude -> this -> coda -> norm;
+``LoopedRecurrentBlock`` does the middle and only that: h_0 = init(e), r recurrences of
+h = block(inject(h, e)) [-> recurrence norm] (or the hyperconnection lanes' read / write), with
+truncated backprop (the first r - k recurrences under ``no_grad``: the study's detach of the
+state), per-token adaptive exit, and the states after every recurrence. Which cache
+slot each block layer application writes is the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``),
+the one layout generation and the vLLM model share.
+
+Shipped beside ``modeling_looped.py`` in every checkpoint (remote code follows the relative
+import), so it imports only torch and the looped modules it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration_looped import KVSlotPlan
+from .generation_looped import _AdaptiveExit, _ExitKV
+
+
+class LoopedRecurrentBlock:
+    """The shared block run r times on the prelude output e, for one forward (see the module
+    docstring); ``__call__`` returns the state the coda reads.
+
+    Not an ``nn.Module``: it owns no parameters. The layers, the injection adapter, the
+    hyperconnection gains and the recurrence norm stay on ``LoopedModel`` under the names every
+    checkpoint has (``model.recurrent_layers.*``, ``model.injection.weight``, ...); this object
+    runs them. ``model`` is that ``LoopedModel`` (its modules are read by name).
+    """
+
+    def __init__(self, model: nn.Module, plan: KVSlotPlan, layer_kwargs: dict, num_new_tokens: int) -> None:
+        self.config = model.config
+        self.layers = model.recurrent_layers
+        self.injection = model.injection
+        self.hyperconnection = model.hyperconnection
+        self.recurrence_norm = model.recurrence_norm
+        self.plan = plan
+        self.layer_kwargs = layer_kwargs
+        self.cache = layer_kwargs.get("cache")
+        self.num_new_tokens = num_new_tokens
+        self.legacy = self.config.looped_format == 1
+
+    def initial_state(self, e: torch.Tensor) -> torch.Tensor:
+        state_init = self.config.state_init
+        if state_init == "zeros":
+            return torch.zeros_like(e)
+        if state_init == "noise":
+            # Huginn's random state: draws from the global RNG, which Trainer/set_seed seed.
+            return torch.randn_like(e) * self.config.state_init_std
+        return e
+
+    def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(W_e e, W_h) for the linear injection u = W [e; h] = W_e e + W_h h, or ``None``.
+
+        e is the same at every recurrence, so W_e e is computed once per forward instead of a
+        concat and a d x 2d matmul per recurrence (r + 1 d x d matmuls instead of 2r, forward and
+        backward). Only for a plain ``nn.Linear``: a wrapped adapter (LoRA, quantisation, FSDP)
+        must see its own forward called, and gets ``self.injection(cat)`` instead. Not for
+        looped_format 1 (0.1.0) checkpoints either: their logits are pinned to 1e-6, and the split's
+        two matmuls round differently from the one concatenated matmul they were saved with.
+        """
+        injection = self.injection
+        if self.legacy or type(injection) is not nn.Linear or injection.bias is not None:
+            return None
+        d = self.config.hidden_size
+        # The study's order is [e; h]: W = [I | 0] reads e.
+        return F.linear(e, injection.weight[:, :d]), injection.weight[:, d:]
+
+    def inject(self, h: torch.Tensor, e: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The block's input u from the state h and the prelude output e (see LoopedConfig)."""
+        mode = self.config.input_injection
+        if mode == "linear":
+            if split is not None:
+                e_part, w_h = split
+                return e_part + F.linear(h, w_h)
+            return self.injection(torch.cat([h, e] if self.legacy else [e, h], dim=-1))
+        if mode == "add":
+            return h + e
+        return h
+
+    def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
+        """Block layer j at recurrence ``step``, in its planned slot. The study writes a slot at
+        every recurrence, so the slot ends up holding its last writer's KV, while each writer's own
+        tokens attend to their fresh KV. Same here: an overwritten writer writes, attends, then
+        crops its tokens back out."""
+        slot = self.plan.block(step, j)
+        x = layer(x, cache_index=slot, **self.layer_kwargs)[0]
+        if self.cache is not None and self.plan.overwritten(step):
+            self.cache.layers[slot].crop(-self.num_new_tokens)
+        return x
+
+    def recurrence(self, step: int, h: torch.Tensor, lanes: torch.Tensor | None, e: torch.Tensor,
+                   split: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:  # fmt: skip
+        """One pass through the block; returns (h, lanes, the state after it)."""
+        hc, norm = self.hyperconnection, self.recurrence_norm
+        if hc is not None:
+            x = hc.read(lanes, step)
+            y = x
+            for j, layer in enumerate(self.layers):
+                y = self.block_layer(layer, y, step, j)
+            if self.legacy:
+                lanes = hc.write(lanes, step, y - x)
+                if norm is not None:
+                    lanes = norm(lanes)
+            else:
+                lanes = hc.write(lanes, step, norm(y) if norm is not None else y)
+            return h, lanes, lanes.sum(0)
+        h = self.inject(h, e, split)
+        for j, layer in enumerate(self.layers):
+            h = self.block_layer(layer, h, step, j)
+        if norm is not None:
+            h = norm(h)
+        return h, lanes, h
+
+    def __call__(
+        self, e: torch.Tensor, exit_rule: tuple[str, float, int] | None,
+        predict: Callable[[torch.Tensor], torch.Tensor] | None, output_recurrent_states: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.LongTensor | None]:
+        """(the state the coda reads, the states after every recurrence if asked, the recurrences
+        each token ran under adaptive exit)."""
+        r, hc = self.plan.num_recurrences, self.hyperconnection
+        h = self.initial_state(e)
+        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
+        split = self.injection_split(e) if self.config.input_injection == "linear" else None
+        # Truncated backprop: without truncation no grad-mode switch is entered at all.
+        k = self.config.backprop_recurrences
+        no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
+        recurrent_states: list[torch.Tensor] = []
+        state = None  # the state after the last recurrence run; exit's criterion starts from h_0
+        exit_ = None
+        if exit_rule is not None:
+            # Adaptive exit gives the block its own view of the cache (stopped tokens' latest KV).
+            exit_kv = _ExitKV(self.cache, self.plan)
+            self.layer_kwargs = {**self.layer_kwargs, "cache": exit_kv}
+            state = lanes.sum(0) if hc is not None else h
+            exit_ = _AdaptiveExit(exit_rule, r, state, exit_kv, predict)
+        for step in range(r):
+            if exit_ is not None and exit_.all_exited:
+                # Every token has stopped: nothing runs; later tokens will read the latest KV.
+                if not self.plan.overwritten(step):
+                    exit_kv.refill_recurrence(step)
+            else:
+                old = (h, lanes, state)
+                if step < no_grad_steps:
+                    with torch.no_grad():
+                        h, lanes, state = self.recurrence(step, h, lanes, e, split)
+                else:
+                    h, lanes, state = self.recurrence(step, h, lanes, e, split)
+                if exit_ is not None:
+                    h, lanes, state = exit_.step(step + 1, old, (h, lanes, state))
+            if output_recurrent_states:
+                recurrent_states.append(state)
+        if hc is not None:
+            h = lanes.sum(0)  # lanes are summed before the coda
+        return h, recurrent_states, exit_.used if exit_ is not None else None
+
+
+__all__ = ["LoopedRecurrentBlock"]
