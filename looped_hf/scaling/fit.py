@@ -235,16 +235,6 @@ class ScalingLawFit:
 
         return render_report(self)
 
-    def plot(self, out_dir: str | os.PathLike[str]) -> list[Path]:
-        """Every plot of this fit into ``out_dir`` (``looped_hf.plotting.plot_fit``): loss vs FLOPs,
-        IsoFLOP curves, the phi profile and bootstrap, residuals. Needs matplotlib; imported here,
-        on use, so the fit itself stays numpy/scipy only. The plotting module reads only the
-        scaling package's leaves (``data``, ``diagnose``), never this module or the package, so
-        the import graph stays a ladder: law/data/diagnose -> plotting -> fit."""
-        from looped_hf.plotting import plot_fit
-
-        return plot_fit(self, out_dir)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": _FORMAT,
