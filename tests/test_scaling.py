@@ -223,8 +223,19 @@ def test_many_failed_resamples_make_the_verdict_rest_on_the_profile(synthetic_fi
     v = verdict(wide, d["budgets"], d["at_bound"], d["profile"])
     assert v["identified"] is True and "3 of 20 bootstrap resamples failed to fit" in v["line"]
     assert any("trust the profile interval" in r for r in v["reasons"])
+    # One dropped resample: the bootstrap's fits count, but a 0.9-wide interval around a narrow
+    # profile reaches far beyond it (a flat direction): the intervals disagree, and the verdict
+    # says so and follows the profile (the rule the comparison of a probe follows too).
     kept = dataclasses.replace(wide, bootstrap_checks={"n": 20, "refitted": 1, "dropped": 1})
-    assert verdict(kept, d["budgets"], d["at_bound"], d["profile"])["identified"] is False
+    v = verdict(kept, d["budgets"], d["at_bound"], d["profile"])
+    assert v["identified"] is True and "intervals disagree; the profile one is trusted" in v["line"]
+    assert any("reaches far beyond the profile interval" in r for r in v["reasons"])
+    # A profile as wide as the box's middle and a narrow bootstrap that passed its checks: the
+    # bootstrap is trusted (it keeps the cell correlation), and the disagreement is said.
+    loose = {**d["profile"], "interval": [-0.2, 0.9]}
+    v = verdict(synthetic_fit, d["budgets"], d["at_bound"], loose)
+    assert v["identified"] is True and "the bootstrap one is trusted" in v["line"]
+    assert any("profile [-0.2, 0.9]: does not measure phi" in r for r in v["reasons"])
     no_profile = verdict(wide, d["budgets"], d["at_bound"], None)
     assert no_profile["identified"] is False and "no interval for phi" in no_profile["line"]
 

@@ -119,17 +119,21 @@ def heldout_metrics(record: Mapping[str, Any]) -> dict[str, float]:
 def phi_caveat(fit: ScalingLawFit) -> str | None:
     """A warning when the runs do not pin phi down, so the card does not oversell the estimate.
 
-    With the fit's identifiability diagnosis (``fit.diagnostics``, fits since v0.2) it is the
-    verdict line when phi is not identified. Without one (an older ``fit.json``) it falls back to
-    the interval alone: one that reaches the search box or is wider than the whole 0 .. 1 range.
+    It is the fit's verdict line when phi is not identified: one rule
+    (:mod:`looped_hf.scaling.trust`) for the fit report, the comparison, the cards and the
+    planner. An older ``fit.json``, saved before the diagnosis, is diagnosed now by that rule.
     """
     if fit.params.get("phi") is None:
         return "phi is not identifiable from these runs (no run has r > 1 and N_rec > 0)."
     verdict = (fit.diagnostics or {}).get("verdict")
-    if verdict is not None:
-        if verdict.get("identified") is False:
-            return verdict["line"] + " See *Is phi identified?* below."
-        return None
+    see_below = verdict is not None  # the card's *Is phi identified?* section needs the diagnosis
+    if verdict is None:
+        from looped_hf.scaling.diagnose import diagnose
+
+        verdict = diagnose(fit)["verdict"]
+    if verdict.get("identified") is False:
+        return verdict["line"] + (" See *Is phi identified?* below." if see_below else "")
+    return None
     ci = fit.ci.get("phi")
     if not ci:
         return "no bootstrap interval: refit with bootstrap resamples before reading much into phi."

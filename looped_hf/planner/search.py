@@ -231,6 +231,10 @@ def plan(
     notes: list[str] = []
     if fit.runs is None:
         notes.append("the fit carries no runs: extrapolation is judged against the recipe's sweep")
+    verdict = (fit.diagnostics or {}).get("verdict") or {}
+    if verdict.get("identified") is False and any(r > 1 for r in rs):
+        # The fit report's verdict (one rule: looped_hf.scaling.trust): a choice of r rests on phi.
+        notes.append(f"{verdict['line']} Every choice of r > 1 below rests on phi: read it as a scenario.")
 
     entries: list[PlanEntry] = []
     decisions: list[BudgetDecision] = []

@@ -18,11 +18,10 @@ to judge that, all JSON-safe:
   phi can still carry placement advice: widths on one side of the optimum make the law
   extrapolate there).
 
-phi counts as identified when both 95% intervals (profile, and bootstrap if run) are closed
-inside the search box and no wider than :data:`PHI_WIDTH_IDENTIFIED`, and no fitted parameter
-sits on a bound, and the bootstrap (if run) dropped at most :data:`DROPPED_IDENTIFIED` of its
-resamples (or one) as failed fits. The width limit is half the distance between the two readings that matter
-(phi = 0: looping adds nothing; phi = 1: a recurrence is worth a unique block).
+phi counts as identified when no fitted parameter sits on a bound and the trusted 95% interval
+is closed inside the search box and no wider than :data:`~.trust.PHI_WIDTH_IDENTIFIED`. Which of
+the two intervals (profile, bootstrap) is trusted is the one rule of :mod:`.trust`, the same the
+comparison of a probe uses; when they answer differently the verdict says so.
 
 :class:`SizeFamily` describes the sweep's models at one r as functions of their size, so that
 the law can be evaluated off the sweep's grid (compute-optimal sizes here, IsoFLOP curves in
@@ -39,13 +38,19 @@ import numpy as np
 from scipy.optimize import nnls
 
 from .law import BOUNDS, PARAM_NAMES
+from .trust import (
+    PHI_WIDTH_IDENTIFIED,
+    Interval,
+    fmt_open_interval,
+    phi_measured,
+    too_many_dropped,
+    trusted_interval,
+)
 
 if TYPE_CHECKING:
     from .data import Runs
     from .fit import ScalingLawFit
 
-#: A phi interval at most this wide counts as a measurement.
-PHI_WIDTH_IDENTIFIED = 0.5
 #: Compute-optimal sizes are searched this factor below the smallest and above the largest model.
 SEARCH_FACTOR = 100.0
 _NATURAL = {"a": "A", "alpha": "alpha", "b": "B", "beta": "beta", "e": "E", "phi": "phi"}
@@ -313,17 +318,6 @@ def _bootstrap_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
     }
 
 
-#: A bootstrap that had to drop more than this share of its resamples (failed fits; and more
-#: than one, so that one failure in a dozen quick resamples does not decide) does not identify
-#: phi on its own.
-DROPPED_IDENTIFIED = 0.05
-
-
-def _fmt_interval(ci: Any) -> str:
-    lo, hi = ci
-    return f"[{'box' if lo is None else f'{lo:.3g}'}, {'box' if hi is None else f'{hi:.3g}'}]"
-
-
 def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[dict[str, Any]],
             profile: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     """Identified or not, the reasons (most actionable first) and one line that says it."""
@@ -358,7 +352,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         short.append(f"{b['name']} sits on its {b['side']} bound")
     ok = not at_bound
     lo_b, hi_b = BOUNDS[5]
-    intervals = []
+    intervals: list[tuple[str, Interval]] = []
     if profile is not None:
         intervals.append(("profile", tuple(profile["interval"])))
     ci = fit.ci.get("phi")
@@ -367,9 +361,13 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         intervals.append(
             ("bootstrap", (None if ci[0] <= lo_b + 1e-3 else ci[0], None if ci[1] >= hi_b - 1e-3 else ci[1]))
         )
-    judged = list(intervals)  # the intervals the verdict rests on
+    named = dict(intervals)
     checks = fit.bootstrap_checks or {}
-    if checks.get("n") and checks.get("dropped", 0) > max(1.0, DROPPED_IDENTIFIED * checks["n"]):
+    trust = trusted_interval(named.get("profile"), named.get("bootstrap"), phi_measured,
+                             n_resamples=checks.get("n"), n_dropped=checks.get("dropped"),
+                             describe=lambda m: "measures phi" if m else "does not measure phi")  # fmt: skip
+    judged = list(intervals)  # the intervals the verdict rests on
+    if "bootstrap" in named and too_many_dropped(checks.get("n"), checks.get("dropped")):
         # Dropped resamples are failed fits, not evidence; but many of them mean many resamples
         # leave phi (or another parameter) unbounded, so the kept ones understate the spread. The
         # verdict then rests on the profile alone (and fails without one).
@@ -379,6 +377,11 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
                        "understates the uncertainty; trust the profile interval")  # fmt: skip
         short.append(f"{n_drop} of {n_all} bootstrap resamples failed to fit (read the profile interval)")
         judged = [(name, iv) for name, iv in intervals if name != "bootstrap"]
+    elif trust.disagree is not None:
+        # The two intervals answer differently: the verdict follows the trusted one, and says so.
+        judged = [(name, iv) for name, iv in intervals if name == trust.trusted]
+        reasons.append(trust.disagree)
+        short.append(f"the profile and bootstrap intervals disagree; the {trust.trusted} one is trusted")
     if not judged:
         ok = False
         reasons.append("no interval for phi: fit with checks (profile) or a bootstrap")
@@ -392,7 +395,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
             short.append(f"the {name} interval is open {side}")
         elif hi - lo > PHI_WIDTH_IDENTIFIED:
             ok = False
-            reasons.append(f"the {name} 95% interval {_fmt_interval((lo, hi))} is {hi - lo:.2g} wide "
+            reasons.append(f"the {name} 95% interval {fmt_open_interval((lo, hi))} is {hi - lo:.2g} wide "
                            f"(a measurement needs <= {PHI_WIDTH_IDENTIFIED:g})")  # fmt: skip
             short.append(f"the {name} interval is {hi - lo:.2g} wide")
     if not ok and not any(placement.values()):
@@ -401,7 +404,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
                   f"widths or seeds; the residual RMS is {100 * rms:.2g}%)")  # fmt: skip
         reasons.append(advice)
         short.append(advice)
-    shown = ", ".join(f"{n} {_fmt_interval(iv)}" for n, iv in intervals)
+    shown = ", ".join(f"{n} {fmt_open_interval(iv)}" for n, iv in intervals)
     anchored = fit.runs is None or bool(fit.runs.non_looped.any())
     if ok:
         # Narrow, closed intervals: phi is measured. Widths on one side of the optimum still mean
