@@ -26,8 +26,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from looped_hf.scaling.data import load_runs
 from looped_hf.scaling.diagnose import SEARCH_FACTOR, compute_optimal, law_loss, size_family
+from looped_hf.scaling.runs import load_runs
 
 if TYPE_CHECKING:
     from looped_hf.scaling import Runs, ScalingLawFit

@@ -14,10 +14,10 @@ import pytest
 from looped_hf.scaling import compare_fits, fit_scaling_law, load_runs
 from looped_hf.scaling.cli import main as fit_cli
 from looped_hf.scaling.compare import _match_rows, _paired_units
-from looped_hf.scaling.data import share_base_r1
 from looped_hf.scaling.fit import ScalingLawFit
 from looped_hf.scaling.law import LawData
 from looped_hf.scaling.resample import paired_resample_problems
+from looped_hf.scaling.runs import share_base_r1
 from looped_hf.scaling.synthetic import TRUE_PARAMS, study_runs
 from looped_hf.sweep.results import append_jsonl
 

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from . import law
-from .data import Runs, load_runs, share_base_r1
 from .diagnose import diagnose
 from .fit import BootstrapMethod, ScalingLawFit, _free_mask, _law_data, _set_bootstrap, fit_scaling_law
 from .law import LawData
 from .optimize import single_threaded_blas
 from .profile import DeltaProfile, delta_profile, profile_phi
 from .resample import RESAMPLE_METHODS, RefitStatus, paired_resample_problems, refit_checked
+from .runs import Runs, load_runs, share_base_r1
 from .trust import fmt_open_interval, sign_of, trusted_interval
 
 
@@ -242,7 +242,7 @@ def compare_fits(
     here, seeds ``seed`` and ``seed + 1``).
 
     A probe without r = 1 runs is fitted, as in the study, with the base's r = 1 runs
-    (:func:`~looped_hf.scaling.data.share_base_r1`; a probe fit made without them is refitted),
+    (:func:`~looped_hf.scaling.runs.share_base_r1`; a probe fit made without them is refitted),
     and the bootstrap is paired: both sweeps are resampled at once and the shared runs keep one
     count in both fits. ``bootstrap`` resamples are drawn here; fits made here carry these paired
     draws as their own bootstrap. A probe with its own r = 1 runs is an independent sweep: its

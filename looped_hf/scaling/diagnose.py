@@ -48,8 +48,8 @@ from .trust import (
 )
 
 if TYPE_CHECKING:
-    from .data import Runs
     from .fit import ScalingLawFit
+    from .runs import Runs
 
 #: Compute-optimal sizes are searched this factor below the smallest and above the largest model.
 SEARCH_FACTOR = 100.0

@@ -54,12 +54,12 @@ import numpy as np
 
 from ..fileio import write_text_atomic
 from . import law
-from .data import Runs, load_runs
 from .diagnose import diagnose
 from .law import LawData
 from .optimize import Polished, chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
 from .profile import PhiProfile, profile_phi
 from .resample import RESAMPLE_METHODS, RefitStatus, cell_groups, refit_checked, resample_problems
+from .runs import Runs, load_runs
 
 BootstrapMethod = Literal["cell", "run", "residual"]
 StartMethod = Literal["auto", "random", "grid"]

@@ -1,4 +1,4 @@
-"""Loading and validating run records for the scaling-law fit.
+"""A sweep's runs: loading and validating run records for the scaling-law fit.
 
 A run record is one JSON object per line of the training side's ``results.jsonl`` (or a CSV
 row, a DataFrame row, a dict). Columns used:
