@@ -365,7 +365,7 @@ def test_invalid_options_are_rejected() -> None:
         fit_scaling_law(study_runs(seed=0), bootstrap_method="block")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fix_phi needs looped runs"):
         fit_scaling_law(
-            [{"params": 1e8 * (i + 1), "tokens": 1e9 * (i + 1), "loss": 3.0} for i in range(8)], fix_phi=1.0
+            [{"params": 1e8 * (i + 1), "tokens": 1e9 * (i + 1), "loss": 3.0 + 0.01 * i} for i in range(8)], fix_phi=1.0
         )
 
 

@@ -224,6 +224,8 @@ def plan(
     rs = [int(family.member(r).r) for r in recurrences]  # validates each r
     if len(set(rs)) != len(rs):
         raise ValueError(f"recurrences={list(recurrences)!r}: each r once")
+    if resamples is not None and (isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 0):
+        raise ValueError(f"resamples={resamples!r}: must be an integer >= 0 (0: no bands; default all)")
     P = _param_sets(fit, resamples, need_phi=any(r > 1 for r in rs))
     S = len(P)
     rng = _sweep_range(fit, family)

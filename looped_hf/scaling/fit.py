@@ -270,9 +270,26 @@ class ScalingLawFit:
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> ScalingLawFit:
         """Inverse of :meth:`to_json` (accepts the JSON text or a path to it)."""
         s = str(text_or_path)
-        obj = json.loads(Path(s).read_text() if not s.lstrip().startswith("{") else s)
+        is_text = s.lstrip().startswith(("{", "["))
+        where = "" if is_text else f"{s}: "
+        try:
+            obj = json.loads(s if is_text else Path(s).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{where}cannot read the fit ({err.__class__.__name__}: {err})") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}not valid JSON ({err.msg}, line {err.lineno})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(
+                f"{where}not a looped_hf scaling fit: expected a JSON object, got {type(obj).__name__}"
+            )
         if obj.get("format") != _FORMAT:
-            raise ValueError(f"not a looped_hf scaling fit (format {obj.get('format')!r})")
+            raise ValueError(f"{where}not a looped_hf scaling fit (format {obj.get('format')!r})")
+        for key, kind in _FIT_FIELDS.items():
+            if key not in obj:
+                raise ValueError(f"{where}not a looped_hf scaling fit: field {key!r} is missing")
+            if not isinstance(obj[key], kind):
+                raise ValueError(f"{where}field {key!r} is {obj.get(key)!r}: a looped_hf fit records it "
+                                 f"as {kind.__name__ if isinstance(kind, type) else 'a number'}")  # fmt: skip
         runs = None
         if obj.get("runs"):
             recs = obj["runs"]["records"]
@@ -299,6 +316,13 @@ class ScalingLawFit:
             notes=list(obj.get("notes", [])),
             settings=obj.get("settings", {}),
         )
+
+
+#: The fields every saved fit has, and their JSON types (what from_json reads without a default).
+_FIT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "params": dict, "ci": dict, "r2": (int, float), "objective": (int, float), "residuals": list,
+    "kind": str, "phi_identifiable": bool,
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------- fitting
@@ -411,7 +435,19 @@ def fit_scaling_law(
         raise ValueError(f"starts must be 'auto', 'random' or 'grid', got {starts!r}")
     if bootstrap < 0:
         raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
+    if fix_phi is not None:
+        lo, hi = law.BOUNDS[5]
+        if isinstance(fix_phi, bool) or not isinstance(fix_phi, (int, float)) or not lo <= fix_phi <= hi:
+            raise ValueError(
+                f"fix_phi={fix_phi!r}: must be a finite number in the search box [{lo:g}, {hi:g}]"
+            )
     data_runs = load_runs(runs, variant=variant)
+    if len(data_runs) and np.ptp(data_runs.loss) == 0:
+        where = (
+            "" if data_runs.source is None or data_runs.source.startswith("<") else f"{data_runs.source}: "
+        )
+        raise ValueError(f"{where}column 'loss': all {len(data_runs)} runs have the same loss "
+                         f"({data_runs.loss[0]:g}): a law cannot be fitted to a constant")  # fmt: skip
     with single_threaded_blas():
         return _fit(
             data_runs,
