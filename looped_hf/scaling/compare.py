@@ -27,12 +27,13 @@ import numpy as np
 from . import law
 from .diagnose import diagnose
 from .fit import BootstrapMethod, ScalingLawFit, _free_mask, _law_data, _set_bootstrap, fit_scaling_law
+from .formatting import interval
 from .law import LawData
 from .optimize import single_threaded_blas
 from .profile import DeltaProfile, delta_profile, profile_phi
 from .resample import RESAMPLE_METHODS, RefitStatus, paired_resample_problems, refit_checked
 from .runs import Runs, load_runs, share_base_r1
-from .trust import fmt_open_interval, sign_of, trusted_interval
+from .trust import sign_of, trusted_interval
 
 
 @dataclass
@@ -90,7 +91,7 @@ class FitComparison:
         else:
             how = f"independent {self.bootstrap_method} resamples of the two sweeps".replace("  ", " ")
         lines.append(
-            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% bootstrap CI {fmt_open_interval(self.ci, '+.3f')} "
+            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% bootstrap CI {interval(self.ci, '+.3f')} "
             f"({len(self.samples)} {how}; the interval {verdict})"
         )
         if self.checks is not None:
@@ -98,7 +99,7 @@ class FitComparison:
         if self.profile is not None:
             pv = "excludes 0" if sign_of(self.profile.interval) else "includes 0"
             lines.append(
-                f"delta phi 95% profile-likelihood CI {fmt_open_interval(self.profile.interval, '+.3f')} (joint fit, probe phi = "
+                f"delta phi 95% profile-likelihood CI {interval(self.profile.interval, '+.3f')} (joint fit, probe phi = "
                 f"base phi + delta, each sweep with its own E, A, alpha, B, beta; the interval {pv})"
             )
         lines.append(f"verdict: {self.verdict['line']}")
@@ -148,7 +149,7 @@ _SIGN_WORDS = {1: "delta phi > 0", -1: "delta phi < 0", 0: "0 is inside"}
 
 
 def _fmt_ci(ci: tuple[float, float] | None) -> str:
-    return "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+    return "" if ci is None else interval(ci, ".3f")
 
 
 def _runs_of(x: Any, variant: str | None) -> Runs | None:

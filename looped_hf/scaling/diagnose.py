@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy.optimize import nnls
 
+from .formatting import interval, si
 from .law import BOUNDS, PARAM_NAMES
 from .trust import (
     PHI_WIDTH_IDENTIFIED,
     Interval,
-    fmt_open_interval,
     phi_measured,
     too_many_dropped,
     trusted_interval,
@@ -139,17 +139,10 @@ def _fmt_budget(x: float) -> str:
     return f"{x:.3g}".replace("e+", "e")
 
 
-def _fmt_count(x: float) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
-
-
 def _model_name(runs: Runs, i: int) -> str:
     if runs.width is not None:
         return f"d={runs.width[i]:g}"
-    return f"N={_fmt_count(float(runs.params[i]))}"
+    return f"N={si(float(runs.params[i]))}"
 
 
 def budget_table(fit: ScalingLawFit) -> list[dict[str, Any]]:
@@ -215,7 +208,7 @@ def _budget_finding(row: dict[str, Any]) -> tuple[str | None, str | None]:
     large = sum(p["position"] == "largest" for p in per_r)
     base = next((p for p in per_r if p["r"] == 1), per_r[0])
     law_note = (
-        f" (the fitted law puts the r = {base['r']:g} optimum at {_fmt_count(base['optimal_params'])} parameters, "
+        f" (the fitted law puts the r = {base['r']:g} optimum at {si(base['optimal_params'])} parameters, "
         f"{base['optimal_tokens_per_param']:.3g} tokens per parameter; these widths train on "
         f"{row['tokens_per_param'][0]:.2g}-{row['tokens_per_param'][1]:.2g})"
     )
@@ -395,7 +388,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
             short.append(f"the {name} interval is open {side}")
         elif hi - lo > PHI_WIDTH_IDENTIFIED:
             ok = False
-            reasons.append(f"the {name} 95% interval {fmt_open_interval((lo, hi))} is {hi - lo:.2g} wide "
+            reasons.append(f"the {name} 95% interval {interval((lo, hi))} is {hi - lo:.2g} wide "
                            f"(a measurement needs <= {PHI_WIDTH_IDENTIFIED:g})")  # fmt: skip
             short.append(f"the {name} interval is {hi - lo:.2g} wide")
     if not ok and not any(placement.values()):
@@ -404,7 +397,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
                   f"widths or seeds; the residual RMS is {100 * rms:.2g}%)")  # fmt: skip
         reasons.append(advice)
         short.append(advice)
-    shown = ", ".join(f"{n} {fmt_open_interval(iv)}" for n, iv in intervals)
+    shown = ", ".join(f"{n} {interval(iv)}" for n, iv in intervals)
     anchored = fit.runs is None or bool(fit.runs.non_looped.any())
     if ok:
         # Narrow, closed intervals: phi is measured. Widths on one side of the optimum still mean

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
+from .formatting import interval
+
 #: An interval with ``None`` for an open end (one the search box clipped, nothing measured).
 Interval = tuple[float | None, float | None]
 Answer = TypeVar("Answer")
@@ -44,11 +46,6 @@ PHI_WIDTH_IDENTIFIED = 0.5
 def too_many_dropped(n: int | None, dropped: int | None) -> bool:
     """More than :data:`DROPPED_TRUSTED` of ``n`` resamples, and more than one, failed their fits."""
     return bool(n) and (dropped or 0) > max(1.0, DROPPED_TRUSTED * n)
-
-
-def fmt_open_interval(iv: Interval, spec: str = ".3g") -> str:
-    """``[0.1, box]``: an interval whose open ends read ``box``."""
-    return "[" + ", ".join("box" if v is None else format(v, spec) for v in iv) + "]"
 
 
 def _reaches_beyond(boot: Interval, prof: Interval) -> bool:
@@ -114,8 +111,8 @@ def trusted_interval(
         trusted, answer = "bootstrap", a_boot
         why = ("the bootstrap is trusted: its resample fits passed the checks and it keeps the correlation "
                "of runs in one (budget, r) cell, which the profile's LR scale does not")  # fmt: skip
-    disagree = (f"the intervals disagree (profile {fmt_open_interval(profile, spec)}: {describe(a_prof)}; "
-                f"bootstrap {fmt_open_interval(bootstrap, spec)}: {describe(a_boot)}); {why}")  # fmt: skip
+    disagree = (f"the intervals disagree (profile {interval(profile, spec)}: {describe(a_prof)}; "
+                f"bootstrap {interval(bootstrap, spec)}: {describe(a_boot)}); {why}")  # fmt: skip
     return Trust(answer, trusted, f"the intervals disagree; {why}", bool(suspect_why), disagree)
 
 
