@@ -28,6 +28,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from looped_hf.scaling.diagnose import SEARCH_FACTOR, compute_optimal, law_loss, size_family
 from looped_hf.scaling.formatting import interval, si
+from looped_hf.scaling.law import PHI, effective_params
 from looped_hf.scaling.runs import load_runs
 
 if TYPE_CHECKING:
@@ -85,10 +86,7 @@ def _frontier(fit: ScalingLawFit, runs: Runs, r: float, flops: np.ndarray) -> np
 
 
 def _n_eff(fit: ScalingLawFit, n_once: np.ndarray, n_rec: np.ndarray, r: np.ndarray | float) -> np.ndarray:
-    phi = fit.params.get("phi")
-    return np.asarray(n_once, float) + np.asarray(n_rec, float) * (
-        np.asarray(r, float) ** phi if phi is not None else 1.0
-    )
+    return np.asarray(effective_params(n_once, n_rec, r, fit.params.get("phi")), float)
 
 
 def plot_isoflop(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path:
@@ -351,7 +349,7 @@ def plot_phi_bootstrap(fit: ScalingLawFit, path: PathLike) -> Path:
     """Histogram of the bootstrap phi draws, with the point estimate and the 95% interval."""
     if fit.bootstrap_samples is None or fit.params.get("phi") is None or "phi" not in fit.ci:
         raise ValueError("no bootstrap distribution of phi: fit with bootstrap > 0 on runs that identify phi")
-    phis = fit.bootstrap_samples[:, 5]
+    phis = fit.bootstrap_samples[:, PHI]
     fig = _new_figure(5.6, 3.8)
     ax = fig.add_subplot()
     ax.hist(phis, bins=min(40, max(10, len(phis) // 5)), color="#4c72b0", alpha=0.9, zorder=2)

@@ -738,3 +738,19 @@ def test_coverage_script_scores_every_interval_of_one_dataset() -> None:
         assert law.BOUNDS[5][0] <= iv["lo"] <= iv["hi"] <= law.BOUNDS[5][1]
     lines = mod.summarise([out], ["profile", "cell", "residual"])
     assert lines[0].split()[:2] == ["interval", "coverage"] and len(lines) == 4
+
+
+def test_effective_params_is_one_function_for_fit_plan_and_plots(synthetic_fit: ScalingLawFit) -> None:
+    from looped_hf.scaling.law import NATURAL_NAMES, PHI, effective_params
+
+    assert effective_params(10.0, 4.0, 4, 0.5) == pytest.approx(18.0)  # 10 + 4^0.5 * 4
+    assert effective_params(10.0, 4.0, 4, None) == pytest.approx(14.0)  # a plain fit: every parameter once
+    grid = effective_params(np.array([[1.0, 2.0]]), np.array([[1.0, 1.0]]), 4.0, np.array([[0.0], [1.0]]))
+    np.testing.assert_allclose(grid, [[2.0, 3.0], [5.0, 6.0]])  # parameter sets x widths
+    phi = synthetic_fit.params["phi"]
+    assert synthetic_fit.effective_params(1e6, 2e6, 4) == pytest.approx(1e6 + 4**phi * 2e6)
+    assert NATURAL_NAMES[PHI] == "phi"
+    if synthetic_fit.bootstrap_samples is not None:
+        lo, hi = synthetic_fit.ci["phi"]
+        draws = synthetic_fit.bootstrap_samples[:, PHI]
+        assert lo <= np.median(draws) <= hi

@@ -293,7 +293,7 @@ def compare_fits(
     phis = [_compared_phi("base", fb), _compared_phi("probe", fp)]
     assert fb.bootstrap_samples is not None and fp.bootstrap_samples is not None
     n = min(len(fb.bootstrap_samples), len(fp.bootstrap_samples))
-    diff = fp.bootstrap_samples[:n, 5] - fb.bootstrap_samples[:n, 5]
+    diff = fp.bootstrap_samples[:n, law.PHI] - fb.bootstrap_samples[:n, law.PHI]
     methods = {
         f.settings.get("bootstrap_method_used", f.settings.get("bootstrap_method", "")) for f in (fb, fp)
     }
@@ -349,7 +349,7 @@ def _compare_paired(
     keep = ~status.failed
     assert fp.runs is not None and fb.runs is not None
     shared = int((match >= 0).sum())
-    return _comparison(fb, fp, phis, th_p[keep, 5] - th_b[keep, 5], shared_r1=shared, bootstrap_method=used,
+    return _comparison(fb, fp, phis, th_p[keep, law.PHI] - th_b[keep, law.PHI], shared_r1=shared, bootstrap_method=used,
                        checks=status, n_resamples=bootstrap,
                        profile=_delta_profile(fb, fp, len(fb.runs) + len(fp.runs) - shared))  # fmt: skip
 

@@ -38,7 +38,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from .formatting import interval, si
-from .law import BOUNDS, PARAM_NAMES
+from .law import BOUNDS, NATURAL_NAMES, PARAM_NAMES, PHI, effective_params
 from .trust import (
     PHI_WIDTH_IDENTIFIED,
     Interval,
@@ -106,8 +106,7 @@ def size_family(runs: Runs, r: float) -> SizeFamily:
 def law_loss(params: dict[str, Any], family: SizeFamily, budget: float, n: np.ndarray) -> np.ndarray:
     """The law's loss for the family's models of size ``n`` trained with ``budget`` FLOPs."""
     n_once, n_rec = family.split(n)
-    phi = params.get("phi")
-    n_eff = n_once + n_rec * (family.r**phi if phi is not None else 1.0)
+    n_eff = effective_params(n_once, n_rec, family.r, params.get("phi"))
     tokens = family.tokens(budget, n)
     return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
 
@@ -124,8 +123,7 @@ def compute_optimal(
     loss = law_loss(params, family, budget, sizes)
     i = int(np.argmin(loss))
     n_once, n_rec = family.split(sizes[i])
-    phi = params.get("phi")
-    n_eff = float(n_once + n_rec * (family.r**phi if phi is not None else 1.0))
+    n_eff = float(effective_params(n_once, n_rec, family.r, params.get("phi")))
     return {
         "n": float(sizes[i]),
         "n_eff": n_eff,
@@ -289,19 +287,20 @@ def _bootstrap_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
     boot = fit.bootstrap_samples
     if boot is None or not len(boot):
         return None
+    col = dict(zip(NATURAL_NAMES, boot.T))
     # Back to the internal coordinates (log A, alpha, log B, beta, log E, phi) to test the bounds.
     theta = np.stack(
-        [np.log(boot[:, 1]), boot[:, 2], np.log(boot[:, 3]), boot[:, 4], np.log(boot[:, 0]), boot[:, 5]], 1
+        [np.log(col["A"]), col["alpha"], np.log(col["B"]), col["beta"], np.log(col["E"]), col["phi"]], 1
     )
     lo = np.array([b[0] for b in BOUNDS])
     hi = np.array([b[1] for b in BOUNDS])
     on = (np.abs(theta - lo) < 1e-6) | (np.abs(theta - hi) < 1e-6)
     if fit.params.get("phi") is None or fit.fixed_phi is not None:
-        on[:, 5] = False
+        on[:, PHI] = False
     return {
         "n": int(len(boot)),
         "method": fit.settings.get("bootstrap_method_used", fit.settings.get("bootstrap_method")),
-        "phi_at_bound": float(on[:, 5].mean()),
+        "phi_at_bound": float(on[:, PHI].mean()),
         "any_at_bound": float(on.any(axis=1).mean()),
         "at_bound_by_param": {
             _NATURAL[n]: float(on[:, i].mean()) for i, n in enumerate(PARAM_NAMES) if on[:, i].any()
@@ -344,7 +343,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         reasons.append(b["text"] + (f": {advice}" if advice else ""))
         short.append(f"{b['name']} sits on its {b['side']} bound")
     ok = not at_bound
-    lo_b, hi_b = BOUNDS[5]
+    lo_b, hi_b = BOUNDS[PHI]
     intervals: list[tuple[str, Interval]] = []
     if profile is not None:
         intervals.append(("profile", tuple(profile["interval"])))
@@ -421,7 +420,7 @@ def diagnose(fit: ScalingLawFit) -> dict[str, Any]:
     theta = fit.theta
     free = np.ones(len(BOUNDS), bool)
     if fit.params.get("phi") is None or fit.fixed_phi is not None:
-        free[5] = False
+        free[PHI] = False
     at_bound = parameters_at_bound(theta, free)
     budgets = budget_table(fit) if fit.kind == "looped" or fit.runs is not None else []
     profile = _profile_summary(fit)

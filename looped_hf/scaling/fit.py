@@ -64,7 +64,7 @@ from .runs import Runs, load_runs
 BootstrapMethod = Literal["cell", "run", "residual"]
 StartMethod = Literal["auto", "random", "grid"]
 
-NATURAL_NAMES: tuple[str, ...] = ("E", "A", "alpha", "B", "beta", "phi")
+NATURAL_NAMES = law.NATURAL_NAMES
 #: What a fit of looped runs without any r = 1 run measures, and what it does not.
 NO_R1_NOTE = (
     "no r = 1 run: phi is identified only from how the r > 1 runs compare with each other, and E, A, "
@@ -165,7 +165,7 @@ class ScalingLawFit:
         """``N_eff = N_once + r^phi N_rec``: the size of the non-looped model that the law says
         performs alike. Raises ``ValueError`` when phi is not identifiable."""
         phi = self._phi() if self.kind == "looped" else 0.0
-        out = np.asarray(n_once, float) + np.asarray(num_recurrences, float) ** phi * np.asarray(n_rec, float)
+        out = np.asarray(law.effective_params(n_once, n_rec, num_recurrences, phi), float)
         return float(out) if out.ndim == 0 else out
 
     def predict(
@@ -436,7 +436,7 @@ def fit_scaling_law(
     if bootstrap < 0:
         raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
     if fix_phi is not None:
-        lo, hi = law.BOUNDS[5]
+        lo, hi = law.BOUNDS[law.PHI]
         if isinstance(fix_phi, bool) or not isinstance(fix_phi, (int, float)) or not lo <= fix_phi <= hi:
             raise ValueError(
                 f"fix_phi={fix_phi!r}: must be a finite number in the search box [{lo:g}, {hi:g}]"
@@ -630,7 +630,7 @@ def _set_bootstrap(fit: ScalingLawFit, thetas: np.ndarray, free: np.ndarray, sta
     lo, hi = np.percentile(fit.bootstrap_samples, [2.5, 97.5], axis=0)
     fit.ci = {}
     for j, name in enumerate(NATURAL_NAMES):
-        if name == "phi" and not free[5]:
+        if name == "phi" and not free[law.PHI]:
             continue
         fit.ci[name] = (float(lo[j]), float(hi[j]))
 
@@ -692,5 +692,5 @@ def _leave_largest_budget_out(
         "mean_rel_error": float(np.mean(rel)),
         "mean_abs_rel_error": float(np.mean(np.abs(rel))),
         "max_abs_rel_error": float(np.max(np.abs(rel))),
-        "phi_without": float(th[5]) if free[5] else None,
+        "phi_without": float(th[law.PHI]) if free[law.PHI] else None,
     }
