@@ -150,3 +150,29 @@ def test_a_good_fit_still_round_trips(tmp_path: Path) -> None:
     fit = fit_scaling_law(_rows(), checks=False)
     assert ScalingLawFit.from_json(fit.to_json()).params == fit.params
     assert ScalingLawFit.from_json(DEMO_FIT).params["phi"] == pytest.approx(1.022, abs=1e-3)
+
+
+def test_one_reader_of_run_records(tmp_path: Path) -> None:
+    # eval, publish, test-time and the sweep read run_record.json through fileio.read_run_record.
+    import ast
+
+    from looped_hf.fileio import RECORD_NAME, read_run_record
+
+    assert read_run_record(tmp_path) is None
+    (tmp_path / RECORD_NAME).write_text('{"status": "ok", "loss": 3.1}')
+    assert read_run_record(tmp_path) == {"status": "ok", "loss": 3.1}
+    (tmp_path / RECORD_NAME).write_text("[1]")
+    with pytest.raises(ValueError, match=rf"{RECORD_NAME}: expected a JSON object, got list"):
+        read_run_record(tmp_path)
+    (tmp_path / RECORD_NAME).write_bytes(b'{"status": "o')
+    with pytest.raises(ValueError, match=rf"{RECORD_NAME}: not valid JSON"):
+        read_run_record(tmp_path)
+    # No other function reads the record and parses it itself (json.loads of a read_text beside RECORD_NAME).
+    for path in (REPO / "looped_hf").rglob("*.py"):
+        if path.name == "fileio.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef):
+                body = ast.unparse(node)
+                reads = "RECORD_NAME" in body and "json.loads" in body and "read_text" in body
+                assert not reads, f"{path}: {node.name} parses {RECORD_NAME} itself"
