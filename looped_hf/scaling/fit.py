@@ -47,12 +47,11 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from ..fileio import write_text_atomic
+from ..fileio import read_json, write_text_atomic
 from . import law
 from .diagnose import diagnose
 from .law import LawData
@@ -273,11 +272,11 @@ class ScalingLawFit:
         is_text = s.lstrip().startswith(("{", "["))
         where = "" if is_text else f"{s}: "
         try:
-            obj = json.loads(s if is_text else Path(s).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{where}cannot read the fit ({err.__class__.__name__}: {err})") from None
+            obj = json.loads(s) if is_text else read_json(s)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{where}not valid JSON ({err.msg}, line {err.lineno})") from None
+            raise ValueError(f"not valid JSON ({err.msg}, line {err.lineno})") from None
+        except OSError as err:
+            raise ValueError(f"{where}cannot read the fit ({err.__class__.__name__}: {err})") from None
         if not isinstance(obj, dict):
             raise ValueError(
                 f"{where}not a looped_hf scaling fit: expected a JSON object, got {type(obj).__name__}"

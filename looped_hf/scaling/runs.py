@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..fileio import read_json
+
 LOOPED_COLUMNS = ("n_once", "n_rec", "num_recurrences")
 
 
@@ -181,10 +183,7 @@ def _records_from(source: Any) -> tuple[list[dict[str, Any]], list[str], str]:
         elif suffix == ".csv":
             recs, labels = _read_csv(path)
         elif suffix == ".json":
-            try:
-                obj = json.loads(path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{path}: not valid JSON ({getattr(err, 'msg', err)})") from None
+            obj = read_json(path)
             if not isinstance(obj, list):
                 raise ValueError(f"{path}: expected a JSON list of run records, got {type(obj).__name__}")
             for i, rec in enumerate(obj):
