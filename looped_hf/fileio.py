@@ -59,6 +59,26 @@ RECORD_NAME = "run_record.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value in the file ``path``; one that is not UTF-8 JSON is a ValueError naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({getattr(err, 'msg', err)})") from None
+
+
+def read_run_record(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The run record of ``run_dir`` (None when it has none), the one reader of ``RECORD_NAME``:
+    a record that is not a JSON object is a ValueError naming the file."""
+    path = Path(run_dir) / RECORD_NAME
+    if not path.is_file():
+        return None
+    record = read_json(path)
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """The file's SHA-256, hex (cards, curves and conversions record which checkpoint they describe).
     Read in 1 MiB chunks: checkpoints can be many GB."""

@@ -26,8 +26,10 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from looped_hf.scaling.data import load_runs
 from looped_hf.scaling.diagnose import SEARCH_FACTOR, compute_optimal, law_loss, size_family
+from looped_hf.scaling.formatting import interval, si
+from looped_hf.scaling.law import PHI, effective_params
+from looped_hf.scaling.runs import load_runs
 
 if TYPE_CHECKING:
     from looped_hf.scaling import Runs, ScalingLawFit
@@ -38,11 +40,8 @@ _FALLBACK = {"looped": "6 (N_once + r N_rec) D", "plain": "6 N D"}
 
 
 def _compact_count(value: float, _pos: int | None = None) -> str:
-    """6000 -> "6k", 2e6 -> "2M": tick labels for parameter counts."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:g}{suffix}"
-    return f"{value:g}"
+    """6000 -> "6k", 2e6 -> "2M": tick labels for parameter counts (a FuncFormatter's signature)."""
+    return si(value, 6)
 
 
 def _new_figure(width: float = 6.4, height: float = 4.4) -> Figure:
@@ -87,10 +86,7 @@ def _frontier(fit: ScalingLawFit, runs: Runs, r: float, flops: np.ndarray) -> np
 
 
 def _n_eff(fit: ScalingLawFit, n_once: np.ndarray, n_rec: np.ndarray, r: np.ndarray | float) -> np.ndarray:
-    phi = fit.params.get("phi")
-    return np.asarray(n_once, float) + np.asarray(n_rec, float) * (
-        np.asarray(r, float) ** phi if phi is not None else 1.0
-    )
+    return np.asarray(effective_params(n_once, n_rec, r, fit.params.get("phi")), float)
 
 
 def plot_isoflop(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path:
@@ -308,7 +304,7 @@ def plot_phi_profile(fit: ScalingLawFit, path: PathLike) -> Path:
         b_lo, b_hi = fit.ci["phi"]
         y = -0.06 * top
         ax.plot([b_lo, b_hi], [y, y], color="#c44e52", lw=4, solid_capstyle="butt",
-                label=f"bootstrap 95% CI [{b_lo:.3f}, {b_hi:.3f}]")  # fmt: skip
+                label=f"bootstrap 95% CI {interval((b_lo, b_hi), '.3f')}")  # fmt: skip
     for ref in (0.0, 1.0):
         ax.axvline(ref, color="0.6", lw=0.8, ls=":")
     ax.set_xlim(x_lo, x_hi)
@@ -353,13 +349,13 @@ def plot_phi_bootstrap(fit: ScalingLawFit, path: PathLike) -> Path:
     """Histogram of the bootstrap phi draws, with the point estimate and the 95% interval."""
     if fit.bootstrap_samples is None or fit.params.get("phi") is None or "phi" not in fit.ci:
         raise ValueError("no bootstrap distribution of phi: fit with bootstrap > 0 on runs that identify phi")
-    phis = fit.bootstrap_samples[:, 5]
+    phis = fit.bootstrap_samples[:, PHI]
     fig = _new_figure(5.6, 3.8)
     ax = fig.add_subplot()
     ax.hist(phis, bins=min(40, max(10, len(phis) // 5)), color="#4c72b0", alpha=0.9, zorder=2)
     lo, hi = fit.ci["phi"]
     ax.axvline(float(fit.params["phi"]), color="k", lw=1.5, label=f"estimate {fit.params['phi']:.3f}")
-    ax.axvspan(lo, hi, color="orange", alpha=0.25, zorder=0, label=f"95% CI [{lo:.3f}, {hi:.3f}]")
+    ax.axvspan(lo, hi, color="orange", alpha=0.25, zorder=0, label=f"95% CI {interval((lo, hi), '.3f')}")
     method = fit.settings.get("bootstrap_method_used", fit.settings.get("bootstrap_method", ""))
     ax.set_title(f"phi over {len(phis)} {method} bootstrap resamples", fontsize=10)
     ax.set_xlabel("phi")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME
+from looped_hf.fileio import RECORD_NAME, read_run_record
 
 PathLike = str | os.PathLike[str]
 
@@ -100,11 +100,9 @@ def check_run_dir(run_dir: PathLike) -> RunDir:
             "Publish a run after `looped-hf train` / `looped-hf sweep` has finished it."
         )
     try:
-        record = json.loads((path / RECORD_NAME).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise PublishError(f"{path / RECORD_NAME}: not valid JSON ({err})") from err
-    if not isinstance(record, dict):
-        raise PublishError(f"{path / RECORD_NAME}: expected a JSON object, got {type(record).__name__}")
+        record = read_run_record(path) or {}
+    except ValueError as err:
+        raise PublishError(str(err)) from None
     if record.get("status") != "ok":
         raise PublishError(
             f"{path / RECORD_NAME}: status={record.get('status')!r} (error: {record.get('error')!r}); only ok runs are published"

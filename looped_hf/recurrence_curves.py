@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME
+from looped_hf.fileio import RECORD_NAME, read_run_record
 
 PathLike = str | os.PathLike[str]
 
@@ -67,9 +67,12 @@ def recurrence_grid(trained_r: int, max_factor: int = DEFAULT_MAX_FACTOR) -> lis
 
 def _read_record(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RECORD_NAME
-    if not path.is_file():
+    try:
+        record = read_run_record(run_dir)
+    except ValueError as err:
+        raise TestTimeError(str(err)) from None
+    if record is None:
         raise TestTimeError(f"{run_dir} is not a finished run directory: no {RECORD_NAME}")
-    record = json.loads(path.read_text(encoding="utf-8"))
     if record.get("status") != "ok":
         raise TestTimeError(
             f"{path}: status={record.get('status')!r}; only finished (ok) runs have a checkpoint"

@@ -235,13 +235,15 @@ def test_phi_caveat_is_the_verdict_and_falls_back_to_the_interval_for_old_fits(s
     bad = {**fit.diagnostics, "verdict": {**verdict, "identified": False, "line": "phi is NOT identified (x)"}}
     assert cards.phi_caveat(dataclasses.replace(fit, diagnostics=bad)).startswith("phi is NOT identified (x)")
 
-    def old_fit_with_ci(lo: float, hi: float):  # a fit.json from before the diagnosis
-        return dataclasses.replace(fit, ci={**fit.ci, "phi": (lo, hi)}, diagnostics={})
+    def old_fit_with_ci(lo: float, hi: float):  # a fit.json from before the diagnosis, no profile
+        return dataclasses.replace(fit, ci={**fit.ci, "phi": (lo, hi)}, diagnostics={}, profile=None)
 
+    # Diagnosed now by the one rule: the bootstrap interval must be closed and at most 0.5 wide.
     assert cards.phi_caveat(old_fit_with_ci(0.41, 0.53)) is None
-    assert "search bounds" in cards.phi_caveat(old_fit_with_ci(-3.0, 0.6))
-    assert "wider than the whole range" in cards.phi_caveat(old_fit_with_ci(-0.4, 1.2))
-    assert "no bootstrap interval" in cards.phi_caveat(dataclasses.replace(fit, ci={}, diagnostics={}))
+    assert "the bootstrap interval is open below" in cards.phi_caveat(old_fit_with_ci(-3.0, 0.6))
+    assert "the bootstrap interval is 0.6 wide" in cards.phi_caveat(old_fit_with_ci(0.1, 0.7))
+    assert "See *Is phi identified?*" not in cards.phi_caveat(old_fit_with_ci(0.1, 0.7))
+    assert "no interval for phi" in cards.phi_caveat(dataclasses.replace(fit, ci={}, diagnostics={}, profile=None))
 
 
 def test_sweep_card_says_whether_phi_is_identified_and_why(sweep_card: Path, sweep_and_fit):

@@ -105,7 +105,7 @@ def test_bad_numbers_are_named_in_plain_python() -> None:
         load_runs([rec, {**rec, "loss": 3.0}])
     assert "np.float64" not in str(info.value)
     bad_r = {"loss": 3.0, "tokens": 1e9, "n_once": 1e6, "n_rec": 1e6, "num_recurrences": np.float64(0.5)}
-    with pytest.raises(ValueError, match=r"'num_recurrences' must be >= 1, got 0\.5$"):
+    with pytest.raises(ValueError, match=r"'num_recurrences' must be an integer >= 1, got 0\.5$"):
         load_runs([bad_r, {**bad_r, "num_recurrences": 2}])
 
 

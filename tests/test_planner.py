@@ -273,3 +273,16 @@ def test_sweep_card_section_what_this_phi_means(demo_fit, tiny_family, tmp_path)
     card = render_sweep_card(tmp_path, demo_fit, [], commands=["x"], plan=section).content
     assert "## What this phi means for you" in card and f"(plots/{PLAN_PLOT})" in card
     assert "## What this phi means for you" not in render_sweep_card(tmp_path, demo_fit, [], commands=["x"]).content
+
+
+def test_a_plan_on_an_unidentified_phi_says_so(demo_fit, tiny_family):
+    # The plan reads the fit's verdict (the one rule for "identified"), not an interval of its own.
+    import dataclasses
+
+    assert not any("phi is NOT" in n for n in plan(demo_fit, [1.2e11], family=tiny_family).notes)
+    d = demo_fit.diagnostics
+    bad = {**d, "verdict": {**d["verdict"], "identified": False, "line": "phi is NOT identified (x)."}}
+    loose = dataclasses.replace(demo_fit, diagnostics=bad)
+    notes = plan(loose, [1.2e11], family=tiny_family).notes
+    assert any(n.startswith("phi is NOT identified (x). Every choice of r > 1") for n in notes)
+    assert not any("phi is NOT" in n for n in plan(loose, [1.2e11], family=tiny_family, recurrences=[1]).notes)

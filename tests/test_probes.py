@@ -14,10 +14,10 @@ import pytest
 from looped_hf.scaling import compare_fits, fit_scaling_law, load_runs
 from looped_hf.scaling.cli import main as fit_cli
 from looped_hf.scaling.compare import _match_rows, _paired_units
-from looped_hf.scaling.data import share_base_r1
 from looped_hf.scaling.fit import ScalingLawFit
 from looped_hf.scaling.law import LawData
 from looped_hf.scaling.resample import paired_resample_problems
+from looped_hf.scaling.runs import share_base_r1
 from looped_hf.scaling.synthetic import TRUE_PARAMS, study_runs
 from looped_hf.sweep.results import append_jsonl
 
@@ -283,3 +283,55 @@ def test_sweep_card_draws_the_study_figure_with_a_panel_per_variant(tmp_path: Pa
         write_sweep_card(sweep, base, tmp_path / "card2", compare={"truncated backprop": probe})
     with pytest.raises(ValueError, match="isoflop_style must be one of"):
         write_sweep_card(sweep, base, tmp_path / "card3", isoflop_style="paper")
+
+
+# ----------------------------------------------------------------------------- one rule for "identified"
+def test_the_trust_rule_on_intervals() -> None:
+    from looped_hf.scaling.trust import phi_measured, sign_of, trusted_interval
+
+    narrow = (0.30, 0.40)
+    # Agreement: both, whichever question is asked.
+    assert trusted_interval(narrow, (0.28, 0.41), phi_measured).trusted == "both"
+    # A bootstrap 0.95 wide around a 0.1-wide profile runs along a flat direction: the profile.
+    wild = trusted_interval(narrow, (-0.2, 0.75), phi_measured)
+    assert (wild.answer, wild.trusted) == (True, "profile") and "flat direction" in wild.why
+    assert "profile [0.3, 0.4]: True; bootstrap [-0.2, 0.75]: False" in wild.disagree
+    # The same bootstrap beside a wide profile passed its checks: it is trusted.
+    loose = trusted_interval((-0.3, 0.9), (0.2, 0.5), phi_measured)
+    assert (loose.answer, loose.trusted) == (True, "bootstrap")
+    # Too many failed resample fits: the profile, and a lone bootstrap is not trusted at all.
+    dropped = trusted_interval((0.1, 0.2), (-0.1, 0.3), sign_of, n_resamples=20, n_dropped=2)
+    assert (dropped.answer, dropped.trusted) == (1, "profile") and "10%" in dropped.why
+    alone = trusted_interval(None, (0.1, 0.3), sign_of, n_resamples=20, n_dropped=2)
+    assert (alone.answer, alone.trusted) == (None, "none")
+    assert trusted_interval(None, (0.1, 0.3), sign_of, n_resamples=20, n_dropped=1).answer == 1
+    # Open ends: a box-clipped interval measures nothing and decides only on its closed side.
+    assert not phi_measured((None, 0.3)) and sign_of((None, -0.1)) == -1 and sign_of((None, 0.1)) == 0
+
+
+def test_fit_report_and_comparison_judge_the_truncated_probe_by_one_rule() -> None:
+    """The issue's case on the study's truncated-backprop probe: a 0.95-wide bootstrap of phi
+    around a narrow profile. The probe's own verdict and the comparison name the same trusted
+    interval, and the fit report says that the two intervals disagree."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from looped_hf.scaling.compare import comparison_verdict
+    from looped_hf.scaling.diagnose import diagnose
+
+    probe = fit_scaling_law(_r1(_base()) + _probe(), seed=0)  # checks on: the profile of phi
+    prof = probe.diagnostics["profile"]["interval"]
+    assert prof[1] - prof[0] < 0.2 and probe.diagnostics["verdict"]["identified"]
+    phi = probe.params["phi"]
+    wide = dataclasses.replace(probe, ci={**probe.ci, "phi": (phi - 0.5, phi + 0.45)},
+                               bootstrap_checks={"n": 40, "refitted": 0, "dropped": 0})  # fmt: skip
+    v = diagnose(wide)["verdict"]
+    assert v["identified"] is True
+    assert "the profile and bootstrap intervals disagree; the profile one is trusted" in v["line"]
+    assert any("does not measure phi" in r and "flat direction" in r for r in v["reasons"])
+    assert "intervals disagree" in dataclasses.replace(wide, diagnostics=diagnose(wide)).report()
+    # The comparison of the same probe: a delta bootstrap as wide, a joint profile below 0.
+    fake = SimpleNamespace(ci=(-0.55, 0.40), profile=SimpleNamespace(interval=(-0.14, -0.05)), checks=None)
+    c = comparison_verdict(fake)
+    assert c["trusted"] == "profile" and c["line"].startswith("decides: delta phi < 0")
+    assert "the intervals disagree; the profile interval is trusted" in c["line"]

@@ -223,8 +223,19 @@ def test_many_failed_resamples_make_the_verdict_rest_on_the_profile(synthetic_fi
     v = verdict(wide, d["budgets"], d["at_bound"], d["profile"])
     assert v["identified"] is True and "3 of 20 bootstrap resamples failed to fit" in v["line"]
     assert any("trust the profile interval" in r for r in v["reasons"])
+    # One dropped resample: the bootstrap's fits count, but a 0.9-wide interval around a narrow
+    # profile reaches far beyond it (a flat direction): the intervals disagree, and the verdict
+    # says so and follows the profile (the rule the comparison of a probe follows too).
     kept = dataclasses.replace(wide, bootstrap_checks={"n": 20, "refitted": 1, "dropped": 1})
-    assert verdict(kept, d["budgets"], d["at_bound"], d["profile"])["identified"] is False
+    v = verdict(kept, d["budgets"], d["at_bound"], d["profile"])
+    assert v["identified"] is True and "intervals disagree; the profile one is trusted" in v["line"]
+    assert any("reaches far beyond the profile interval" in r for r in v["reasons"])
+    # A profile as wide as the box's middle and a narrow bootstrap that passed its checks: the
+    # bootstrap is trusted (it keeps the cell correlation), and the disagreement is said.
+    loose = {**d["profile"], "interval": [-0.2, 0.9]}
+    v = verdict(synthetic_fit, d["budgets"], d["at_bound"], loose)
+    assert v["identified"] is True and "the bootstrap one is trusted" in v["line"]
+    assert any("profile [-0.2, 0.9]: does not measure phi" in r for r in v["reasons"])
     no_profile = verdict(wide, d["budgets"], d["at_bound"], None)
     assert no_profile["identified"] is False and "no interval for phi" in no_profile["line"]
 
@@ -354,7 +365,7 @@ def test_invalid_options_are_rejected() -> None:
         fit_scaling_law(study_runs(seed=0), bootstrap_method="block")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fix_phi needs looped runs"):
         fit_scaling_law(
-            [{"params": 1e8 * (i + 1), "tokens": 1e9 * (i + 1), "loss": 3.0} for i in range(8)], fix_phi=1.0
+            [{"params": 1e8 * (i + 1), "tokens": 1e9 * (i + 1), "loss": 3.0 + 0.01 * i} for i in range(8)], fix_phi=1.0
         )
 
 
@@ -727,3 +738,19 @@ def test_coverage_script_scores_every_interval_of_one_dataset() -> None:
         assert law.BOUNDS[5][0] <= iv["lo"] <= iv["hi"] <= law.BOUNDS[5][1]
     lines = mod.summarise([out], ["profile", "cell", "residual"])
     assert lines[0].split()[:2] == ["interval", "coverage"] and len(lines) == 4
+
+
+def test_effective_params_is_one_function_for_fit_plan_and_plots(synthetic_fit: ScalingLawFit) -> None:
+    from looped_hf.scaling.law import NATURAL_NAMES, PHI, effective_params
+
+    assert effective_params(10.0, 4.0, 4, 0.5) == pytest.approx(18.0)  # 10 + 4^0.5 * 4
+    assert effective_params(10.0, 4.0, 4, None) == pytest.approx(14.0)  # a plain fit: every parameter once
+    grid = effective_params(np.array([[1.0, 2.0]]), np.array([[1.0, 1.0]]), 4.0, np.array([[0.0], [1.0]]))
+    np.testing.assert_allclose(grid, [[2.0, 3.0], [5.0, 6.0]])  # parameter sets x widths
+    phi = synthetic_fit.params["phi"]
+    assert synthetic_fit.effective_params(1e6, 2e6, 4) == pytest.approx(1e6 + 4**phi * 2e6)
+    assert NATURAL_NAMES[PHI] == "phi"
+    if synthetic_fit.bootstrap_samples is not None:
+        lo, hi = synthetic_fit.ci["phi"]
+        draws = synthetic_fit.bootstrap_samples[:, PHI]
+        assert lo <= np.median(draws) <= hi

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from looped_hf.fileio import sha256_file as sha256_file
+from looped_hf.scaling.formatting import interval
+from looped_hf.scaling.formatting import si as si
 
 if TYPE_CHECKING:
     from looped_hf.scaling import ScalingLawFit
@@ -38,16 +40,6 @@ PLOTS_DIR = "plots"
 # --------------------------------------------------------------------------------------------
 # Formatting helpers
 # --------------------------------------------------------------------------------------------
-def si(x: float | None, digits: int = 3) -> str:
-    """``12.3M``-style number; ``-`` for missing values."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    for div, unit in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.{digits}g}{unit}"
-    return f"{x:.{digits}g}"
-
-
 def _num(x: float | None, digits: int = 4) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-" if x is None else str(x)
@@ -57,8 +49,7 @@ def _num(x: float | None, digits: int = 4) -> str:
 def _ci(ci: Iterable[float] | None, digits: int = 3) -> str:
     if not ci:
         return "-"
-    lo, hi = ci
-    return f"[{lo:.{digits}g}, {hi:.{digits}g}]"
+    return interval(ci, f".{digits}g")
 
 
 def _count(n: int | float | None) -> str:
@@ -119,24 +110,18 @@ def heldout_metrics(record: Mapping[str, Any]) -> dict[str, float]:
 def phi_caveat(fit: ScalingLawFit) -> str | None:
     """A warning when the runs do not pin phi down, so the card does not oversell the estimate.
 
-    With the fit's identifiability diagnosis (``fit.diagnostics``, fits since v0.2) it is the
-    verdict line when phi is not identified. Without one (an older ``fit.json``) it falls back to
-    the interval alone: one that reaches the search box or is wider than the whole 0 .. 1 range.
+    It is the fit's verdict line when phi is not identified: one rule
+    (:mod:`looped_hf.scaling.trust`) for the fit report, the comparison, the cards and the
+    planner. An older ``fit.json``, saved before the diagnosis, is diagnosed now by that rule.
     """
     if fit.params.get("phi") is None:
         return "phi is not identifiable from these runs (no run has r > 1 and N_rec > 0)."
     verdict = (fit.diagnostics or {}).get("verdict")
-    if verdict is not None:
-        if verdict.get("identified") is False:
-            return verdict["line"] + " See *Is phi identified?* below."
-        return None
-    ci = fit.ci.get("phi")
-    if not ci:
-        return "no bootstrap interval: refit with bootstrap resamples before reading much into phi."
-    bounds = (fit.settings.get("bounds") or [[-3.0, 3.0]] * 6)[5]
-    at_bound = min(abs(ci[0] - bounds[0]), abs(ci[1] - bounds[1])) < 1e-3
-    if at_bound or ci[1] - ci[0] > 1.0:
-        return (f"the 95% interval of phi, [{ci[0]:.3g}, {ci[1]:.3g}], "
-                + ("reaches the search bounds " if at_bound else "is wider than the whole range 0 .. 1 ")
-                + "- these runs do not pin phi down; more runs, budgets or widths are needed.")  # fmt: skip
+    see_below = verdict is not None  # the card's *Is phi identified?* section needs the diagnosis
+    if verdict is None:
+        from looped_hf.scaling.diagnose import diagnose
+
+        verdict = diagnose(fit)["verdict"]
+    if verdict.get("identified") is False:
+        return verdict["line"] + (" See *Is phi identified?* below." if see_below else "")
     return None

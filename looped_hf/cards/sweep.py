@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from looped_hf.fileio import replace_dir
+from looped_hf.scaling.formatting import interval
 
 from .common import (
     CARD_NAME,
@@ -73,11 +74,6 @@ def _holdout_sentence(fit: ScalingLawFit) -> str | None:
 
 
 
-def _open_interval(interval: Iterable[float | None]) -> str:
-    lo, hi = interval
-    return f"[{'open' if lo is None else f'{lo:.3g}'}, {'open' if hi is None else f'{hi:.3g}'}]"
-
-
 def identifiability_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
     """The fit's identifiability diagnosis, formatted for the sweep card (None without one)."""
     d = fit.diagnostics or {}
@@ -106,7 +102,7 @@ def identifiability_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
         "identified": verdict.get("identified"),
         "line": verdict["line"],
         "reasons": list(verdict.get("reasons") or []),
-        "profile_ci": _open_interval(prof["interval"]) if prof else None,
+        "profile_ci": interval(prof["interval"], ".3g", "open") if prof else None,
         "profile_tests": "; ".join(tests),
         "profile_cut": f"{prof['cut']:.3g}" if prof else None,
         "at_bound": [b["text"] for b in d.get("at_bound") or []],

@@ -8,7 +8,6 @@ folder (``looped-hf publish``) or a Hub id, as ``looped-hf test-time`` and ``pub
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -16,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME
+from looped_hf.fileio import RECORD_NAME, read_run_record
 
 from .bundle import Bundle
 from .scoring import (
@@ -51,13 +50,12 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
         raise EvalError(
             f"checkpoint={str(checkpoint)!r}: not a directory (a run directory, a published folder or a Hub id)"
         )
-    record: dict[str, Any] = {}
-    if local and (path / RECORD_NAME).is_file():
-        record = json.loads((path / RECORD_NAME).read_text(encoding="utf-8"))
-        if record.get("status") not in (None, "ok"):
-            raise EvalError(
-                f"{path / RECORD_NAME}: status={record.get('status')!r}; only finished runs have weights"
-            )
+    try:
+        record: dict[str, Any] = (read_run_record(path) if local else None) or {}
+    except ValueError as err:
+        raise EvalError(str(err)) from None
+    if record.get("status") not in (None, "ok"):
+        raise EvalError(f"{path / RECORD_NAME}: status={record.get('status')!r}; only finished runs have weights")
     model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     info = {

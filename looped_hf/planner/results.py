@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from looped_hf.scaling.formatting import interval, si
 
 PLAN_FORMAT = "looped_hf.plan/1"
 
@@ -170,12 +171,12 @@ class BudgetDecision:
 
     def sentence(self, entries: Sequence[PlanEntry]) -> str:
         best = next(e for e in entries if e.budget == self.budget and e.r == self.best_r)
-        band = f" [{best.loss_band[0]:.4g}, {best.loss_band[1]:.4g}]" if best.loss_band else ""
+        band = f" {interval(best.loss_band, '.4g')}" if best.loss_band else ""
         others = ", ".join(f"r = {r} +{m:.3g}" for r, m in self.margins.items() if r != self.best_r)
         share = self.share_best.get(self.best_r)
         s = (
             f"With {self.budget:.3g} FLOPs train r = {self.best_r}: width {best.width}, "
-            f"{_si(best.unique_params)} unique parameters, {best.tokens:.3g} tokens, loss {best.loss:.4g}{band}"
+            f"{si(best.unique_params)} unique parameters, {best.tokens:.3g} tokens, loss {best.loss:.4g}{band}"
         )
         if others:
             s += f" ({others} nats)"
@@ -250,13 +251,13 @@ class Plan:
         kv = self.settings.get("kv_budget")
         rows = []
         for e in self.entries:
-            band = f"[{e.loss_band[0]:.4g}, {e.loss_band[1]:.4g}]" if e.loss_band else "-"
-            kv_text = _si(e.kv_bytes_per_token, 3) + (
-                f" / {_si(e.kv_bytes_per_token_budget, 3)}" if kv is not None else ""
+            band = interval(e.loss_band, ".4g") if e.loss_band else "-"
+            kv_text = si(e.kv_bytes_per_token, 3) + (
+                f" / {si(e.kv_bytes_per_token_budget, 3)}" if kv is not None else ""
             )
             rows.append([
-                f"{e.budget:.3g}", str(e.r), str(e.width), _si(e.unique_params), f"{e.tokens:.3g}",
-                f"{e.tokens_per_param:.3g}", f"{e.loss:.4g}", band, _si(e.performs_like), _si(e.costs_like),
+                f"{e.budget:.3g}", str(e.r), str(e.width), si(e.unique_params), f"{e.tokens:.3g}",
+                f"{e.tokens_per_param:.3g}", f"{e.loss:.4g}", band, si(e.performs_like), si(e.costs_like),
                 f"{e.inference_flops_per_token:.3g}", kv_text, e.extrapolation.text() or "-",
             ])  # fmt: skip
         return rows
@@ -311,12 +312,3 @@ class Plan:
 def _fmt_phi(params: Mapping[str, Any]) -> str:
     phi = params.get("phi")
     return "none (plain fit)" if phi is None else f"{phi:.3g}"
-
-
-def _si(x: float | None, digits: int = 3) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    for div, unit in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.{digits}g}{unit}"
-    return f"{x:.{digits}g}"

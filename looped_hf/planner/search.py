@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from looped_hf.scaling import ScalingLawFit
+from looped_hf.scaling.law import NATURAL_NAMES, effective_params
 
 from .family import ArchitectureFamily, FamilyMember, family_for_fit
 from .results import BudgetDecision, CostDecision, CostEntry, Extrapolation, Plan, PlanEntry
@@ -25,7 +26,8 @@ _GRID_CAP = 2**15
 # ---------------------------------------------------------------------------------------------
 # The law over a width grid, for the point estimate and every resample at once
 # ---------------------------------------------------------------------------------------------
-_E, _A, _ALPHA, _B, _BETA, _PHI = range(6)
+# Columns of a parameter set: the fit's natural order (its bootstrap_samples' too).
+_E, _A, _ALPHA, _B, _BETA, _PHI = (NATURAL_NAMES.index(n) for n in ("E", "A", "alpha", "B", "beta", "phi"))
 
 
 def _param_sets(fit: ScalingLawFit, resamples: int | None, need_phi: bool) -> np.ndarray:
@@ -47,7 +49,7 @@ def _param_sets(fit: ScalingLawFit, resamples: int | None, need_phi: bool) -> np
 
 def _capacity_term(P: np.ndarray, n_once: np.ndarray, n_rec: np.ndarray, r: float) -> np.ndarray:
     """``A N_eff^-alpha`` for every parameter set (rows) and width (columns), in log space."""
-    n_eff = n_once[None, :] + np.power(float(r), P[:, _PHI : _PHI + 1]) * n_rec[None, :]
+    n_eff = effective_params(n_once[None, :], n_rec[None, :], float(r), P[:, _PHI : _PHI + 1])
     return np.exp(np.log(P[:, _A : _A + 1]) - P[:, _ALPHA : _ALPHA + 1] * np.log(n_eff))
 
 
@@ -224,6 +226,8 @@ def plan(
     rs = [int(family.member(r).r) for r in recurrences]  # validates each r
     if len(set(rs)) != len(rs):
         raise ValueError(f"recurrences={list(recurrences)!r}: each r once")
+    if resamples is not None and (isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 0):
+        raise ValueError(f"resamples={resamples!r}: must be an integer >= 0 (0: no bands; default all)")
     P = _param_sets(fit, resamples, need_phi=any(r > 1 for r in rs))
     S = len(P)
     rng = _sweep_range(fit, family)
@@ -231,6 +235,10 @@ def plan(
     notes: list[str] = []
     if fit.runs is None:
         notes.append("the fit carries no runs: extrapolation is judged against the recipe's sweep")
+    verdict = (fit.diagnostics or {}).get("verdict") or {}
+    if verdict.get("identified") is False and any(r > 1 for r in rs):
+        # The fit report's verdict (one rule: looped_hf.scaling.trust): a choice of r rests on phi.
+        notes.append(f"{verdict['line']} Every choice of r > 1 below rests on phi: read it as a scenario.")
 
     entries: list[PlanEntry] = []
     decisions: list[BudgetDecision] = []
@@ -324,7 +332,7 @@ def _entry(
         budget=c, r=r, width=int(round(d)), n_once=n_once, n_rec=n_rec, tokens=c / fpt, loss=float(loss[0]),
         loss_band=_band(loss), width_band=None if boot_widths is None else _band(boot_widths),
         tokens_band=None if boot_widths is None else _band(c / m.train_flops(boot_widths)),
-        performs_like=n_once + float(r) ** float(P[0, _PHI]) * n_rec,
+        performs_like=float(effective_params(n_once, n_rec, r, float(P[0, _PHI]))),
         costs_like=float(base.n_once(d_same) + base.n_rec(d_same)),
         same_width_nonlooped=float(round(base.n_once(d) + base.n_rec(d))),
         same_width_nonlooped_flops_ratio=float(base.train_flops(d)) / fpt,

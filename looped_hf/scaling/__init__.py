@@ -10,9 +10,9 @@ numpy/scipy only (pandas optional): importing this package never imports torch o
 """
 
 from .compare import FitComparison, compare_fits
-from .data import Runs, load_chinchilla_svg, load_runs
 from .diagnose import diagnose
 from .fit import ScalingLawFit, fit_scaling_law, rebootstrap
+from .runs import Runs, load_chinchilla_svg, load_runs
 
 __all__ = [
     "FitComparison",

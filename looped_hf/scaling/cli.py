@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,10 +54,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output_path(path: Path, flag: str, *, directory: bool = False) -> None:
+    """Refuse an output path that cannot be written, before any work is done: a file where a
+    folder is meant (or the reverse), a parent that is a file, or a folder without write access.
+    A ValueError naming the flag and the path."""
+    if path.exists() and path.is_dir() != directory:
+        raise ValueError(f"{flag} {path}: is {'a file' if directory else 'a directory'}; "
+                         f"give {'a folder' if directory else 'a file path'}")  # fmt: skip
+    parent = path if directory and path.exists() else path.parent
+    while not parent.exists():  # the folders still to be made: the nearest existing one decides
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable")
+
+
 def main(argv: list[str]) -> int:
     """Run ``looped-hf fit``; returns the exit status (0 ok, 2 bad input)."""
     args = _parser().parse_args(argv)
     try:
+        # Output paths first: an unwritable --out must cost seconds, not a finished fit.
+        if args.out is not None:
+            check_output_path(args.out, "--out")
+        if args.plots is not None:
+            check_output_path(args.plots, "--plots", directory=True)
         fit = fit_scaling_law(
             args.results,
             bootstrap=args.bootstrap,

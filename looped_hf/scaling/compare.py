@@ -25,13 +25,15 @@ from typing import Any
 import numpy as np
 
 from . import law
-from .data import Runs, load_runs, share_base_r1
 from .diagnose import diagnose
 from .fit import BootstrapMethod, ScalingLawFit, _free_mask, _law_data, _set_bootstrap, fit_scaling_law
+from .formatting import interval
 from .law import LawData
 from .optimize import single_threaded_blas
 from .profile import DeltaProfile, delta_profile, profile_phi
 from .resample import RESAMPLE_METHODS, RefitStatus, paired_resample_problems, refit_checked
+from .runs import Runs, load_runs, share_base_r1
+from .trust import sign_of, trusted_interval
 
 
 @dataclass
@@ -71,8 +73,7 @@ class FitComparison:
 
     def report(self) -> str:
         b, p = self.base.params["phi"], self.probe.params["phi"]
-        lo, hi = self.ci
-        verdict = "excludes 0" if (lo > 0 or hi < 0) else "includes 0"
+        verdict = "excludes 0" if sign_of(self.ci) else "includes 0"
         lines = [
             f"phi: base {b:.3f} {_fmt_ci(self.base.ci.get('phi'))}, probe {p:.3f} {_fmt_ci(self.probe.ci.get('phi'))}"
         ]
@@ -90,20 +91,15 @@ class FitComparison:
         else:
             how = f"independent {self.bootstrap_method} resamples of the two sweeps".replace("  ", " ")
         lines.append(
-            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% bootstrap CI [{lo:+.3f}, {hi:+.3f}] "
+            f"delta phi (probe - base) = {self.delta_phi:+.3f}, 95% bootstrap CI {interval(self.ci, '+.3f')} "
             f"({len(self.samples)} {how}; the interval {verdict})"
         )
         if self.checks is not None:
             lines.append(f"  fit checks: {self.checks.summary('resamples (pairs of fits)')}")
         if self.profile is not None:
-            plo, phi_ = self.profile.interval
-            pv = (
-                "excludes 0"
-                if (plo is not None and plo > 0) or (phi_ is not None and phi_ < 0)
-                else "includes 0"
-            )
+            pv = "excludes 0" if sign_of(self.profile.interval) else "includes 0"
             lines.append(
-                f"delta phi 95% profile-likelihood CI {_fmt_open(self.profile.interval)} (joint fit, probe phi = "
+                f"delta phi 95% profile-likelihood CI {interval(self.profile.interval, '+.3f')} (joint fit, probe phi = "
                 f"base phi + delta, each sweep with its own E, A, alpha, B, beta; the interval {pv})"
             )
         lines.append(f"verdict: {self.verdict['line']}")
@@ -124,71 +120,36 @@ class FitComparison:
         }
 
 
-def _fmt_open(ci: tuple[float | None, float | None]) -> str:
-    lo, hi = ci
-    return f"[{'box' if lo is None else f'{lo:+.3f}'}, {'box' if hi is None else f'{hi:+.3f}'}]"
-
-
-#: A bootstrap that dropped more than this share of its resamples is not trusted over the profile.
-_MAX_DROPPED = 0.05
-
-
 def comparison_verdict(c: FitComparison) -> dict[str, Any]:
     """Whether the comparison decides the sign of delta phi, and which interval it trusts.
 
-    Each 95% interval either excludes 0 (it decides a sign) or not. Both agree: that is the
-    answer. They disagree: the profile interval is trusted when the bootstrap is the suspect one
-    (it dropped more than 5% of its resamples as failed fits, or reaches further than the
-    profile's widest reach by more than the profile's own width: resamples in a flat direction);
-    otherwise the bootstrap is trusted (it keeps the correlation of runs in one (budget, r) cell,
-    which the profile's independent-error LR scale does not), and the line says so.
+    Each 95% interval either excludes 0 (it decides a sign) or not; which of the two is followed
+    when they differ is the one rule of :func:`~.trust.trusted_interval`, the fit report's too.
     """
     lo, hi = c.ci
-    boot_sign = 1 if lo > 0 else (-1 if hi < 0 else 0)
-    out: dict[str, Any] = {"bootstrap": [lo, hi], "profile": None}
-    if c.profile is None:
-        out.update(decides=bool(boot_sign), trusted="bootstrap", sign=boot_sign)
-        what = "delta phi > 0" if boot_sign > 0 else ("delta phi < 0" if boot_sign < 0 else "no sign")
-        out["line"] = (
-            f"{'decides' if boot_sign else 'does not decide'}: {what} (bootstrap only, no phi profiles)"
-        )
+    prof = None if c.profile is None else tuple(c.profile.interval)
+    n, n_dropped = (None, None) if c.checks is None else (c.checks.n, c.checks.n_dropped)
+    t = trusted_interval(prof, (lo, hi), sign_of, n_resamples=n, n_dropped=n_dropped,
+                         describe=lambda s: _SIGN_WORDS[s], spec="+.3f")  # fmt: skip
+    sign = int(t.answer or 0)
+    out: dict[str, Any] = {"bootstrap": [lo, hi], "profile": None if prof is None else list(prof)}
+    if prof is None:
+        out.update(decides=bool(sign), trusted="bootstrap", sign=sign)
+        what = _SIGN_WORDS[sign] if sign else "no sign"
+        out["line"] = f"{'decides' if sign else 'does not decide'}: {what} (bootstrap only, no phi profiles)"
         return out
-    plo, phi_ = c.profile.interval
-    out["profile"] = [plo, phi_]
-    prof_sign = 1 if (plo is not None and plo > 0) else (-1 if (phi_ is not None and phi_ < 0) else 0)
-    dropped = 0.0 if c.checks is None or not c.checks.n else c.checks.n_dropped / c.checks.n
-    # More than 5% (and more than one: one failure in a dozen quick resamples does not decide).
-    too_many = c.checks is not None and c.checks.n_dropped > max(1.0, _MAX_DROPPED * c.checks.n)
-    p_lo = -np.inf if plo is None else plo
-    p_hi = np.inf if phi_ is None else phi_
-    width = p_hi - p_lo
-    boot_wild = too_many or (np.isfinite(width) and (lo < p_lo - width or hi > p_hi + width))
-    if boot_sign == prof_sign:
-        trusted, sign = "both", boot_sign
-        why = "the two intervals agree"
-    elif boot_wild:
-        trusted, sign = "profile", prof_sign
-        why = (
-            "the intervals disagree; the profile interval is trusted: the bootstrap "
-            + (f"dropped {100 * dropped:.0f}% of its resamples as failed fits" if too_many
-               else "reaches far beyond the profile interval (resamples in a flat direction)")
-        )  # fmt: skip
-    else:
-        trusted, sign = "bootstrap", boot_sign
-        why = (
-            "the intervals disagree; the bootstrap is trusted: its resample fits passed the checks and it keeps "
-            "the correlation of runs in one (budget, r) cell, which the profile's LR scale does not"
-        )
-    what = (
-        "delta phi > 0" if sign > 0 else ("delta phi < 0" if sign < 0 else "0 is inside the trusted interval")
-    )
-    out.update(decides=bool(sign), trusted=trusted, sign=sign, dropped_share=dropped)
-    out["line"] = f"{'decides' if sign else 'does not decide'}: {what} ({why})"
+    dropped = 0.0 if not n else (n_dropped or 0) / n
+    out.update(decides=bool(sign), trusted=t.trusted, sign=sign, dropped_share=dropped)
+    what = _SIGN_WORDS[sign] if sign else "0 is inside the trusted interval"
+    out["line"] = f"{'decides' if sign else 'does not decide'}: {what} ({t.why})"
     return out
 
 
+_SIGN_WORDS = {1: "delta phi > 0", -1: "delta phi < 0", 0: "0 is inside"}
+
+
 def _fmt_ci(ci: tuple[float, float] | None) -> str:
-    return "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+    return "" if ci is None else interval(ci, ".3f")
 
 
 def _runs_of(x: Any, variant: str | None) -> Runs | None:
@@ -282,7 +243,7 @@ def compare_fits(
     here, seeds ``seed`` and ``seed + 1``).
 
     A probe without r = 1 runs is fitted, as in the study, with the base's r = 1 runs
-    (:func:`~looped_hf.scaling.data.share_base_r1`; a probe fit made without them is refitted),
+    (:func:`~looped_hf.scaling.runs.share_base_r1`; a probe fit made without them is refitted),
     and the bootstrap is paired: both sweeps are resampled at once and the shared runs keep one
     count in both fits. ``bootstrap`` resamples are drawn here; fits made here carry these paired
     draws as their own bootstrap. A probe with its own r = 1 runs is an independent sweep: its
@@ -332,7 +293,7 @@ def compare_fits(
     phis = [_compared_phi("base", fb), _compared_phi("probe", fp)]
     assert fb.bootstrap_samples is not None and fp.bootstrap_samples is not None
     n = min(len(fb.bootstrap_samples), len(fp.bootstrap_samples))
-    diff = fp.bootstrap_samples[:n, 5] - fb.bootstrap_samples[:n, 5]
+    diff = fp.bootstrap_samples[:n, law.PHI] - fb.bootstrap_samples[:n, law.PHI]
     methods = {
         f.settings.get("bootstrap_method_used", f.settings.get("bootstrap_method", "")) for f in (fb, fp)
     }
@@ -388,7 +349,7 @@ def _compare_paired(
     keep = ~status.failed
     assert fp.runs is not None and fb.runs is not None
     shared = int((match >= 0).sum())
-    return _comparison(fb, fp, phis, th_p[keep, 5] - th_b[keep, 5], shared_r1=shared, bootstrap_method=used,
+    return _comparison(fb, fp, phis, th_p[keep, law.PHI] - th_b[keep, law.PHI], shared_r1=shared, bootstrap_method=used,
                        checks=status, n_resamples=bootstrap,
                        profile=_delta_profile(fb, fp, len(fb.runs) + len(fp.runs) - shared))  # fmt: skip
 

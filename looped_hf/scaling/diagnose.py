@@ -18,11 +18,10 @@ to judge that, all JSON-safe:
   phi can still carry placement advice: widths on one side of the optimum make the law
   extrapolate there).
 
-phi counts as identified when both 95% intervals (profile, and bootstrap if run) are closed
-inside the search box and no wider than :data:`PHI_WIDTH_IDENTIFIED`, and no fitted parameter
-sits on a bound, and the bootstrap (if run) dropped at most :data:`DROPPED_IDENTIFIED` of its
-resamples (or one) as failed fits. The width limit is half the distance between the two readings that matter
-(phi = 0: looping adds nothing; phi = 1: a recurrence is worth a unique block).
+phi counts as identified when no fitted parameter sits on a bound and the trusted 95% interval
+is closed inside the search box and no wider than :data:`~.trust.PHI_WIDTH_IDENTIFIED`. Which of
+the two intervals (profile, bootstrap) is trusted is the one rule of :mod:`.trust`, the same the
+comparison of a probe uses; when they answer differently the verdict says so.
 
 :class:`SizeFamily` describes the sweep's models at one r as functions of their size, so that
 the law can be evaluated off the sweep's grid (compute-optimal sizes here, IsoFLOP curves in
@@ -38,14 +37,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy.optimize import nnls
 
-from .law import BOUNDS, PARAM_NAMES
+from .formatting import interval, si
+from .law import BOUNDS, NATURAL_NAMES, PARAM_NAMES, PHI, effective_params
+from .trust import (
+    PHI_WIDTH_IDENTIFIED,
+    Interval,
+    phi_measured,
+    too_many_dropped,
+    trusted_interval,
+)
 
 if TYPE_CHECKING:
-    from .data import Runs
     from .fit import ScalingLawFit
+    from .runs import Runs
 
-#: A phi interval at most this wide counts as a measurement.
-PHI_WIDTH_IDENTIFIED = 0.5
 #: Compute-optimal sizes are searched this factor below the smallest and above the largest model.
 SEARCH_FACTOR = 100.0
 _NATURAL = {"a": "A", "alpha": "alpha", "b": "B", "beta": "beta", "e": "E", "phi": "phi"}
@@ -101,8 +106,7 @@ def size_family(runs: Runs, r: float) -> SizeFamily:
 def law_loss(params: dict[str, Any], family: SizeFamily, budget: float, n: np.ndarray) -> np.ndarray:
     """The law's loss for the family's models of size ``n`` trained with ``budget`` FLOPs."""
     n_once, n_rec = family.split(n)
-    phi = params.get("phi")
-    n_eff = n_once + n_rec * (family.r**phi if phi is not None else 1.0)
+    n_eff = effective_params(n_once, n_rec, family.r, params.get("phi"))
     tokens = family.tokens(budget, n)
     return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
 
@@ -119,8 +123,7 @@ def compute_optimal(
     loss = law_loss(params, family, budget, sizes)
     i = int(np.argmin(loss))
     n_once, n_rec = family.split(sizes[i])
-    phi = params.get("phi")
-    n_eff = float(n_once + n_rec * (family.r**phi if phi is not None else 1.0))
+    n_eff = float(effective_params(n_once, n_rec, family.r, params.get("phi")))
     return {
         "n": float(sizes[i]),
         "n_eff": n_eff,
@@ -134,17 +137,10 @@ def _fmt_budget(x: float) -> str:
     return f"{x:.3g}".replace("e+", "e")
 
 
-def _fmt_count(x: float) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
-
-
 def _model_name(runs: Runs, i: int) -> str:
     if runs.width is not None:
         return f"d={runs.width[i]:g}"
-    return f"N={_fmt_count(float(runs.params[i]))}"
+    return f"N={si(float(runs.params[i]))}"
 
 
 def budget_table(fit: ScalingLawFit) -> list[dict[str, Any]]:
@@ -210,7 +206,7 @@ def _budget_finding(row: dict[str, Any]) -> tuple[str | None, str | None]:
     large = sum(p["position"] == "largest" for p in per_r)
     base = next((p for p in per_r if p["r"] == 1), per_r[0])
     law_note = (
-        f" (the fitted law puts the r = {base['r']:g} optimum at {_fmt_count(base['optimal_params'])} parameters, "
+        f" (the fitted law puts the r = {base['r']:g} optimum at {si(base['optimal_params'])} parameters, "
         f"{base['optimal_tokens_per_param']:.3g} tokens per parameter; these widths train on "
         f"{row['tokens_per_param'][0]:.2g}-{row['tokens_per_param'][1]:.2g})"
     )
@@ -291,19 +287,20 @@ def _bootstrap_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
     boot = fit.bootstrap_samples
     if boot is None or not len(boot):
         return None
+    col = dict(zip(NATURAL_NAMES, boot.T))
     # Back to the internal coordinates (log A, alpha, log B, beta, log E, phi) to test the bounds.
     theta = np.stack(
-        [np.log(boot[:, 1]), boot[:, 2], np.log(boot[:, 3]), boot[:, 4], np.log(boot[:, 0]), boot[:, 5]], 1
+        [np.log(col["A"]), col["alpha"], np.log(col["B"]), col["beta"], np.log(col["E"]), col["phi"]], 1
     )
     lo = np.array([b[0] for b in BOUNDS])
     hi = np.array([b[1] for b in BOUNDS])
     on = (np.abs(theta - lo) < 1e-6) | (np.abs(theta - hi) < 1e-6)
     if fit.params.get("phi") is None or fit.fixed_phi is not None:
-        on[:, 5] = False
+        on[:, PHI] = False
     return {
         "n": int(len(boot)),
         "method": fit.settings.get("bootstrap_method_used", fit.settings.get("bootstrap_method")),
-        "phi_at_bound": float(on[:, 5].mean()),
+        "phi_at_bound": float(on[:, PHI].mean()),
         "any_at_bound": float(on.any(axis=1).mean()),
         "at_bound_by_param": {
             _NATURAL[n]: float(on[:, i].mean()) for i, n in enumerate(PARAM_NAMES) if on[:, i].any()
@@ -311,17 +308,6 @@ def _bootstrap_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
         # Resample fits refitted / dropped by the fit checks (None: a fit saved before the checks).
         "checks": fit.bootstrap_checks,
     }
-
-
-#: A bootstrap that had to drop more than this share of its resamples (failed fits; and more
-#: than one, so that one failure in a dozen quick resamples does not decide) does not identify
-#: phi on its own.
-DROPPED_IDENTIFIED = 0.05
-
-
-def _fmt_interval(ci: Any) -> str:
-    lo, hi = ci
-    return f"[{'box' if lo is None else f'{lo:.3g}'}, {'box' if hi is None else f'{hi:.3g}'}]"
 
 
 def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[dict[str, Any]],
@@ -357,8 +343,8 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         reasons.append(b["text"] + (f": {advice}" if advice else ""))
         short.append(f"{b['name']} sits on its {b['side']} bound")
     ok = not at_bound
-    lo_b, hi_b = BOUNDS[5]
-    intervals = []
+    lo_b, hi_b = BOUNDS[PHI]
+    intervals: list[tuple[str, Interval]] = []
     if profile is not None:
         intervals.append(("profile", tuple(profile["interval"])))
     ci = fit.ci.get("phi")
@@ -367,9 +353,13 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         intervals.append(
             ("bootstrap", (None if ci[0] <= lo_b + 1e-3 else ci[0], None if ci[1] >= hi_b - 1e-3 else ci[1]))
         )
-    judged = list(intervals)  # the intervals the verdict rests on
+    named = dict(intervals)
     checks = fit.bootstrap_checks or {}
-    if checks.get("n") and checks.get("dropped", 0) > max(1.0, DROPPED_IDENTIFIED * checks["n"]):
+    trust = trusted_interval(named.get("profile"), named.get("bootstrap"), phi_measured,
+                             n_resamples=checks.get("n"), n_dropped=checks.get("dropped"),
+                             describe=lambda m: "measures phi" if m else "does not measure phi")  # fmt: skip
+    judged = list(intervals)  # the intervals the verdict rests on
+    if "bootstrap" in named and too_many_dropped(checks.get("n"), checks.get("dropped")):
         # Dropped resamples are failed fits, not evidence; but many of them mean many resamples
         # leave phi (or another parameter) unbounded, so the kept ones understate the spread. The
         # verdict then rests on the profile alone (and fails without one).
@@ -379,6 +369,11 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
                        "understates the uncertainty; trust the profile interval")  # fmt: skip
         short.append(f"{n_drop} of {n_all} bootstrap resamples failed to fit (read the profile interval)")
         judged = [(name, iv) for name, iv in intervals if name != "bootstrap"]
+    elif trust.disagree is not None:
+        # The two intervals answer differently: the verdict follows the trusted one, and says so.
+        judged = [(name, iv) for name, iv in intervals if name == trust.trusted]
+        reasons.append(trust.disagree)
+        short.append(f"the profile and bootstrap intervals disagree; the {trust.trusted} one is trusted")
     if not judged:
         ok = False
         reasons.append("no interval for phi: fit with checks (profile) or a bootstrap")
@@ -392,7 +387,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
             short.append(f"the {name} interval is open {side}")
         elif hi - lo > PHI_WIDTH_IDENTIFIED:
             ok = False
-            reasons.append(f"the {name} 95% interval {_fmt_interval((lo, hi))} is {hi - lo:.2g} wide "
+            reasons.append(f"the {name} 95% interval {interval((lo, hi))} is {hi - lo:.2g} wide "
                            f"(a measurement needs <= {PHI_WIDTH_IDENTIFIED:g})")  # fmt: skip
             short.append(f"the {name} interval is {hi - lo:.2g} wide")
     if not ok and not any(placement.values()):
@@ -401,7 +396,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
                   f"widths or seeds; the residual RMS is {100 * rms:.2g}%)")  # fmt: skip
         reasons.append(advice)
         short.append(advice)
-    shown = ", ".join(f"{n} {_fmt_interval(iv)}" for n, iv in intervals)
+    shown = ", ".join(f"{n} {interval(iv)}" for n, iv in intervals)
     anchored = fit.runs is None or bool(fit.runs.non_looped.any())
     if ok:
         # Narrow, closed intervals: phi is measured. Widths on one side of the optimum still mean
@@ -425,7 +420,7 @@ def diagnose(fit: ScalingLawFit) -> dict[str, Any]:
     theta = fit.theta
     free = np.ones(len(BOUNDS), bool)
     if fit.params.get("phi") is None or fit.fixed_phi is not None:
-        free[5] = False
+        free[PHI] = False
     at_bound = parameters_at_bound(theta, free)
     budgets = budget_table(fit) if fit.kind == "looped" or fit.runs is not None else []
     profile = _profile_summary(fit)

@@ -47,24 +47,23 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from ..fileio import write_text_atomic
+from ..fileio import read_json, write_text_atomic
 from . import law
-from .data import Runs, load_runs
 from .diagnose import diagnose
 from .law import LawData
 from .optimize import Polished, chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
 from .profile import PhiProfile, profile_phi
 from .resample import RESAMPLE_METHODS, RefitStatus, cell_groups, refit_checked, resample_problems
+from .runs import Runs, load_runs
 
 BootstrapMethod = Literal["cell", "run", "residual"]
 StartMethod = Literal["auto", "random", "grid"]
 
-NATURAL_NAMES: tuple[str, ...] = ("E", "A", "alpha", "B", "beta", "phi")
+NATURAL_NAMES = law.NATURAL_NAMES
 #: What a fit of looped runs without any r = 1 run measures, and what it does not.
 NO_R1_NOTE = (
     "no r = 1 run: phi is identified only from how the r > 1 runs compare with each other, and E, A, "
@@ -165,7 +164,7 @@ class ScalingLawFit:
         """``N_eff = N_once + r^phi N_rec``: the size of the non-looped model that the law says
         performs alike. Raises ``ValueError`` when phi is not identifiable."""
         phi = self._phi() if self.kind == "looped" else 0.0
-        out = np.asarray(n_once, float) + np.asarray(num_recurrences, float) ** phi * np.asarray(n_rec, float)
+        out = np.asarray(law.effective_params(n_once, n_rec, num_recurrences, phi), float)
         return float(out) if out.ndim == 0 else out
 
     def predict(
@@ -235,16 +234,6 @@ class ScalingLawFit:
 
         return render_report(self)
 
-    def plot(self, out_dir: str | os.PathLike[str]) -> list[Path]:
-        """Every plot of this fit into ``out_dir`` (``looped_hf.plotting.plot_fit``): loss vs FLOPs,
-        IsoFLOP curves, the phi profile and bootstrap, residuals. Needs matplotlib; imported here,
-        on use, so the fit itself stays numpy/scipy only. The plotting module reads only the
-        scaling package's leaves (``data``, ``diagnose``), never this module or the package, so
-        the import graph stays a ladder: law/data/diagnose -> plotting -> fit."""
-        from looped_hf.plotting import plot_fit
-
-        return plot_fit(self, out_dir)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": _FORMAT,
@@ -280,9 +269,26 @@ class ScalingLawFit:
     def from_json(cls, text_or_path: str | os.PathLike[str]) -> ScalingLawFit:
         """Inverse of :meth:`to_json` (accepts the JSON text or a path to it)."""
         s = str(text_or_path)
-        obj = json.loads(Path(s).read_text() if not s.lstrip().startswith("{") else s)
+        is_text = s.lstrip().startswith(("{", "["))
+        where = "" if is_text else f"{s}: "
+        try:
+            obj = json.loads(s) if is_text else read_json(s)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not valid JSON ({err.msg}, line {err.lineno})") from None
+        except OSError as err:
+            raise ValueError(f"{where}cannot read the fit ({err.__class__.__name__}: {err})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(
+                f"{where}not a looped_hf scaling fit: expected a JSON object, got {type(obj).__name__}"
+            )
         if obj.get("format") != _FORMAT:
-            raise ValueError(f"not a looped_hf scaling fit (format {obj.get('format')!r})")
+            raise ValueError(f"{where}not a looped_hf scaling fit (format {obj.get('format')!r})")
+        for key, kind in _FIT_FIELDS.items():
+            if key not in obj:
+                raise ValueError(f"{where}not a looped_hf scaling fit: field {key!r} is missing")
+            if not isinstance(obj[key], kind):
+                raise ValueError(f"{where}field {key!r} is {obj.get(key)!r}: a looped_hf fit records it "
+                                 f"as {kind.__name__ if isinstance(kind, type) else 'a number'}")  # fmt: skip
         runs = None
         if obj.get("runs"):
             recs = obj["runs"]["records"]
@@ -309,6 +315,13 @@ class ScalingLawFit:
             notes=list(obj.get("notes", [])),
             settings=obj.get("settings", {}),
         )
+
+
+#: The fields every saved fit has, and their JSON types (what from_json reads without a default).
+_FIT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "params": dict, "ci": dict, "r2": (int, float), "objective": (int, float), "residuals": list,
+    "kind": str, "phi_identifiable": bool,
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------- fitting
@@ -421,7 +434,19 @@ def fit_scaling_law(
         raise ValueError(f"starts must be 'auto', 'random' or 'grid', got {starts!r}")
     if bootstrap < 0:
         raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
+    if fix_phi is not None:
+        lo, hi = law.BOUNDS[law.PHI]
+        if isinstance(fix_phi, bool) or not isinstance(fix_phi, (int, float)) or not lo <= fix_phi <= hi:
+            raise ValueError(
+                f"fix_phi={fix_phi!r}: must be a finite number in the search box [{lo:g}, {hi:g}]"
+            )
     data_runs = load_runs(runs, variant=variant)
+    if len(data_runs) and np.ptp(data_runs.loss) == 0:
+        where = (
+            "" if data_runs.source is None or data_runs.source.startswith("<") else f"{data_runs.source}: "
+        )
+        raise ValueError(f"{where}column 'loss': all {len(data_runs)} runs have the same loss "
+                         f"({data_runs.loss[0]:g}): a law cannot be fitted to a constant")  # fmt: skip
     with single_threaded_blas():
         return _fit(
             data_runs,
@@ -604,7 +629,7 @@ def _set_bootstrap(fit: ScalingLawFit, thetas: np.ndarray, free: np.ndarray, sta
     lo, hi = np.percentile(fit.bootstrap_samples, [2.5, 97.5], axis=0)
     fit.ci = {}
     for j, name in enumerate(NATURAL_NAMES):
-        if name == "phi" and not free[5]:
+        if name == "phi" and not free[law.PHI]:
             continue
         fit.ci[name] = (float(lo[j]), float(hi[j]))
 
@@ -666,5 +691,5 @@ def _leave_largest_budget_out(
         "mean_rel_error": float(np.mean(rel)),
         "mean_abs_rel_error": float(np.mean(np.abs(rel))),
         "max_abs_rel_error": float(np.max(np.abs(rel))),
-        "phi_without": float(th[5]) if free[5] else None,
+        "phi_without": float(th[law.PHI]) if free[law.PHI] else None,
     }

@@ -37,11 +37,25 @@ function with ``S = 1``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 #: Parameter order of the internal vector ``theta``.
 PARAM_NAMES: tuple[str, ...] = ("a", "alpha", "b", "beta", "e", "phi")
+#: Parameter order of the natural vectors (a fit's ``bootstrap_samples``, the planner's sets).
+NATURAL_NAMES: tuple[str, ...] = ("E", "A", "alpha", "B", "beta", "phi")
+#: Where phi sits in ``theta`` (and, by the same position, in the natural vectors).
+PHI = PARAM_NAMES.index("phi")
+assert NATURAL_NAMES.index("phi") == PHI
+
+
+def effective_params(n_once: Any, n_rec: Any, r: Any, phi: Any) -> Any:
+    """``N_eff = N_once + r^phi N_rec``: the size of the non-looped model the law says performs
+    alike. ``phi`` None (a plain fit) counts every parameter once. Broadcasts like numpy."""
+    if phi is None:
+        return np.add(n_once, n_rec)
+    return np.add(n_once, np.power(np.asarray(r, float), phi) * np.asarray(n_rec, float))
 
 #: Bounds of the start box and of L-BFGS-B (the study's appendix: a, b in [-5, 35],
 #: alpha, beta in [0, 2.5], e in [-3, 2], phi in [-3, 3]).
@@ -88,7 +102,7 @@ def log_n_eff(data: LawData, phi: np.ndarray | float) -> tuple[np.ndarray, np.nd
 def predict_log_loss(theta: np.ndarray, data: LawData) -> np.ndarray:
     """``log L_hat`` for parameter vectors ``theta`` (``(6,)`` or ``(S, 6)``) -> ``(S, n)``."""
     theta = np.atleast_2d(theta)
-    lne, _ = log_n_eff(data, theta[:, 5])
+    lne, _ = log_n_eff(data, theta[:, PHI])
     u1 = theta[:, [0]] - theta[:, [1]] * lne
     u2 = theta[:, [2]] - theta[:, [3]] * data.log_d
     u3 = np.broadcast_to(theta[:, [4]], u1.shape)
@@ -110,7 +124,7 @@ def objective(
         ``f`` of shape ``(S,)`` and ``grad`` of shape ``(S, 6)``.
     """
     theta = np.atleast_2d(np.asarray(theta, dtype=float))
-    lne, dlne = log_n_eff(data, theta[:, 5])
+    lne, dlne = log_n_eff(data, theta[:, PHI])
     u1 = theta[:, [0]] - theta[:, [1]] * lne
     u2 = theta[:, [2]] - theta[:, [3]] * data.log_d
     u3 = theta[:, [4]]
@@ -132,7 +146,7 @@ def objective(
     grad[:, 2] = g2.sum(axis=1)
     grad[:, 3] = -(g2 * data.log_d).sum(axis=1)
     grad[:, 4] = g3.sum(axis=1)
-    grad[:, 5] = -theta[:, 1] * (g1 * dlne).sum(axis=1)
+    grad[:, PHI] = -theta[:, 1] * (g1 * dlne).sum(axis=1)
     return h.sum(axis=1), grad
 
 

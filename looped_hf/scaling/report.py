@@ -6,25 +6,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .formatting import interval, si
+
 if TYPE_CHECKING:
     from .fit import ScalingLawFit
-
-
-def _si(x: float) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
 
 
 def _num(x: float | None) -> str:
     if x is None:
         return "not identifiable"
     return f"{x:.4g}" if abs(x) >= 1e-3 else f"{x:.3e}"
-
-
-def _interval(lo: float | None, hi: float | None) -> str:
-    return f"[{'open (box)' if lo is None else f'{lo:.3f}'}, {'open (box)' if hi is None else f'{hi:.3f}'}]"
 
 
 def _diagnosis_lines(fit: ScalingLawFit) -> list[str]:
@@ -41,11 +32,11 @@ def _diagnosis_lines(fit: ScalingLawFit) -> list[str]:
             for v, x in (("0", lr0), ("1", lr1))
             if x is not None
         )
-        lines.append(f"phi 95% profile-likelihood interval {_interval(*prof['interval'])}")
+        lines.append(f"phi 95% profile-likelihood interval {interval(prof['interval'], '.3f', 'open (box)')}")
         lines.append(f"  (LR statistic, cut {prof['cut']:.3g}; {tests})")
     if "phi" in fit.ci:
         lo, hi = fit.ci["phi"]
-        lines.append(f"phi 95% bootstrap interval          [{lo:.3f}, {hi:.3f}] (percentile)")
+        lines.append(f"phi 95% bootstrap interval          {interval((lo, hi), '.3f')} (percentile)")
     if boot is not None and boot.get("at_bound_by_param"):
         shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in boot["at_bound_by_param"].items())
         lines.append(f"  resamples with a parameter on a bound of the search box: {shares}")
@@ -65,9 +56,9 @@ def _diagnosis_lines(fit: ScalingLawFit) -> list[str]:
             f"  {'budget':<9} {'tokens/param':<13} {'r':>3}  {'lowest loss':<12} {'position':<9} law's optimum"
         )
         for row in budgets:
-            tpp = f"{_si(row['tokens_per_param'][0])}-{_si(row['tokens_per_param'][1])}"
+            tpp = f"{si(row['tokens_per_param'][0])}-{si(row['tokens_per_param'][1])}"
             for k, p in enumerate(row["per_r"]):
-                opt = f"{_si(p['optimal_params'])} ({p['optimal_tokens_per_param']:.3g} tok/param, "
+                opt = f"{si(p['optimal_params'])} ({p['optimal_tokens_per_param']:.3g} tok/param, "
                 opt += (
                     {"below": "below the widths", "above": "above the widths", "inside": "inside"}[
                         p["optimal_vs_widths"]
@@ -163,9 +154,9 @@ def render_report(fit: ScalingLawFit) -> str:
     equivalences = fit.equivalences()
     for eq in equivalences:
         lines.append(
-            f"at r = {eq['r']:g} a looped model of {_si(eq['unique'])} unique parameters performs like a "
-            f"non-looped model of {_si(eq['performs_like'])}, and costs the training compute of one of "
-            f"{_si(eq['costs_like'])}"
+            f"at r = {eq['r']:g} a looped model of {si(eq['unique'])} unique parameters performs like a "
+            f"non-looped model of {si(eq['performs_like'])}, and costs the training compute of one of "
+            f"{si(eq['costs_like'])}"
         )
     if equivalences:
         lines.append(

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .law import effective_params
+
 #: Ground truth of the default study sweep: Chinchilla's refit (Besiroglu et al. 2024) and the
 #: study's phi.
 TRUE_PARAMS: dict[str, float] = {
@@ -171,7 +173,7 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (STUDY, TINY_V0)}
 
 def true_loss(params: dict[str, float], n_once: float, n_rec: float, r: float, tokens: float) -> float:
     """``E + A (n_once + r^phi n_rec)^-alpha + B tokens^-beta``."""
-    n_eff = n_once + r ** params["phi"] * n_rec
+    n_eff = effective_params(n_once, n_rec, r, params["phi"])
     return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
 
 

@@ -44,14 +44,11 @@ def _failed_record(run: PlannedRun, run_dir: Path, error: str) -> dict[str, Any]
 
 
 def _read_record(run_dir: Path) -> dict[str, Any] | None:
-    from looped_hf.fileio import RECORD_NAME
+    from looped_hf.fileio import read_run_record
 
-    path = run_dir / RECORD_NAME
-    if not path.exists():
-        return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        return read_run_record(run_dir)
+    except ValueError:  # a torn or foreign record: the run is not finished, rerun it
         return None
 
 

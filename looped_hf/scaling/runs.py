@@ -1,4 +1,4 @@
-"""Loading and validating run records for the scaling-law fit.
+"""A sweep's runs: loading and validating run records for the scaling-law fit.
 
 A run record is one JSON object per line of the training side's ``results.jsonl`` (or a CSV
 row, a DataFrame row, a dict). Columns used:
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from ..fileio import read_json
 
 LOOPED_COLUMNS = ("n_once", "n_rec", "num_recurrences")
 
@@ -181,9 +183,12 @@ def _records_from(source: Any) -> tuple[list[dict[str, Any]], list[str], str]:
         elif suffix == ".csv":
             recs, labels = _read_csv(path)
         elif suffix == ".json":
-            obj = json.loads(path.read_text())
+            obj = read_json(path)
             if not isinstance(obj, list):
-                raise ValueError(f"{path}: expected a JSON list of run records")
+                raise ValueError(f"{path}: expected a JSON list of run records, got {type(obj).__name__}")
+            for i, rec in enumerate(obj):
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}: item {i}: expected a JSON object, got {type(rec).__name__}")
             recs, labels = obj, [f"item {i}" for i in range(len(obj))]
         else:
             raise ValueError(f"{path}: unsupported file type {suffix!r} (use .jsonl or .csv)")
@@ -200,6 +205,11 @@ def _records_from(source: Any) -> tuple[list[dict[str, Any]], list[str], str]:
     raise ValueError(
         f"cannot read runs from {type(source).__name__}: pass a path, DataFrame or list of dicts"
     )
+
+
+#: Token and parameter counts above this are refused: a million times the largest models and
+#: corpora trained, so only a units or typing error reaches it, and FLOPs of such counts overflow.
+MAX_COUNT = 1e18
 
 
 def _show(x: Any) -> str:
@@ -271,6 +281,10 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
     if dropped:
         shown = ", ".join(dropped[:8]) + (" ..." if len(dropped) > 8 else "")
         notes.append(f"ignored {len(dropped)} run(s) whose status is not 'ok' ({shown})")
+    if dropped and not keep:
+        raise ValueError(
+            f"{where}no successful runs: all {len(dropped)} record(s) have a status other than 'ok'"
+        )
     records = [records[i] for i in keep]
     labels = [labels[i] for i in keep]
 
@@ -440,10 +454,15 @@ def _build_runs(
                     raise ValueError(f"{where}{label}: column {col!r} must be >= 0, got {_show(x)}")
             if n_once[i] + n_rec[i] <= 0:
                 raise ValueError(f"{where}{label}: columns 'n_once' + 'n_rec' must be > 0 (both are 0)")
-            if reps[i] < 1:
+            if reps[i] < 1 or not reps[i].is_integer():
                 raise ValueError(
-                    f"{where}{label}: column 'num_recurrences' must be >= 1, got {_show(reps[i])}"
+                    f"{where}{label}: column 'num_recurrences' must be an integer >= 1, got {_show(reps[i])}"
                 )
+        for col, x in (("tokens", tokens[i]), ("n_once", n_once[i]), ("n_rec", n_rec[i])):
+            if x > MAX_COUNT:
+                name = "params" if kind == "plain" and col == "n_once" else col
+                raise ValueError(f"{where}{label}: column {name!r} is {_show(x)}; counts above {MAX_COUNT:g} "
+                                 "are a units or typing error, not a training run")  # fmt: skip
         budget[i] = _optional_number(rec, "budget", label, where)
         flops[i] = _optional_number(rec, "train_flops", label, where)
         seed[i] = _optional_number(rec, "seed", label, where)
