@@ -37,6 +37,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from looped_hf.configuration_looped import INIT_SCHEMES, QK_NORMS, LoopedConfig
+from looped_hf.fileio import yaml_load
 
 OPTIMIZERS = ("adamw", "muon", "muonh")
 LR_SCALINGS = ("hyperp", "none")
@@ -802,7 +803,7 @@ def yaml_key_lines(path: str | os.PathLike) -> dict[str, int]:
     """Line (1-based) of each top-level key of a YAML mapping file, for error messages."""
     try:
         node = yaml.compose(Path(path).read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError):
+    except (yaml.YAMLError, OSError, ValueError):  # ValueError: not UTF-8 (load_yaml names it)
         return {}
     if not isinstance(node, yaml.MappingNode):
         return {}
@@ -854,19 +855,35 @@ def _known_fields(parser: HfArgumentParser) -> set[str]:
     return {f.name for dtype in parser.dataclass_types for f in dataclasses.fields(dtype) if f.init}
 
 
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML mapping; anything else is an error naming the file."""
-    text = Path(path).read_text(encoding="utf-8")
+def read_recipe_text(path: str | os.PathLike, what: str = "recipe") -> str:
+    """The text of a recipe file; a missing file, a folder or a binary file is a `RecipeError`."""
+    path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{what} {str(path)!r}: is a directory, not a YAML file")
     try:
-        data = yaml.safe_load(text) or {}
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{what} {str(path)!r}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{what} {str(path)!r}: not UTF-8 text (byte {err.start}); is it a binary file?") from None
+    except OSError as err:
+        raise RecipeError(f"{what} {str(path)!r}: cannot be read ({err.strerror or err})") from None
+
+
+def load_yaml(path: str | os.PathLike, what: str = "recipe") -> dict[str, Any]:
+    """Read a YAML mapping (duplicate keys and alias bombs refused); anything else is an error
+    naming the file."""
+    text = read_recipe_text(path, what)
+    try:
+        data = yaml_load(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise RecipeError(f"recipe {str(path)!r}{at}: not valid YAML ({problem})") from None
+        raise RecipeError(f"{what} {str(path)!r}{at}: not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise RecipeError(
-            f"recipe {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
+            f"{what} {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
         )
     return data
 
@@ -1065,6 +1082,7 @@ __all__ = [
     "check_fields",
     "check_value",
     "load_yaml",
+    "read_recipe_text",
     "parse_recipe",
     "recipe_field_types",
     "recipe_parser",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -215,3 +216,89 @@ def _move_aside(path: Path, data: bytes, parsed: _Parsed) -> bytes:
     new = b"".join(kept)
     write_bytes_atomic(path, new)
     return new
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML: the safe loader, with duplicate keys refused and aliases bounded
+# ---------------------------------------------------------------------------------------------
+#: The most nodes a YAML document may hold once its aliases are expanded. A recipe has a few
+#: hundred; a "billion laughs" document (aliases of aliases) has 10^9 and would hang any walk of
+#: the loaded value, so it is refused from its node graph, before anything is expanded.
+YAML_MAX_NODES = 100_000
+
+
+def _expanded_size(root: Any, limit: int) -> int:
+    """Nodes of the document with every alias expanded, counted over the (shared) node graph with
+    memoisation, so a bomb costs its own size to measure; raises on a recursive alias or past `limit`."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a recursive alias (an anchor used inside itself) is not allowed", node.start_mark
+            )
+        active.add(key)
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(v) for v in node.value)
+        else:
+            total = 1
+        active.discard(key)
+        if total > limit:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the document expands past {limit} values (aliases of aliases?); refused",
+                node.start_mark,
+            )  # fmt: skip
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+@functools.cache
+def _bounded_loader() -> type:
+    import yaml
+
+    class BoundedSafeLoader(yaml.SafeLoader):
+        """`yaml.SafeLoader` that refuses a duplicate key (the last would silently win) and a
+        document whose aliases expand past `YAML_MAX_NODES`."""
+
+        def get_single_node(self):  # type: ignore[no-untyped-def]
+            node = super().get_single_node()
+            if node is not None:
+                _expanded_size(node, YAML_MAX_NODES)
+            return node
+
+        def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<: *base` then a key of base: an override, as YAML means it
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.setdefault(key, key_node.start_mark.line + 1)
+                    except TypeError:
+                        continue  # an unhashable key: the base class names that error
+                    if first != key_node.start_mark.line + 1:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping", node.start_mark,
+                            f"duplicate key {key!r} (first given on line {first})", key_node.start_mark,
+                        )  # fmt: skip
+            return super().construct_mapping(node, deep=deep)
+
+    return BoundedSafeLoader
+
+
+def yaml_load(text: str | bytes) -> Any:
+    """`yaml.safe_load` with duplicate keys refused and aliases bounded (raises `yaml.YAMLError`)."""
+    import yaml
+
+    return yaml.load(text, Loader=_bounded_loader())  # noqa: S506 - a SafeLoader subclass

@@ -307,14 +307,24 @@ def resolve_run(
 
     from looped_hf import LoopedForCausalLM
     from looped_hf.data import load_tokenizer
-    from looped_hf.data.sources import describe_source
+    from looped_hf.data.sources import describe_source, token_upper_bound
     from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups
 
     seq_len = data_args.seq_len
+    output = Path(training_args.output_dir)
+    if output.exists() and not output.is_dir():
+        raise RecipeError(f"LoopedTrainingArguments.output_dir={str(output)!r}: is an existing file, not a folder")
     try:
         source = describe_source(data_args)
+        bound = token_upper_bound(data_args)
     except ValueError as err:
         raise RecipeError(str(err)) from err
+    if bound is not None and data_args.eval_blocks * seq_len > bound:
+        raise RecipeError(
+            f"DataArguments.eval_blocks={data_args.eval_blocks}: {data_args.eval_blocks:,} held-out blocks of "
+            f"seq_len={seq_len} need {data_args.eval_blocks * seq_len:,} tokens; {source} holds fewer than "
+            f"{bound:,}"
+        )
     try:
         tokenizer = load_tokenizer(data_args.tokenizer)
     except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed

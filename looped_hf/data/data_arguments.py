@@ -1,8 +1,10 @@
 """``DataArguments``: where the training text comes from and how it becomes blocks (recipe fields)."""
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-from .corpus import EMBEDDED
+# One way only: this module reads the corpus module, which never imports it back.
+from .corpus import EMBEDDED, default_cache_dir
 
 # DataArguments fields that only shape text -> blocks; prepacked data rejects non-default values.
 _TEXT_ONLY_FIELDS = ("dataset_config", "text_column", "text_sample_by", "streaming_eval_fraction",
@@ -93,6 +95,10 @@ class DataArguments:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def cache_root(self) -> Path:
+        """Where this recipe's data is cached: ``data_cache_dir``, else ``default_cache_dir()``."""
+        return Path(self.data_cache_dir).expanduser() if self.data_cache_dir else default_cache_dir()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and value for settings that cannot work."""
