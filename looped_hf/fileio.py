@@ -57,7 +57,10 @@ def replace_dir(tmp: Path, out: Path) -> None:
         os.replace(out, old)
     os.replace(tmp, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or a link where the folder goes: rmtree would leave it behind as .old-PID
+            old.unlink(missing_ok=True)
 
 
 #: Files of a run directory that training writes and several modules read (this module imports
@@ -302,3 +305,77 @@ def yaml_load(text: str | bytes) -> Any:
     import yaml
 
     return yaml.load(text, Loader=_bounded_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint folder, checked before torch reads it
+# ---------------------------------------------------------------------------------------------
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be a looped model: the message names the file and what is wrong."""
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        raise CheckpointError(f"{path}: not a readable JSON file ({str(err).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """A safetensors file whose header parses and whose tensors all lie inside the file.
+
+    The format is an 8-byte little-endian header length, a JSON header mapping each tensor to its
+    `data_offsets` in the byte buffer after the header, then that buffer: a file cut short (a copy
+    or download stopped midway) is found from the header and the file's size, without reading the
+    tensors."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(
+                f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
+            )
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise CheckpointError(
+                f"{path}: truncated or not safetensors (header of {length} bytes in a file of {size})"
+            )
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError:
+            raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2
+    ]
+    need = 8 + length + max(ends, default=0)
+    if need > size:
+        raise CheckpointError(f"{path}: truncated: its header needs {need} bytes, the file has {size}")
+
+
+def check_checkpoint_dir(folder: str | os.PathLike, model_type: str = "looped") -> dict[str, Any]:
+    """Check a local checkpoint folder before loading it; returns its config.json.
+
+    Refuses, naming the file: a missing or unreadable config.json, one whose `model_type` is not
+    `model_type` (a gpt2 or llama folder would otherwise load with the Auto classes or be read as
+    looped), and a single-file `model.safetensors` that is truncated or corrupt."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing (not a checkpoint folder)")
+    config = _read_json_object(config_path)
+    if config.get("model_type") != model_type:
+        raise CheckpointError(
+            f"{config_path}: model_type={config.get('model_type')!r}; only {model_type!r} checkpoints are read here"
+        )
+    weights = folder / WEIGHTS_NAME
+    if weights.is_file():
+        check_safetensors(weights)
+    return config

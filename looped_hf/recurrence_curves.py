@@ -69,7 +69,12 @@ def _read_record(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RECORD_NAME
     if not path.is_file():
         raise TestTimeError(f"{run_dir} is not a finished run directory: no {RECORD_NAME}")
-    record = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise TestTimeError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise TestTimeError(f"{path}: expected a JSON object, got {type(record).__name__}")
     if record.get("status") != "ok":
         raise TestTimeError(
             f"{path}: status={record.get('status')!r}; only finished (ok) runs have a checkpoint"
@@ -123,15 +128,15 @@ def load_run(run_dir: PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
 
     The held-out split is rebuilt from the run's recipe (as ``looped-hf publish --verify`` does),
     so it is the split the run record's ``loss`` was measured on."""
-    from transformers import AutoTokenizer
-
-    from looped_hf import LoopedForCausalLM
     from looped_hf.data import heldout_from_recipe
+    from looped_hf.evaluation.runner import load_pretrained
 
     path = Path(run_dir)
     record = _read_record(path)
-    model = LoopedForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model, tokenizer = load_pretrained(path)
+    except ValueError as err:  # CheckpointError: not looped, truncated weights, a refused config value
+        raise TestTimeError(str(err)) from None
     return model, tokenizer, heldout_from_recipe(record.get("recipe") or {}, tokenizer), record
 
 
