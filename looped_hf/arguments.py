@@ -42,8 +42,10 @@ from looped_hf.fileio import yaml_load
 OPTIMIZERS = ("adamw", "muon", "muonh")
 LR_SCALINGS = ("hyperp", "none")
 # The study's AdamW settings under MuonH (nanochat/gpt.py setup_optimizer: betas (0.8, 0.95),
-# eps 1e-10); they replace TrainingArguments' defaults (0.9, 0.999, 1e-8) for optimizer muonh.
+# eps 1e-10), and TrainingArguments' own for the other optimizers: the value of each field a
+# recipe leaves unset (null). A value the recipe writes is kept, even one equal to a default.
 MUONH_ADAM = {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-10}
+TRAINER_ADAM = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
 # Fields read only by muonh (set with another optimizer, they would be silently unused).
 MUONH_ONLY_FIELDS = ("embedding_learning_rate", "lm_head_learning_rate", "norm_learning_rate")
 LR_SCHEDULES = ("study", "trainer")
@@ -237,6 +239,17 @@ class LoopedTrainingArguments(TrainingArguments):
     """
 
     output_dir: str | None = field(default="runs/looped", metadata={"help": "The run directory."})
+    # Unset (None) until __post_init__ knows the optimizer: so a value the recipe writes, even
+    # TrainingArguments' own 0.9, is told apart from one it leaves to the optimizer's default.
+    adam_beta1: float | None = field(
+        default=None, metadata={"help": "AdamW beta1; unset: 0.9, the study's 0.8 under muonh."}
+    )
+    adam_beta2: float | None = field(
+        default=None, metadata={"help": "AdamW beta2; unset: 0.999, the study's 0.95 under muonh."}
+    )
+    adam_epsilon: float | None = field(
+        default=None, metadata={"help": "AdamW epsilon; unset: 1e-8, the study's 1e-10 under muonh."}
+    )
     optimizer: str = field(
         default="adamw",
         metadata={
@@ -246,7 +259,7 @@ class LoopedTrainingArguments(TrainingArguments):
             "the injection adapter (Nesterov 0.95, Polar-Express, update scaled to and weight projected back "
             "onto its initial Frobenius norm, no weight decay) at muon_learning_rate; AdamW groups lm_head, "
             "embedding, norm scales and hyperconnection gains at their own *_learning_rate; adam_beta1/2 and "
-            "adam_epsilon left at the TrainingArguments defaults become the study's 0.8, 0.95, 1e-10; "
+            "adam_epsilon left unset are the study's 0.8, 0.95, 1e-10 (a value the recipe sets is kept); "
             "learning_rate and weight_decay are not used (an error if set)."
         },
     )
@@ -420,6 +433,9 @@ class LoopedTrainingArguments(TrainingArguments):
             raise RecipeError(
                 f"LoopedTrainingArguments.lr_scaling={self.lr_scaling!r}: must be one of {LR_SCALINGS}"
             )
+        for name, default in (MUONH_ADAM if self.optimizer == "muonh" else TRAINER_ADAM).items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         if self.optimizer != "muonh":
             if self.lr_scaling is not None:
                 raise RecipeError(
@@ -447,9 +463,6 @@ class LoopedTrainingArguments(TrainingArguments):
                 "(MuonH keeps every matrix on its Frobenius sphere, where decay is a first-order no-op; the "
                 "study's AdamW groups use none); set 0"
             )
-        for name, study in MUONH_ADAM.items():
-            if getattr(self, name) == defaults[name]:
-                setattr(self, name, study)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,3 +121,20 @@ def test_data_modules_import_one_way():
 
     assert DataArguments is data_arguments.DataArguments
     assert "DataArguments" not in corpus.__dict__ and "data_arguments" not in Path(corpus.__file__).read_text()
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [({}, (0.8, 0.95, 1e-10)), ({"adam_beta1": 0.9}, (0.9, 0.95, 1e-10)),
+     ({"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}, (0.9, 0.999, 1e-8))],
+)  # fmt: skip
+def test_a_value_the_recipe_writes_is_never_replaced_by_the_studys(tmp_path, written, expected):
+    recipe = yaml.safe_load(_tiny_text()) | {"output_dir": str(tmp_path / "run"), "optimizer": "muonh", **written}
+    recipe.pop("learning_rate", None)
+    _, _, training = parse_recipe(recipe)
+    assert (training.adam_beta1, training.adam_beta2, training.adam_epsilon) == expected
+
+
+def test_adam_fields_left_unset_take_the_optimizers_defaults(tmp_path):
+    _, _, adamw = parse_recipe(yaml.safe_load(_tiny_text()) | {"output_dir": str(tmp_path / "run")})
+    assert (adamw.adam_beta1, adamw.adam_beta2, adamw.adam_epsilon) == (0.9, 0.999, 1e-8)
