@@ -114,7 +114,7 @@ class ModelArguments:
     )  # fmt: skip
     init_scheme: str = field(
         default="hf",
-        metadata={"help": "hf: transformers' normal(0, initializer_range); study: the study's init "
+        metadata={"choices": INIT_SCHEMES, "help": "hf: transformers' normal(0, initializer_range); study: the study's init "
                   "(embedding N(0,1), lm_head N(0,0.001), uniform 1/sqrt(fan-in) matrices)."},
     )  # fmt: skip
     logit_softcap: float | None = field(default=15.0, metadata={"help": "tanh soft-cap of the logits."})
@@ -158,10 +158,7 @@ class ModelArguments:
             raise RecipeError(
                 f"ModelArguments.qk_norm={self.qk_norm!r}: must be one of {QK_NORMS} (or true/false)"
             )
-        if self.init_scheme not in INIT_SCHEMES:
-            raise RecipeError(
-                f"ModelArguments.init_scheme={self.init_scheme!r}: must be one of {INIT_SCHEMES}"
-            )
+        check_declared_fields(self)
 
     def to_config(
         self,
@@ -252,7 +249,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     optimizer: str = field(
         default="adamw",
-        metadata={
+        metadata={"choices": OPTIMIZERS,
             "help": "adamw (default): AdamW over every parameter at learning_rate. muon: torch's Muon for the "
             "2-D weights inside the layers at muon_learning_rate, AdamW (learning_rate) for the rest. muonh: "
             "the study's HyperP recipe (nanochat/optim.py): MuonH for the 2-D weights inside the layers and "
@@ -283,7 +280,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     lr_scaling: str | None = field(
         default=None,
-        metadata={
+        metadata={"choices": LR_SCALINGS,
             "help": "muonh only. hyperp (the default for muonh): the five lrs above are the study's reference "
             "values and each run scales them (HyperP, arXiv 2603.28743, as scripts/base_train.py): every lr "
             "by (B / 262144)^0.558 (B = tokens per optimizer step), the matrix lr by (T / D_REF)^-0.32 (T = "
@@ -294,7 +291,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     lr_schedule: str = field(
         default="study",
-        metadata={
+        metadata={"choices": LR_SCHEDULES,
             "help": "study: `warmup_steps` (default 0) then linear decay to final_lr_ratio; "
             "trainer: Trainer's own lr_scheduler_type."
         },
@@ -311,7 +308,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     train_steps_rounding: str = field(
         default="up",
-        metadata={
+        metadata={"choices": STEPS_ROUNDINGS,
             "help": "How train_tokens / train_flops_budget become whole optimizer steps. up: ceil (never fewer "
             "tokens than the target, at most one step more); nearest: round(tokens / tokens_per_step), as the "
             "study's base_train.py (round(C / (flops_per_token x B)))."
@@ -361,38 +358,10 @@ class LoopedTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}"
-            )
+        # Types, ranges and choices: the one table (FIELD_LIMITS, field_choices) that recipes are
+        # checked against too; below only how the fields go together.
+        check_declared_fields(self)
         self._check_optimizer_fields()
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise RecipeError(
-                f"LoopedTrainingArguments.lr_schedule={self.lr_schedule!r}: must be one of {LR_SCHEDULES}"
-            )
-        if not 0.0 <= self.final_lr_ratio <= 1.0:
-            raise RecipeError(
-                f"LoopedTrainingArguments.final_lr_ratio={self.final_lr_ratio}: must be in [0, 1]"
-            )
-        if self.torch_num_threads is not None and self.torch_num_threads < 1:
-            raise RecipeError(
-                f"LoopedTrainingArguments.torch_num_threads={self.torch_num_threads}: must be >= 1"
-            )
-        if self.peak_flops is not None and not (self.peak_flops > 0 and math.isfinite(self.peak_flops)):
-            raise RecipeError(
-                f"LoopedTrainingArguments.peak_flops={self.peak_flops}: must be a positive number of FLOP/s"
-            )
-        if self.train_tokens is not None and self.train_tokens < 1:
-            raise RecipeError(f"LoopedTrainingArguments.train_tokens={self.train_tokens}: must be >= 1")
-        if self.train_flops_budget is not None and not self.train_flops_budget > 0:
-            raise RecipeError(
-                f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0"
-            )
-        if self.train_steps_rounding not in STEPS_ROUNDINGS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.train_steps_rounding={self.train_steps_rounding!r}: must be one of "
-                f"{STEPS_ROUNDINGS}"
-            )
         self._check_recurrence_sampling()
         given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
         if len(given) > 1:
@@ -403,13 +372,6 @@ class LoopedTrainingArguments(TrainingArguments):
 
     def _check_recurrence_sampling(self) -> None:
         """A known scheme, and a sampled-r run recorded under a variant of its own (the fit's filter)."""
-        from looped_hf.recurrence import RECURRENCE_SAMPLINGS
-
-        if self.recurrence_sampling not in RECURRENCE_SAMPLINGS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.recurrence_sampling={self.recurrence_sampling!r}: must be one of "
-                f"{RECURRENCE_SAMPLINGS}"
-            )
         if self.recurrence_sampling == "fixed":
             return
         if self.variant == "base":
@@ -425,14 +387,6 @@ class LoopedTrainingArguments(TrainingArguments):
     def _check_optimizer_fields(self) -> None:
         """Optimizer-specific fields: no field is silently unused, and muonh gets the study's AdamW."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.init}
-        for name in ("muon_learning_rate", *MUONH_ONLY_FIELDS, "hyperconnection_learning_rate"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise RecipeError(f"LoopedTrainingArguments.{name}={value!r}: must be a positive number")
-        if self.lr_scaling is not None and self.lr_scaling not in LR_SCALINGS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.lr_scaling={self.lr_scaling!r}: must be one of {LR_SCALINGS}"
-            )
         for name, default in (MUONH_ADAM if self.optimizer == "muonh" else TRAINER_ADAM).items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
@@ -562,8 +516,9 @@ DIR_FIELDS = ("resume_from_checkpoint",)
 @functools.cache
 def field_choices() -> dict[str, tuple[str, ...]]:
     """The strings each choice field takes: the choices the dataclasses declare in their field
-    metadata, our own enumerations, and those that TrainingArguments checks only once training
-    starts (report_to, the multiprocessing context, the compile mode), so they fail up front."""
+    metadata (where argparse and --help read them too), and those that TrainingArguments checks
+    only once training starts (report_to, the multiprocessing context, the compile mode), so they
+    fail up front."""
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     from looped_hf.recurrence import RECURRENCE_SAMPLINGS
@@ -574,9 +529,9 @@ def field_choices() -> dict[str, tuple[str, ...]]:
             if f.init and f.metadata.get("choices"):
                 out[f.name] = tuple(str(c) for c in f.metadata["choices"])
     out.update(
-        qk_norm=QK_NORMS, init_scheme=INIT_SCHEMES, text_sample_by=("line", "paragraph", "document"),
-        optimizer=OPTIMIZERS, lr_scaling=LR_SCALINGS, lr_schedule=LR_SCHEDULES, train_steps_rounding=STEPS_ROUNDINGS,
-        recurrence_sampling=tuple(RECURRENCE_SAMPLINGS),
+        # qk_norm also takes true / false, which argparse choices would refuse; recurrence_sampling's
+        # list lives with the schedule (looped_hf.recurrence imports torch).
+        qk_norm=QK_NORMS, recurrence_sampling=tuple(RECURRENCE_SAMPLINGS),
         report_to=("all", "none", *sorted(INTEGRATION_TO_CALLBACK)),
         include_num_input_tokens_seen=("all", "non_padding", "no"),
         dataloader_multiprocessing_context=("fork", "spawn", "forkserver"),
@@ -810,6 +765,19 @@ def recipe_field_types() -> dict[str, Any]:
         out.update(_field_types(dtype))
     out.update(TYPE_OVERRIDES)
     return out
+
+
+def check_declared_fields(obj: Any) -> None:
+    """Check a dataclass instance built in Python against the one table a recipe is checked
+    against (`check_value`: the annotation's type, `FIELD_LIMITS`, `field_choices`): its own fields
+    and every inherited one the table gives a range or choices. Raises `RecipeError` naming the
+    class, the field and the value; whole floats of integer fields become ints."""
+    types_ = {**_field_types(type(obj)), **{k: v for k, v in TYPE_OVERRIDES.items() if k in _field_types(type(obj))}}
+    own = set(vars(type(obj)).get("__annotations__", {}))
+    ruled = set(FIELD_LIMITS) | set(field_choices()) | NON_EMPTY_FIELDS
+    for name, annotation in types_.items():
+        if name in own or name in ruled:
+            setattr(obj, name, check_value(name, getattr(obj, name), annotation, type(obj).__name__))
 
 
 def yaml_key_lines(path: str | os.PathLike) -> dict[str, int]:
@@ -1093,6 +1061,7 @@ __all__ = [
     "LoopedTrainingArguments",
     "RecipeError",
     "check_fields",
+    "check_declared_fields",
     "check_value",
     "load_yaml",
     "read_recipe_text",
