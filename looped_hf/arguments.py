@@ -704,6 +704,15 @@ def _numbers(value: Any) -> list[float]:
     return []
 
 
+def _is(test: Any, text: str) -> bool:
+    """`test` (Path.is_file, Path.is_dir) of a user's path; a name the OS cannot even look up
+    (too long, a NUL byte) is simply not one."""
+    try:
+        return bool(test(Path(text).expanduser()))
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: ~user that does not exist
+        return False
+
+
 def check_value(
     name: str, value: Any, annotation: Any, where: str, limits: Mapping[str, Limit] | None = None
 ) -> Any:
@@ -739,9 +748,9 @@ def check_value(
     if isinstance(checked, str):
         if not checked and name in NON_EMPTY_FIELDS:
             raise bad("must not be empty")
-        if name in FILE_FIELDS and not Path(checked).expanduser().is_file():
+        if name in FILE_FIELDS and not _is(Path.is_file, checked):
             raise bad("names no file (give a mapping, or the path of a JSON file)")
-        if name in DIR_FIELDS and not Path(checked).expanduser().is_dir():
+        if name in DIR_FIELDS and not _is(Path.is_dir, checked):
             raise bad("no such directory")
     choices = field_choices().get(name) if limits is None else None
     if choices is not None and name != "qk_norm":  # qk_norm also takes true / false (ModelArguments)
