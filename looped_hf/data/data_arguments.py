@@ -103,9 +103,9 @@ class DataArguments:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and value for settings that cannot work."""
-        # Types, ranges and choices: the one table recipes are checked against (looped_hf.arguments,
-        # which imports this module only when asked); below, how the fields go together.
-        from looped_hf.arguments import check_declared_fields
+        # Types, ranges and choices: the one table recipes are checked against; below, how the
+        # fields go together.
+        from looped_hf.field_checks import check_declared_fields
 
         check_declared_fields(self)
         self._check_prepacked_fields()
