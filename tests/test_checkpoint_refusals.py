@@ -225,3 +225,13 @@ def test_the_dispatcher_turns_expected_errors_into_one_line_and_keeps_bug_traceb
     monkeypatch.setattr(curves, "main", bug)
     with pytest.raises(KeyError):
         looped_hf(["test-time", "x"])
+
+
+def test_recurrences_far_past_the_trained_r_warn_with_their_cost(capsys):
+    from looped_hf.evaluation.cli import WARN_RECURRENCE_FACTOR, _warn_cost
+
+    _warn_cost([1, 2, 4], trained=2)
+    assert capsys.readouterr().err == ""
+    _warn_cost([2, 64, 128], trained=2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "[64, 128]" in err and f"over {WARN_RECURRENCE_FACTOR}x" in err and "~64x" in err

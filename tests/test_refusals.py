@@ -59,18 +59,22 @@ def test_duplicate_keys_are_refused_naming_both_lines(tmp_path):
         parse_recipe(nested)
 
 
-@pytest.mark.parametrize("kind", ["binary", "directory", "missing"])
+@pytest.mark.parametrize("kind", ["binary", "directory", "missing", "invalid"])
 def test_a_recipe_that_is_not_a_yaml_file_is_one_line_exit_2(tmp_path, capsys, kind):
     path = tmp_path / "recipe.yaml"
     if kind == "binary":
         path.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00")
     elif kind == "directory":
         path.mkdir()
+    elif kind == "invalid":
+        path.write_text("sweep: [1\n")
     for main in (train_main, sweep_cli.main):
         assert main([str(path)] + (["--check"] if main is train_main else [])) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and str(path) in err
-        assert {"binary": "binary file", "directory": "is a directory", "missing": "no such file"}[kind] in err
+        expected = {"binary": "binary file", "directory": "is a directory", "missing": "no such file",
+                    "invalid": "not valid YAML"}  # fmt: skip
+        assert expected[kind] in err
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
