@@ -235,3 +235,19 @@ def test_recurrences_far_past_the_trained_r_warn_with_their_cost(capsys):
     _warn_cost([2, 64, 128], trained=2)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "[64, 128]" in err and f"over {WARN_RECURRENCE_FACTOR}x" in err and "~64x" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--max-factor", "0"], "--max-factor='0'"), (["--max-factor", "10000"], "--max-factor 10000: above the ceiling"),
+     (["--batch-size", "-5"], "--batch-size='-5'")],
+)  # fmt: skip
+def test_test_time_counts_and_ceiling_exit_2(run_dir, capsys, flags, named):
+    with pytest.raises(SystemExit) as exit_info:
+        looped_hf(["test-time", str(run_dir), *flags])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_test_time_compare_path_is_checked_before_measuring(run_dir, tmp_path, capsys):
+    assert looped_hf(["test-time", str(run_dir), "--compare", str(tmp_path / "no" / "such" / "c.png")]) == 2
+    assert "--compare" in _one_line(capsys) and not (run_dir / "test_time_scaling.json").exists()
