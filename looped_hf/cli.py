@@ -69,6 +69,22 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return parse
 
 
+def bounded_int(flag: str, ceiling: int, why: str) -> Callable[[str], int]:
+    """argparse type of a count in 1 .. `ceiling`; past it, one line naming the ceiling and `why`
+    (what the count costs), so a typo (--recurrences 10000) is refused instead of running for days."""
+    at_least_one = positive_int(flag)
+
+    def parse(text: str) -> int:
+        value = at_least_one(text)
+        if value > ceiling:
+            raise argparse.ArgumentTypeError(
+                f"{flag} {value}: above the ceiling of {ceiling} ({why}; see docs/validation.md)"
+            )
+        return value
+
+    return parse
+
+
 def _usage() -> str:
     lines = ["usage: looped-hf <command> [args...]", "", "commands:"]
     width = max(map(len, COMMANDS))

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.cli import positive_int
+from looped_hf.cli import bounded_int, positive_int
 from looped_hf.fileio import RECORD_NAME
 
 PathLike = str | os.PathLike[str]
@@ -373,16 +373,6 @@ def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> d
 MAX_FACTOR_CEILING = 64
 
 
-def _max_factor(text: str) -> int:
-    factor = positive_int("--max-factor")(text)
-    if factor > MAX_FACTOR_CEILING:
-        raise argparse.ArgumentTypeError(
-            f"--max-factor {factor}: above the ceiling of {MAX_FACTOR_CEILING} (every r up to factor x the "
-            "trained r is measured; see docs/validation.md)"
-        )
-    return factor
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="looped-hf test-time",
@@ -391,7 +381,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
     p.add_argument(
-        "--max-factor", type=_max_factor, default=DEFAULT_MAX_FACTOR,
+        "--max-factor", default=DEFAULT_MAX_FACTOR,
+        type=bounded_int("--max-factor", MAX_FACTOR_CEILING, "every r up to factor x the trained r is measured"),
         help=f"largest r = this x trained r (4; at most {MAX_FACTOR_CEILING})",
     )  # fmt: skip
     p.add_argument(

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from looped_hf.cli import positive_int
+from looped_hf.cli import bounded_int, positive_int
 
 from .builtin import BUILTIN_NAME, DEFAULT_EXAMPLES, write_builtin_bundle
 from .bundle import BundleError, load_bundle
@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a bundle directory (or its YAML); '{BUILTIN_NAME}' generates the built-in reasoning primitives. "
         "Repeatable.",
     )  # fmt: skip
-    p.add_argument("--recurrences", type=_recurrence, nargs="+", default=None, metavar="R",
+    r_cost = "each r costs r passes of the recurrent block per token"
+    p.add_argument("--recurrences", type=bounded_int("--recurrences", MAX_EVAL_RECURRENCES, r_cost),
+                   nargs="+", default=None, metavar="R",
                    help="the r values (default: 1, 2, 4, ... up to 2x the trained r, and the trained r)")  # fmt: skip
     p.add_argument("--tasks", nargs="+", default=None, metavar="LABEL", help="only these bundle tasks")
     p.add_argument("--max-per-task", type=positive_int("--max-per-task"), default=None, metavar="N",
@@ -65,16 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="DIR", help="where the results go")
     return p
-
-
-def _recurrence(text: str) -> int:
-    r = positive_int("--recurrences")(text)
-    if r > MAX_EVAL_RECURRENCES:
-        raise argparse.ArgumentTypeError(
-            f"--recurrences {r}: above the ceiling of {MAX_EVAL_RECURRENCES} (each r costs r passes of the "
-            "recurrent block per token; see docs/validation.md)"
-        )
-    return r
 
 
 def _check_device(device: str) -> str:
