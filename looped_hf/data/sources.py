@@ -164,7 +164,7 @@ def _embedded_bound(sha256: str) -> int:
 def token_upper_bound(args: DataArguments) -> int | None:
     """An upper bound on the tokens the source can give, when it costs no more than reading file
     sizes (or decompressing the embedded corpus): the text's bytes, as no tokenizer here gives more
-    than one token per byte, plus one per line for special tokens. None where it is not known
+    than one token per byte, plus two special tokens (bos, eos) a line. None where it is not known
     cheaply (Hub data, prepacked shards, compressed or parquet files).
     The bound is loose; `build_datasets` checks the exact count before training."""
     if args.prepacked:
