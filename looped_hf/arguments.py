@@ -10,7 +10,7 @@ A recipe is one flat YAML mapping whose keys are the fields of three dataclasses
   schedule and a training length in tokens or FLOPs.
 
 Command-line flags (`--num_recurrences 8`) override the file. Every value is checked for its
-field's type and range (`check_value`: `FIELD_LIMITS`, `field_choices`, finite numbers) before
+field's type, range and choices (`looped_hf.field_checks`: one table) before
 any dataclass is built, then the dataclasses check how fields go together. An unknown key, a
 value of the wrong kind or range, or a budget that cannot buy one optimizer step fails before
 any training with one line that names the recipe field and its value (and the file's line);
@@ -22,12 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import enum
 import functools
 import math
 import os
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +34,27 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from looped_hf.configuration_looped import INIT_SCHEMES, QK_NORMS, LoopedConfig
+from looped_hf.field_checks import (
+    FIELD_LIMITS,
+    TYPE_OVERRIDES,
+    Limit,
+    RecipeError,
+    _field_types,
+    _from_text,
+    _show,
+    check_declared_fields,
+    check_value,
+    declared_choices,
+)
+from looped_hf.fileio import yaml_load
 
 OPTIMIZERS = ("adamw", "muon", "muonh")
 LR_SCALINGS = ("hyperp", "none")
 # The study's AdamW settings under MuonH (nanochat/gpt.py setup_optimizer: betas (0.8, 0.95),
-# eps 1e-10); they replace TrainingArguments' defaults (0.9, 0.999, 1e-8) for optimizer muonh.
+# eps 1e-10), and TrainingArguments' own for the other optimizers: the value of each field a
+# recipe leaves unset (null). A value the recipe writes is kept, even one equal to a default.
 MUONH_ADAM = {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-10}
+TRAINER_ADAM = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
 # Fields read only by muonh (set with another optimizer, they would be silently unused).
 MUONH_ONLY_FIELDS = ("embedding_learning_rate", "lm_head_learning_rate", "norm_learning_rate")
 LR_SCHEDULES = ("study", "trainer")
@@ -51,10 +63,6 @@ LR_SCHEDULES = ("study", "trainer")
 LENGTH_FIELDS = ("max_steps", "train_tokens", "train_flops_budget")
 # How a token target becomes whole optimizer steps (`steps_for_tokens`): up = ceil, nearest = round.
 STEPS_ROUNDINGS = ("up", "nearest")
-
-
-class RecipeError(ValueError):
-    """A recipe (YAML file or flags) that cannot be trained; the message names the field."""
 
 
 def _attention_functions() -> list[str]:
@@ -111,7 +119,7 @@ class ModelArguments:
     )  # fmt: skip
     init_scheme: str = field(
         default="hf",
-        metadata={"help": "hf: transformers' normal(0, initializer_range); study: the study's init "
+        metadata={"choices": INIT_SCHEMES, "help": "hf: transformers' normal(0, initializer_range); study: the study's init "
                   "(embedding N(0,1), lm_head N(0,0.001), uniform 1/sqrt(fan-in) matrices)."},
     )  # fmt: skip
     logit_softcap: float | None = field(default=15.0, metadata={"help": "tanh soft-cap of the logits."})
@@ -155,10 +163,7 @@ class ModelArguments:
             raise RecipeError(
                 f"ModelArguments.qk_norm={self.qk_norm!r}: must be one of {QK_NORMS} (or true/false)"
             )
-        if self.init_scheme not in INIT_SCHEMES:
-            raise RecipeError(
-                f"ModelArguments.init_scheme={self.init_scheme!r}: must be one of {INIT_SCHEMES}"
-            )
+        check_declared_fields(self)
 
     def to_config(
         self,
@@ -236,16 +241,27 @@ class LoopedTrainingArguments(TrainingArguments):
     """
 
     output_dir: str | None = field(default="runs/looped", metadata={"help": "The run directory."})
+    # Unset (None) until __post_init__ knows the optimizer: so a value the recipe writes, even
+    # TrainingArguments' own 0.9, is told apart from one it leaves to the optimizer's default.
+    adam_beta1: float | None = field(
+        default=None, metadata={"help": "AdamW beta1; unset: 0.9, the study's 0.8 under muonh."}
+    )
+    adam_beta2: float | None = field(
+        default=None, metadata={"help": "AdamW beta2; unset: 0.999, the study's 0.95 under muonh."}
+    )
+    adam_epsilon: float | None = field(
+        default=None, metadata={"help": "AdamW epsilon; unset: 1e-8, the study's 1e-10 under muonh."}
+    )
     optimizer: str = field(
         default="adamw",
-        metadata={
+        metadata={"choices": OPTIMIZERS,
             "help": "adamw (default): AdamW over every parameter at learning_rate. muon: torch's Muon for the "
             "2-D weights inside the layers at muon_learning_rate, AdamW (learning_rate) for the rest. muonh: "
             "the study's HyperP recipe (nanochat/optim.py): MuonH for the 2-D weights inside the layers and "
             "the injection adapter (Nesterov 0.95, Polar-Express, update scaled to and weight projected back "
             "onto its initial Frobenius norm, no weight decay) at muon_learning_rate; AdamW groups lm_head, "
             "embedding, norm scales and hyperconnection gains at their own *_learning_rate; adam_beta1/2 and "
-            "adam_epsilon left at the TrainingArguments defaults become the study's 0.8, 0.95, 1e-10; "
+            "adam_epsilon left unset are the study's 0.8, 0.95, 1e-10 (a value the recipe sets is kept); "
             "learning_rate and weight_decay are not used (an error if set)."
         },
     )
@@ -269,7 +285,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     lr_scaling: str | None = field(
         default=None,
-        metadata={
+        metadata={"choices": LR_SCALINGS,
             "help": "muonh only. hyperp (the default for muonh): the five lrs above are the study's reference "
             "values and each run scales them (HyperP, arXiv 2603.28743, as scripts/base_train.py): every lr "
             "by (B / 262144)^0.558 (B = tokens per optimizer step), the matrix lr by (T / D_REF)^-0.32 (T = "
@@ -280,7 +296,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     lr_schedule: str = field(
         default="study",
-        metadata={
+        metadata={"choices": LR_SCHEDULES,
             "help": "study: `warmup_steps` (default 0) then linear decay to final_lr_ratio; "
             "trainer: Trainer's own lr_scheduler_type."
         },
@@ -297,7 +313,7 @@ class LoopedTrainingArguments(TrainingArguments):
     )
     train_steps_rounding: str = field(
         default="up",
-        metadata={
+        metadata={"choices": STEPS_ROUNDINGS,
             "help": "How train_tokens / train_flops_budget become whole optimizer steps. up: ceil (never fewer "
             "tokens than the target, at most one step more); nearest: round(tokens / tokens_per_step), as the "
             "study's base_train.py (round(C / (flops_per_token x B)))."
@@ -347,38 +363,10 @@ class LoopedTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}"
-            )
+        # Types, ranges and choices: the one table (FIELD_LIMITS, field_choices) that recipes are
+        # checked against too; below only how the fields go together.
+        check_declared_fields(self)
         self._check_optimizer_fields()
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise RecipeError(
-                f"LoopedTrainingArguments.lr_schedule={self.lr_schedule!r}: must be one of {LR_SCHEDULES}"
-            )
-        if not 0.0 <= self.final_lr_ratio <= 1.0:
-            raise RecipeError(
-                f"LoopedTrainingArguments.final_lr_ratio={self.final_lr_ratio}: must be in [0, 1]"
-            )
-        if self.torch_num_threads is not None and self.torch_num_threads < 1:
-            raise RecipeError(
-                f"LoopedTrainingArguments.torch_num_threads={self.torch_num_threads}: must be >= 1"
-            )
-        if self.peak_flops is not None and not (self.peak_flops > 0 and math.isfinite(self.peak_flops)):
-            raise RecipeError(
-                f"LoopedTrainingArguments.peak_flops={self.peak_flops}: must be a positive number of FLOP/s"
-            )
-        if self.train_tokens is not None and self.train_tokens < 1:
-            raise RecipeError(f"LoopedTrainingArguments.train_tokens={self.train_tokens}: must be >= 1")
-        if self.train_flops_budget is not None and not self.train_flops_budget > 0:
-            raise RecipeError(
-                f"LoopedTrainingArguments.train_flops_budget={self.train_flops_budget}: must be > 0"
-            )
-        if self.train_steps_rounding not in STEPS_ROUNDINGS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.train_steps_rounding={self.train_steps_rounding!r}: must be one of "
-                f"{STEPS_ROUNDINGS}"
-            )
         self._check_recurrence_sampling()
         given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
         if len(given) > 1:
@@ -389,13 +377,6 @@ class LoopedTrainingArguments(TrainingArguments):
 
     def _check_recurrence_sampling(self) -> None:
         """A known scheme, and a sampled-r run recorded under a variant of its own (the fit's filter)."""
-        from looped_hf.recurrence import RECURRENCE_SAMPLINGS
-
-        if self.recurrence_sampling not in RECURRENCE_SAMPLINGS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.recurrence_sampling={self.recurrence_sampling!r}: must be one of "
-                f"{RECURRENCE_SAMPLINGS}"
-            )
         if self.recurrence_sampling == "fixed":
             return
         if self.variant == "base":
@@ -411,14 +392,9 @@ class LoopedTrainingArguments(TrainingArguments):
     def _check_optimizer_fields(self) -> None:
         """Optimizer-specific fields: no field is silently unused, and muonh gets the study's AdamW."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.init}
-        for name in ("muon_learning_rate", *MUONH_ONLY_FIELDS, "hyperconnection_learning_rate"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise RecipeError(f"LoopedTrainingArguments.{name}={value!r}: must be a positive number")
-        if self.lr_scaling is not None and self.lr_scaling not in LR_SCALINGS:
-            raise RecipeError(
-                f"LoopedTrainingArguments.lr_scaling={self.lr_scaling!r}: must be one of {LR_SCALINGS}"
-            )
+        for name, default in (MUONH_ADAM if self.optimizer == "muonh" else TRAINER_ADAM).items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         if self.optimizer != "muonh":
             if self.lr_scaling is not None:
                 raise RecipeError(
@@ -446,347 +422,13 @@ class LoopedTrainingArguments(TrainingArguments):
                 "(MuonH keeps every matrix on its Frobenius sphere, where decay is a first-order no-op; the "
                 "study's AdamW groups use none); set 0"
             )
-        for name, study in MUONH_ADAM.items():
-            if getattr(self, name) == defaults[name]:
-                setattr(self, name, study)
-
-
-# ---------------------------------------------------------------------------------------------
-# Value checks: every recipe value's type and range, before any dataclass sees it
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Limit:
-    """The range a number of a recipe field must lie in (for a list: each of its numbers).
-
-    Every number must also be finite: NaN and infinity are never a setting. `special` lists
-    values outside the range that the field gives a meaning (`max_steps: -1`, unset).
-    """
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    special: tuple[float, ...] = ()
-
-    def admits(self, x: float) -> bool:
-        if x in self.special:
-            return True
-        if self.low is not None and (x <= self.low if self.low_open else x < self.low):
-            return False
-        return self.high is None or (x < self.high if self.high_open else x <= self.high)
-
-    def describe(self) -> str:
-        parts = []
-        if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {_show(self.low)}")
-        if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {_show(self.high)}")
-        text = " and ".join(parts)
-        if self.special:
-            text += f", or {' or '.join(_show(s) for s in self.special)}"
-        return text
-
-
-_AT_LEAST_0, _AT_LEAST_1, _POSITIVE = Limit(0), Limit(1), Limit(0, low_open=True)
-_UNIT, _UNIT_OPEN, _BETA = Limit(0, 1), Limit(0, 1, True, True), Limit(0, 1, high_open=True)
-# Seeds feed numpy's RandomState, which takes 0 .. 2**32 - 1.
-_SEED = Limit(0, 2**32 - 1)
-
-#: Ranges of the recipe fields that take numbers (model, data and training fields alike). A
-#: number field not listed here is still checked for its type and for being finite.
-FIELD_LIMITS: dict[str, Limit] = {
-    # model
-    "hidden_size": _AT_LEAST_1, "num_attention_heads": _AT_LEAST_1, "head_dim": _AT_LEAST_1,
-    "num_key_value_heads": _AT_LEAST_1, "intermediate_size": _AT_LEAST_1,
-    "num_prelude_layers": _AT_LEAST_0, "num_recurrent_layers": _AT_LEAST_0, "num_coda_layers": _AT_LEAST_0,
-    "num_recurrences": _AT_LEAST_1, "num_hyperconnection_lanes": _AT_LEAST_1,
-    "backprop_recurrences": _AT_LEAST_1, "logit_softcap": _POSITIVE, "initializer_range": _POSITIVE,
-    "max_position_embeddings": Limit(2), "pad_vocab_size_to_multiple_of": _AT_LEAST_1,
-    # data
-    "seq_len": Limit(2), "eval_blocks": _AT_LEAST_1, "split_seed": _SEED, "pack_batch_docs": _AT_LEAST_1,
-    "shuffle_buffer": _AT_LEAST_0, "num_proc": _AT_LEAST_1, "streaming_eval_fraction": _UNIT_OPEN,
-    # training length and batch
-    "max_steps": Limit(1, special=(-1,)), "train_tokens": _AT_LEAST_1, "train_flops_budget": _POSITIVE,
-    "num_train_epochs": _POSITIVE, "per_device_train_batch_size": _AT_LEAST_1,
-    "per_device_eval_batch_size": _AT_LEAST_1, "gradient_accumulation_steps": _AT_LEAST_1,
-    "eval_accumulation_steps": _AT_LEAST_1,
-    # optimizer and schedule
-    "learning_rate": _POSITIVE, "muon_learning_rate": _POSITIVE, "embedding_learning_rate": _POSITIVE,
-    "lm_head_learning_rate": _POSITIVE, "norm_learning_rate": _POSITIVE,
-    "hyperconnection_learning_rate": _POSITIVE, "weight_decay": _AT_LEAST_0, "adam_beta1": _BETA,
-    "adam_beta2": _BETA, "adam_epsilon": _POSITIVE, "max_grad_norm": _AT_LEAST_0,
-    "label_smoothing_factor": _BETA, "warmup_steps": _AT_LEAST_0, "final_lr_ratio": _UNIT,
-    "neftune_noise_alpha": _POSITIVE,
-    # logging, saving, evaluation
-    "logging_steps": _POSITIVE, "save_steps": _POSITIVE, "eval_steps": _POSITIVE, "eval_delay": _AT_LEAST_0,
-    "save_total_limit": _AT_LEAST_0, "torch_empty_cache_steps": _AT_LEAST_1,
-    # processes and loading
-    "seed": _SEED, "data_seed": _SEED, "dataloader_num_workers": _AT_LEAST_0,
-    "dataloader_prefetch_factor": _AT_LEAST_1, "ddp_timeout": _AT_LEAST_1, "ddp_bucket_cap_mb": _AT_LEAST_1,
-    "torch_num_threads": _AT_LEAST_1, "peak_flops": _POSITIVE,
-}  # fmt: skip
-
-#: String fields for which an empty string is never a setting (a name, a path, a choice).
-NON_EMPTY_FIELDS = frozenset({
-    "hidden_act", "input_injection", "state_init", "qk_norm", "init_scheme", "rope_table_dtype",
-    "dataset", "dataset_config", "dataset_split", "dataset_revision", "text_column", "text_sample_by",
-    "tokenizer", "data_cache_dir", "eval_split",
-    "output_dir", "optimizer", "lr_scaling", "lr_schedule", "train_steps_rounding", "run_id", "arch", "variant",
-    "recurrence_sampling", "results_file", "resume_from_checkpoint", "run_name", "logging_dir",
-})  # fmt: skip
-
-#: Types a field accepts beyond its annotation: `qk_norm: true / false` (recipes written for
-#: looped_hf 0.1.0; ModelArguments reads them as after_rope / none).
-TYPE_OVERRIDES: dict[str, Any] = {"qk_norm": str | bool}
-
-#: Fields whose string value is the path of a JSON/YAML file that transformers opens.
-FILE_FIELDS = ("accelerator_config", "deepspeed", "fsdp_config")
-#: Fields whose string value is the path of a directory that must exist.
-DIR_FIELDS = ("resume_from_checkpoint",)
 
 
 @functools.cache
 def field_choices() -> dict[str, tuple[str, ...]]:
-    """The strings each choice field takes: the choices the dataclasses declare in their field
-    metadata, our own enumerations, and those that TrainingArguments checks only once training
-    starts (report_to, the multiprocessing context, the compile mode), so they fail up front."""
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    from looped_hf.recurrence import RECURRENCE_SAMPLINGS
-
-    out: dict[str, tuple[str, ...]] = {}
-    for dtype in (ModelArguments, _data_arguments_class(), LoopedTrainingArguments):
-        for f in dataclasses.fields(dtype):
-            if f.init and f.metadata.get("choices"):
-                out[f.name] = tuple(str(c) for c in f.metadata["choices"])
-    out.update(
-        qk_norm=QK_NORMS, init_scheme=INIT_SCHEMES, text_sample_by=("line", "paragraph", "document"),
-        optimizer=OPTIMIZERS, lr_scaling=LR_SCALINGS, lr_schedule=LR_SCHEDULES, train_steps_rounding=STEPS_ROUNDINGS,
-        recurrence_sampling=tuple(RECURRENCE_SAMPLINGS),
-        report_to=("all", "none", *sorted(INTEGRATION_TO_CALLBACK)),
-        include_num_input_tokens_seen=("all", "non_padding", "no"),
-        dataloader_multiprocessing_context=("fork", "spawn", "forkserver"),
-        torch_compile_mode=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    )  # fmt: skip
-    return out
-
-
-def _show(value: Any) -> str:
-    """A value as a recipe would spell it: 0 not np.float64(0.0), nan, inf, 'text', [1, 2]."""
-    if isinstance(value, bool) or value is None:
-        return repr(value)
-    if isinstance(value, enum.Enum):
-        return repr(value.value)
-    if isinstance(value, float) or (hasattr(value, "dtype") and hasattr(value, "item")):
-        number = value.item() if hasattr(value, "item") else value
-        if isinstance(number, float) and number.is_integer() and abs(number) < 1e16:
-            return str(int(number))
-        return repr(number)
-    return repr(value)
-
-
-_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-               dict: "a mapping", type(None): "null"}  # fmt: skip
-
-
-def _plural(annotation: Any) -> str:
-    """'integers', 'lists of integers', 'values from [...]': what a list's items must be."""
-    if annotation in _PLURALS:
-        return _PLURALS[annotation]
-    if typing.get_origin(annotation) is list and typing.get_args(annotation):
-        return f"lists of {_plural(typing.get_args(annotation)[0])}"
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return f"values from {[m.value for m in annotation]}"
-    return _kind(annotation)
-
-
-def _kind(annotation: Any) -> str:
-    """What an annotation asks for, in words (for error messages)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
-            members = [m for m in members if m is not str]  # the enum's values are the strings it takes
-        text = " or ".join(dict.fromkeys(_kind(m) for m in members))
-        return f"{text} (or null)" if type(None) in typing.get_args(annotation) else text
-    if origin is typing.Literal:
-        return " or ".join(_show(a) for a in typing.get_args(annotation))
-    if origin is list or annotation is list:
-        args = typing.get_args(annotation)
-        if not args:
-            return "a list"
-        return f"a list of {_plural(args[0])}"
-    if origin is dict or annotation is dict:
-        return "a mapping"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    if annotation in names:
-        return names[annotation]
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return f"one of {[m.value for m in annotation]}"
-    return f"a {getattr(annotation, '__name__', str(annotation))}"
-
-
-def _from_text(value: Any, annotation: Any) -> Any:
-    """A recipe file's string for a number or boolean field, as that number or boolean.
-
-    YAML reads `1e-3` and `1.0e5` (no sign in the exponent) as strings; argparse would convert
-    them, but its error would name a flag the user never gave. Anything else is returned as is.
-    """
-    if not isinstance(value, str):
-        return value
-    members = (
-        set(typing.get_args(annotation))
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        else {annotation}
-    )
-    if str in members or any(isinstance(m, type) and issubclass(m, enum.Enum) for m in members):
-        return value
-    text = value.strip()
-    if bool in members and text.lower() in ("true", "false", "yes", "no", "1", "0"):
-        return text.lower() in ("true", "yes", "1")
-    if members & {int, float}:
-        try:
-            return int(text) if int in members and text.lstrip("+-").isdigit() else float(text)
-        except ValueError:
-            return value
-    return value
-
-
-class _Mismatch(Exception):
-    """A value that does not have its field's type (internal: becomes a RecipeError)."""
-
-
-def _coerce(value: Any, annotation: Any) -> Any:
-    """`value` as the type `annotation` asks for, or `_Mismatch`. Whole floats are accepted for
-    integers (YAML's 1.5e+8 for train_tokens); strings are never numbers here (argparse has
-    already converted the ones a recipe file or flag gave for a number field)."""
-    if annotation is Any:
-        return value
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        members = typing.get_args(annotation)
-        # A string for an enum-typed field must be one of its values, even where str is allowed too.
-        enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
-        if isinstance(value, str) and enums and not any(value in {e.value for e in m} for m in enums):
-            raise _Mismatch
-        for member in sorted(members, key=lambda m: m is not type(value)):  # exact type first
-            try:
-                return _coerce(value, member)
-            except _Mismatch:
-                continue
-        raise _Mismatch
-    if annotation is type(None):
-        if value is None:
-            return None
-        raise _Mismatch
-    if origin is typing.Literal:
-        if any(value == a and type(value) is type(a) for a in typing.get_args(annotation)):
-            return value
-        raise _Mismatch
-    if origin is list or annotation is list:
-        if not isinstance(value, list):
-            raise _Mismatch
-        args = typing.get_args(annotation)
-        return [_coerce(v, args[0]) for v in value] if args else value
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch
-        args = typing.get_args(annotation)
-        if args:
-            # Keys from JSON are strings ("2" for r = 2): read them as the key type asks.
-            return {_coerce(_from_text(k, args[0]), args[0]): _coerce(v, args[1]) for k, v in value.items()}
-        return value
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            return int(value)
-        raise _Mismatch
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if isinstance(annotation, type):
-        if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-            try:
-                return annotation(value)
-            except ValueError:
-                raise _Mismatch from None
-        if isinstance(value, annotation):
-            return value
-        raise _Mismatch
-    return value  # an annotation we cannot check (a forward reference): left to the dataclass
-
-
-def _numbers(value: Any) -> list[float]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, (int, float)):
-        return [value]
-    if isinstance(value, list):
-        return [x for v in value for x in _numbers(v)]
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _numbers(v)]
-    return []
-
-
-def check_value(
-    name: str, value: Any, annotation: Any, where: str, limits: Mapping[str, Limit] | None = None
-) -> Any:
-    """Check one recipe value against its field's type and range; return it (whole floats of an
-    integer field as ints). Raises `RecipeError` with one line: where, field, value, and why.
-
-    `where` says where the value came from (the file and line, or the flag); `limits` defaults to
-    `FIELD_LIMITS`.
-    """
-    limit = (FIELD_LIMITS if limits is None else limits).get(name.rsplit(".", 1)[-1])
-
-    def bad(why: str) -> RecipeError:
-        return RecipeError(f"{where}: {name}={_show(value)}: {why}")
-
-    try:
-        checked = _coerce(value, annotation)
-    except _Mismatch:
-        got = _TYPE_NAMES.get(type(value), type(value).__name__)
-        wanted = "a mapping or the path of a JSON file" if name in FILE_FIELDS else _kind(annotation)
-        if limit is not None and wanted.removesuffix(" (or null)") in ("an integer", "a number"):
-            # "an integer >= 1 (or null)": the range belongs to the number, before the null.
-            plain = wanted.removesuffix(" (or null)")
-            wanted = wanted.replace(plain, f"{plain} {limit.describe()}", 1)
-        raise bad(f"must be {wanted}, got {got}") from None
-    for x in _numbers(checked):
-        if not math.isfinite(x):
-            raise bad("must be a finite number")
-        if isinstance(x, int) and not -(2**63) <= x < 2**63:
-            raise bad("is too large: integers must fit 64 bits (numpy, torch)")
-        if limit is not None and not limit.admits(x):
-            shown = "" if x == checked else f" (contains {_show(x)})"
-            raise bad(f"must be {limit.describe()}{shown}")
-    if isinstance(checked, str):
-        if not checked and name in NON_EMPTY_FIELDS:
-            raise bad("must not be empty")
-        if name in FILE_FIELDS and not Path(checked).expanduser().is_file():
-            raise bad("names no file (give a mapping, or the path of a JSON file)")
-        if name in DIR_FIELDS and not Path(checked).expanduser().is_dir():
-            raise bad("no such directory")
-    choices = field_choices().get(name) if limits is None else None
-    if choices is not None and name != "qk_norm":  # qk_norm also takes true / false (ModelArguments)
-        words = [checked] if isinstance(checked, str) else checked if isinstance(checked, list) else []
-        for word in words:
-            if isinstance(word, str) and word not in choices:
-                raise bad(f"must be one of {list(choices)}")
-    return checked
-
-
-@functools.cache
-def _field_types(dtype: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(dtype)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(dtype) if f.init}
+    """The strings each choice field of a recipe takes (`field_checks.declared_choices` of the
+    three dataclasses)."""
+    return declared_choices(ModelArguments, _data_arguments_class(), LoopedTrainingArguments)
 
 
 def recipe_field_types() -> dict[str, Any]:
@@ -802,7 +444,7 @@ def yaml_key_lines(path: str | os.PathLike) -> dict[str, int]:
     """Line (1-based) of each top-level key of a YAML mapping file, for error messages."""
     try:
         node = yaml.compose(Path(path).read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError):
+    except (yaml.YAMLError, OSError, ValueError):  # ValueError: not UTF-8 (load_yaml names it)
         return {}
     if not isinstance(node, yaml.MappingNode):
         return {}
@@ -854,19 +496,35 @@ def _known_fields(parser: HfArgumentParser) -> set[str]:
     return {f.name for dtype in parser.dataclass_types for f in dataclasses.fields(dtype) if f.init}
 
 
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML mapping; anything else is an error naming the file."""
-    text = Path(path).read_text(encoding="utf-8")
+def read_recipe_text(path: str | os.PathLike, what: str = "recipe") -> str:
+    """The text of a recipe file; a missing file, a folder or a binary file is a `RecipeError`."""
+    path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{what} {str(path)!r}: is a directory, not a YAML file")
     try:
-        data = yaml.safe_load(text) or {}
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{what} {str(path)!r}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{what} {str(path)!r}: not UTF-8 text (byte {err.start}); is it a binary file?") from None
+    except OSError as err:
+        raise RecipeError(f"{what} {str(path)!r}: cannot be read ({err.strerror or err})") from None
+
+
+def load_yaml(path: str | os.PathLike, what: str = "recipe") -> dict[str, Any]:
+    """Read a YAML mapping (duplicate keys and alias bombs refused); anything else is an error
+    naming the file."""
+    text = read_recipe_text(path, what)
+    try:
+        data = yaml_load(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise RecipeError(f"recipe {str(path)!r}{at}: not valid YAML ({problem})") from None
+        raise RecipeError(f"{what} {str(path)!r}{at}: not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise RecipeError(
-            f"recipe {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
+            f"{what} {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
         )
     return data
 
@@ -932,7 +590,8 @@ def parse_recipe(
     for name in list(data):
         if name not in overridden:  # a flag replaces the file's value: only the flag's is checked
             origin = f"{where}, line {lines[name]}" if name in lines else where
-            data[name] = check_value(name, _from_text(data[name], types_[name]), types_[name], origin)
+            value = _from_text(data[name], types_[name])
+            data[name] = check_value(name, value, types_[name], origin, choices=field_choices())
     try:
         # The file's values, already checked, are the namespace argparse starts from: it fills in
         # the defaults of the fields the file does not set and converts the flags to their types.
@@ -945,7 +604,7 @@ def parse_recipe(
     values = vars(namespace)
     for name in sorted(overridden & known):
         origin = f"{where}: flag --{name}" if recipe is not None else f"flag --{name}"
-        values[name] = check_value(name, values[name], types_[name], origin)
+        values[name] = check_value(name, values[name], types_[name], origin, choices=field_choices())
     outputs = []
     given = [*data, *sorted(overridden & known - set(data))]
     for dtype in parser.dataclass_types:
@@ -1063,8 +722,11 @@ __all__ = [
     "LoopedTrainingArguments",
     "RecipeError",
     "check_fields",
+    "check_declared_fields",
     "check_value",
+    "field_choices",
     "load_yaml",
+    "read_recipe_text",
     "parse_recipe",
     "recipe_field_types",
     "recipe_parser",

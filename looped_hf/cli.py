@@ -7,8 +7,10 @@ New knobs belong in recipes (YAML), not in new flags here.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,6 +26,63 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("looped_hf.prepack", "pack a text source into the study's prepacked rows (best fit, resumable)"),
     "demo": ("looped_hf.demo", "the main job: tiny iso-depth sweep -> fit -> cards"),
 }
+
+
+# The error types that mean "this input cannot be used" (each names its field or file): the
+# dispatcher prints them as one line with exit status 2, in case a command's own handler missed
+# one. Anything else is a bug and keeps its traceback. Looked up in sys.modules, so a command that
+# never imported torch does not import it here either.
+EXPECTED_ERRORS: dict[str, tuple[str, ...]] = {
+    "looped_hf.arguments": ("RecipeError",),
+    "looped_hf.fileio": ("CheckpointError",),
+    "looped_hf.evaluation.scoring": ("EvalError",),
+    "looped_hf.evaluation.bundle": ("BundleError",),
+    "looped_hf.publish": ("PublishError",),
+    "looped_hf.recurrence_curves": ("TestTimeError",),
+    "looped_hf.convert": ("ConversionError",),
+    "looped_hf.demo": ("DemoError",),
+}
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The classes of `EXPECTED_ERRORS` whose modules are loaded."""
+    found = []
+    for module, names in EXPECTED_ERRORS.items():
+        loaded = sys.modules.get(module)
+        found += [getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name)]
+    return tuple(found)
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """argparse type of a count >= 1: a one-line error naming `flag` and the value (exit 2);
+    `int` alone lets 0 and -5 through (a negative --max-runs once sliced the run list)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r}: must be an integer >= 1")
+        return value
+
+    return parse
+
+
+def bounded_int(flag: str, ceiling: int, why: str) -> Callable[[str], int]:
+    """argparse type of a count in 1 .. `ceiling`; past it, one line naming the ceiling and `why`
+    (what the count costs), so a typo (--recurrences 10000) is refused instead of running for days."""
+    at_least_one = positive_int(flag)
+
+    def parse(text: str) -> int:
+        value = at_least_one(text)
+        if value > ceiling:
+            raise argparse.ArgumentTypeError(
+                f"{flag} {value}: above the ceiling of {ceiling} ({why}; see docs/validation.md)"
+            )
+        return value
+
+    return parse
 
 
 def _usage() -> str:
@@ -44,7 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"looped-hf: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except Exception as err:
+        if not isinstance(err, expected_errors()):
+            raise  # a bug: its traceback is what a report needs
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        print(f"looped-hf {name}: {first}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from looped_hf.cli import positive_int
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = "recipes/iso_depth_tiny.yaml"
 MIN_OK_RUNS = 6  # the law has 6 free parameters with phi free
@@ -212,19 +214,13 @@ def _parser() -> argparse.ArgumentParser:
         "--executor", default=None, help="override the recipe's sweep.executor (local, subprocess, ...)"
     )
     p.add_argument(
-        "--jobs", "-j", type=_positive_int, default=None, metavar="N",
+        "--jobs", "-j", type=positive_int("--jobs"), default=None, metavar="N",
         help="runs trained at once (default: available cores // the recipe's torch_num_threads, at least 1)",
     )  # fmt: skip
     p.add_argument(
         "--verbose", "-v", action="store_true", help="also print every run's log (always in <run>/train.log)"
     )
     return p
-
-
-def _positive_int(text: str) -> int:
-    from looped_hf.sweep import _positive_int as parse
-
-    return parse(text)
 
 
 def main(argv: list[str] | None = None) -> int:

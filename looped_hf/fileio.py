@@ -8,28 +8,35 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path``, fsync it, then ``os.replace`` it into place."""
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path``, fsync it, then ``os.replace`` it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) atomically: a reader sees the old file or the new one."""
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -50,7 +57,10 @@ def replace_dir(tmp: Path, out: Path) -> None:
         os.replace(out, old)
     os.replace(tmp, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or a link where the folder goes: rmtree would leave it behind as .old-PID
+            old.unlink(missing_ok=True)
 
 
 #: Files of a run directory that training writes and several modules read (this module imports
@@ -111,53 +121,281 @@ def _locked(path: Path):
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """Records of complete, valid lines, and the byte length of the valid prefix."""
-    records, valid = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break  # a torn last line (killed mid-write): ignored, repaired on the next append
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-        valid += len(line)
-    return records, valid
+class _Parsed(NamedTuple):
+    """A JSONL file split into its records and the lines that are not records."""
+
+    records: list[dict[str, Any]]
+    #: (1-based line number, raw bytes) of each complete line that is not a JSON object.
+    bad: list[tuple[int, bytes]]
+    #: A last line without its newline that is not a JSON object: a writer killed mid-line.
+    torn: bytes
+
+
+def _parse_one(line: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)  # bytes: invalid UTF-8 raises UnicodeDecodeError, a ValueError
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _parse_lines(data: bytes) -> _Parsed:
+    """Every record of the file, wherever a bad line sits: a bad line costs itself, never the
+    records after it (stopping there once made an append truncate every later record)."""
+    records: list[dict[str, Any]] = []
+    bad: list[tuple[int, bytes]] = []
+    torn = b""
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
+        if not line.strip():
+            continue  # a blank line holds nothing
+        record = _parse_one(line)
+        if record is not None:
+            records.append(record)
+        elif not line.endswith(b"\n"):
+            torn = line  # only the last line can lack its newline
+        else:
+            bad.append((number, line))
+    return _Parsed(records, bad, torn)
+
+
+def corrupt_path(path: str | os.PathLike) -> Path:
+    """Where `append_jsonl` moves the lines of `path` that are not records (`results.jsonl.corrupt`)."""
+    path = Path(path)
+    return path.with_name(path.name + ".corrupt")
+
+
+def _describe(line: bytes) -> str:
+    shown = line.rstrip(b"\r\n")[:40].decode("utf-8", errors="replace")
+    return repr(shown) + ("..." if len(line.rstrip(b"\r\n")) > 40 else "")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete records of a JSONL file; a truncated or corrupt tail is ignored."""
+    """All records (JSON objects, one a line) of a JSONL file. A line that is not one (garbage,
+    invalid UTF-8, a list) is skipped with a warning naming the file and the line; a torn last line
+    (a writer killed mid-line) is skipped silently, as the next append repairs it."""
     path = Path(path)
     if not path.exists():
         return []
-    return _parse_lines(path.read_bytes())[0]
+    parsed = _parse_lines(path.read_bytes())
+    for number, line in parsed.bad:
+        warnings.warn(f"{path} line {number}: not a JSON object ({_describe(line)}); skipped", stacklevel=2)
+    return parsed.records
 
 
 def append_jsonl(path: str | os.PathLike, record: dict[str, Any], unique_key: str | None = "run_id") -> bool:
     """Append `record` as one line: one `write` of the whole line, flush, fsync, under a file lock.
 
-    A torn tail left by a killed writer is cut off first. With `unique_key`, a record whose key
-    is already in the file is not appended again (returns False), so every run appears once even
-    if two writers (a rerun and a stale job) finish the same run.
+    Nothing that was in the file is lost. A line that is not a record (garbage, invalid UTF-8, a
+    JSON list) and a torn last line left by a killed writer are moved, byte for byte, to
+    `corrupt_path(path)` with a warning naming the line, and the file is rewritten atomically
+    without them; every record stays. With `unique_key`, a record whose key is already in the file
+    is not appended again (returns False), so every run appears once even if two writers (a rerun
+    and a stale job) finish the same run.
     """
     path = Path(path)
     line = (json.dumps(record, default=str, allow_nan=True) + "\n").encode("utf-8")
     with _locked(path):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        data = path.read_bytes() if path.exists() else b""
+        parsed = _parse_lines(data)
+        if unique_key is not None and any(
+            r.get(unique_key) == record.get(unique_key) for r in parsed.records
+        ):
+            return False
+        if parsed.bad or parsed.torn:
+            data = _move_aside(path, data, parsed)
+        elif data and not data.endswith(b"\n"):
+            data += b"\n"  # a complete record without its newline (an edited file): keep it, end it
+            write_bytes_atomic(path, data)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            with open(fd, "rb", closefd=False) as fh:
-                data = fh.read()
-            records, valid = _parse_lines(data)
-            if unique_key is not None and any(r.get(unique_key) == record.get(unique_key) for r in records):
-                return False
-            if valid != len(data):
-                os.ftruncate(fd, valid)
-            os.lseek(fd, 0, os.SEEK_END)
             written = os.write(fd, line)
             if written != len(line):  # practically never for a local file; do not leave half a line
-                os.ftruncate(fd, valid)
+                os.ftruncate(fd, len(data))
                 raise OSError(f"short write to {path}: {written} of {len(line)} bytes")
             os.fsync(fd)
         finally:
             os.close(fd)
     return True
+
+
+def _move_aside(path: Path, data: bytes, parsed: _Parsed) -> bytes:
+    """Append the bad lines (and a torn tail) to the corrupt file, then rewrite `path` atomically
+    without them: the side file is written first, so a kill between the two loses nothing."""
+    aside = corrupt_path(path)
+    moved = [line for _, line in parsed.bad] + ([parsed.torn + b"\n"] if parsed.torn else [])
+    with open(aside, "ab") as fh:
+        fh.write(b"".join(moved))
+        fh.flush()
+        os.fsync(fh.fileno())
+    for number, line in parsed.bad:
+        warnings.warn(f"{path} line {number}: not a JSON object ({_describe(line)}); moved to {aside}",
+                      stacklevel=3)  # fmt: skip
+    bad = {number for number, _ in parsed.bad}
+    kept = [
+        line
+        for number, line in enumerate(data.splitlines(keepends=True), start=1)
+        if number not in bad and line.endswith(b"\n")
+    ]
+    new = b"".join(kept)
+    write_bytes_atomic(path, new)
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML: the safe loader, with duplicate keys refused and aliases bounded
+# ---------------------------------------------------------------------------------------------
+#: The most nodes a YAML document may hold once its aliases are expanded. A recipe has a few
+#: hundred; a "billion laughs" document (aliases of aliases) has 10^9 and would hang any walk of
+#: the loaded value, so it is refused from its node graph, before anything is expanded.
+YAML_MAX_NODES = 100_000
+
+
+def _expanded_size(root: Any, limit: int) -> int:
+    """Nodes of the document with every alias expanded, counted over the (shared) node graph with
+    memoisation, so a bomb costs its own size to measure; raises on a recursive alias or past `limit`."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a recursive alias (an anchor used inside itself) is not allowed", node.start_mark
+            )
+        active.add(key)
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(v) for v in node.value)
+        else:
+            total = 1
+        active.discard(key)
+        if total > limit:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the document expands past {limit} values (aliases of aliases?); refused",
+                node.start_mark,
+            )  # fmt: skip
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+@functools.cache
+def _bounded_loader() -> type:
+    import yaml
+
+    class BoundedSafeLoader(yaml.SafeLoader):
+        """`yaml.SafeLoader` that refuses a duplicate key (the last would silently win) and a
+        document whose aliases expand past `YAML_MAX_NODES`."""
+
+        def get_single_node(self):  # type: ignore[no-untyped-def]
+            node = super().get_single_node()
+            if node is not None:
+                _expanded_size(node, YAML_MAX_NODES)
+            return node
+
+        def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<: *base` then a key of base: an override, as YAML means it
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.setdefault(key, key_node.start_mark.line + 1)
+                    except TypeError:
+                        continue  # an unhashable key: the base class names that error
+                    if first != key_node.start_mark.line + 1:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping", node.start_mark,
+                            f"duplicate key {key!r} (first given on line {first})", key_node.start_mark,
+                        )  # fmt: skip
+            return super().construct_mapping(node, deep=deep)
+
+    return BoundedSafeLoader
+
+
+def yaml_load(text: str | bytes) -> Any:
+    """`yaml.safe_load` with duplicate keys refused and aliases bounded (raises `yaml.YAMLError`)."""
+    import yaml
+
+    return yaml.load(text, Loader=_bounded_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint folder, checked before torch reads it
+# ---------------------------------------------------------------------------------------------
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be a looped model: the message names the file and what is wrong."""
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        raise CheckpointError(f"{path}: not a readable JSON file ({str(err).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """A safetensors file whose header parses and whose tensors all lie inside the file.
+
+    The format is an 8-byte little-endian header length, a JSON header mapping each tensor to its
+    `data_offsets` in the byte buffer after the header, then that buffer: a file cut short (a copy
+    or download stopped midway) is found from the header and the file's size, without reading the
+    tensors."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(
+                f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
+            )
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise CheckpointError(
+                f"{path}: truncated or not safetensors (header of {length} bytes in a file of {size})"
+            )
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError:
+            raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2
+    ]
+    need = 8 + length + max(ends, default=0)
+    if need > size:
+        raise CheckpointError(f"{path}: truncated: its header needs {need} bytes, the file has {size}")
+
+
+def check_checkpoint_dir(folder: str | os.PathLike, model_type: str = "looped") -> dict[str, Any]:
+    """Check a local checkpoint folder before loading it; returns its config.json.
+
+    Refuses, naming the file: a missing or unreadable config.json, one whose `model_type` is not
+    `model_type` (a gpt2 or llama folder would otherwise load with the Auto classes or be read as
+    looped), and a single-file `model.safetensors` that is truncated or corrupt."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing (not a checkpoint folder)")
+    config = _read_json_object(config_path)
+    if config.get("model_type") != model_type:
+        raise CheckpointError(
+            f"{config_path}: model_type={config.get('model_type')!r}; only {model_type!r} checkpoints are read here"
+        )
+    weights = folder / WEIGHTS_NAME
+    if weights.is_file():
+        check_safetensors(weights)
+    return config

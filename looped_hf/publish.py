@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, read_run_record
+from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir, read_run_record
 
 PathLike = str | os.PathLike[str]
 
@@ -113,6 +113,10 @@ def check_run_dir(run_dir: PathLike) -> RunDir:
         heldout_metrics(record)
     except ValueError as err:
         raise PublishError(f"{path / RECORD_NAME}: {err}") from err
+    try:
+        check_checkpoint_dir(path)  # model_type looped, weights not truncated: before any loading
+    except CheckpointError as err:
+        raise PublishError(str(err)) from None
     return RunDir(path=path, record=record)
 
 
@@ -130,14 +134,14 @@ def scan_for_tokens(folder: PathLike) -> list[Path]:
 # --------------------------------------------------------------------------------------------
 def _save_model_and_tokenizer(run: RunDir, dest: Path) -> Any:
     """Reload the run's model and tokenizer and save them into ``dest``; returns the model."""
-    from transformers import AutoTokenizer
+    from looped_hf.evaluation.runner import load_pretrained
 
-    from looped_hf import LoopedForCausalLM  # importing looped_hf marks the classes for remote code
-
-    model = LoopedForCausalLM.from_pretrained(run.path)
+    try:
+        model, tokenizer = load_pretrained(run.path)
+    except CheckpointError as err:  # a config value LoopedConfig refuses, weights torch cannot read
+        raise PublishError(str(err)) from None
     model.config.use_cache = True  # Trainer saved it off; generation wants the cache
     model.save_pretrained(dest)
-    tokenizer = AutoTokenizer.from_pretrained(run.path)
     tokenizer.save_pretrained(dest)
     return model
 
@@ -187,14 +191,19 @@ def build_folder(
         raise PublishError(
             f"--out {dest} is (or contains) the run directory {run.path}; choose another folder"
         )
+    if dest.exists() and not dest.is_dir():
+        raise PublishError(f"--out {dest}: is a file, not a folder; --overwrite replaces only a published folder")
     if dest.exists() and not overwrite:
         raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
     fit_obj = _load_fit(fit)
     from looped_hf.cards import CARD_NAME, render_checkpoint_card
     from looped_hf.fileio import replace_dir
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:  # the output is checked (by making the temp folder beside it) before any model is loaded
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    except OSError as err:
+        raise PublishError(f"--out {dest}: cannot be written ({err.strerror or err})") from None
     try:
         model = _save_model_and_tokenizer(run, tmp)
         # The test-time scaling curve (`looped-hf test-time RUN_DIR`), when measured: its table is
@@ -277,7 +286,7 @@ def _load_fit(fit: Any) -> Any:
         raise PublishError(f"--fit {fit}: no such file")
     try:
         return ScalingLawFit.from_json(fit)
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # a list, a number: not a fit
         raise PublishError(f"--fit {fit}: not a looped_hf fit ({err})") from err
 
 
@@ -397,7 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_repo_id(args.repo_id)
         folder = _folder_for(args)
-    except (PublishError, FileNotFoundError) as err:
+    except (PublishError, CheckpointError, FileNotFoundError) as err:
+        print(f"looped-hf publish: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a disk that fills or turns read-only midway: name the folder
+        print(f"looped-hf publish: error: --out {args.out or Path(args.run_dir) / 'publish'}: cannot be written "
+              f"({err.strerror or err})", file=sys.stderr)  # fmt: skip
+        return 2
         print(f"looped-hf publish: error: {err}", file=sys.stderr)
         return 2
     if not args.push:

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from looped_hf.cli import bounded_int, positive_int
 from looped_hf.fileio import RECORD_NAME, read_run_record
 
 PathLike = str | os.PathLike[str]
@@ -126,15 +127,15 @@ def load_run(run_dir: PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
 
     The held-out split is rebuilt from the run's recipe (as ``looped-hf publish --verify`` does),
     so it is the split the run record's ``loss`` was measured on."""
-    from transformers import AutoTokenizer
-
-    from looped_hf import LoopedForCausalLM
     from looped_hf.data import heldout_from_recipe
+    from looped_hf.evaluation.runner import load_pretrained
 
     path = Path(run_dir)
     record = _read_record(path)
-    model = LoopedForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model, tokenizer = load_pretrained(path)
+    except ValueError as err:  # CheckpointError: not looped, truncated weights, a refused config value
+        raise TestTimeError(str(err)) from None
     return model, tokenizer, heldout_from_recipe(record.get("recipe") or {}, tokenizer), record
 
 
@@ -365,6 +366,11 @@ def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> d
     return curve
 
 
+#: The largest --max-factor (docs/validation.md): the curve measures every r up to max_factor x the
+#: trained r, so its cost grows with the square of the factor; past this a typo runs for days.
+MAX_FACTOR_CEILING = 64
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="looped-hf test-time",
@@ -373,11 +379,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
     p.add_argument(
-        "--max-factor", type=int, default=DEFAULT_MAX_FACTOR, help="largest r = this x trained r (4)"
-    )
+        "--max-factor", default=DEFAULT_MAX_FACTOR,
+        type=bounded_int("--max-factor", MAX_FACTOR_CEILING, "every r up to factor x the trained r is measured"),
+        help=f"largest r = this x trained r (4; at most {MAX_FACTOR_CEILING})",
+    )  # fmt: skip
     p.add_argument(
-        "--batch-size", type=int, default=None, help="held-out blocks per forward (the run's eval batch)"
-    )
+        "--batch-size", type=positive_int("--batch-size"), default=None,
+        help="held-out blocks per forward (the run's eval batch)",
+    )  # fmt: skip
     p.add_argument(
         "--compare", default=None, metavar="PNG", help="also draw every run's curve in one plot here"
     )
@@ -387,6 +396,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 ok, 2 a run directory or option that cannot be measured."""
     args = _parser().parse_args(argv)
+    if args.compare is not None:  # checked before any curve is measured, not after
+        compare = Path(args.compare)
+        if compare.is_dir() or not compare.parent.is_dir() or not os.access(compare.parent, os.W_OK):
+            print(f"looped-hf test-time: --compare {compare}: not a writable file path", file=sys.stderr)
+            return 2
     curves = []
     try:
         for run_dir in args.run_dirs:

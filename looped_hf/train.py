@@ -307,14 +307,31 @@ def resolve_run(
 
     from looped_hf import LoopedForCausalLM
     from looped_hf.data import load_tokenizer
-    from looped_hf.data.sources import describe_source
+    from looped_hf.data.sources import describe_source, token_upper_bound
     from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups
 
     seq_len = data_args.seq_len
+    output = Path(training_args.output_dir)
+    try:
+        taken = output.exists() and not output.is_dir()
+    except OSError as err:  # a name too long for the file system
+        raise RecipeError(f"LoopedTrainingArguments.output_dir={str(output)[:80]!r}: {err.strerror}") from None
+    if taken:
+        raise RecipeError(f"LoopedTrainingArguments.output_dir={str(output)!r}: is an existing file, not a folder")
     try:
         source = describe_source(data_args)
+        bound = token_upper_bound(data_args)
     except ValueError as err:
         raise RecipeError(str(err)) from err
+    except (OSError, RuntimeError) as err:  # too long, unreadable, ~user unknown: the OS's one line
+        shown = str(data_args.dataset)[:80]
+        raise RecipeError(f"DataArguments.dataset={shown!r}: cannot be read ({_first_line(err)})") from None
+    if bound is not None and data_args.eval_blocks * seq_len > bound:
+        raise RecipeError(
+            f"DataArguments.eval_blocks={data_args.eval_blocks}: {data_args.eval_blocks:,} held-out blocks of "
+            f"seq_len={seq_len} need {data_args.eval_blocks * seq_len:,} tokens; {source} holds fewer than "
+            f"{bound:,}"
+        )
     try:
         tokenizer = load_tokenizer(data_args.tokenizer)
     except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed

@@ -198,7 +198,7 @@ def test_every_sweep_field_refuses_bad_values_or_plans(tmp_path):
 
 def test_check_names_a_local_data_source_without_reading_it(tmp_path, capsys):
     corpus = tmp_path / "docs.jsonl"
-    corpus.write_text('{"text": "one document"}\n')
+    corpus.write_text('{"text": "one document"}\n' * 2000)  # enough bytes for the held-out blocks
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump({**_tiny(tmp_path), "dataset": str(corpus), "tokenizer": "bytes"}))
     assert main([str(path), "--check"]) == 0

@@ -136,7 +136,7 @@ def test_steps_round_up_by_default_and_to_the_nearest_on_request():
     ):
         steps_for_tokens(63, 64, "train_flops_budget", 5, rounding="nearest")
     with pytest.raises(
-        RecipeError, match=r"train_steps_rounding='floor': must be one of \('up', 'nearest'\)"
+        RecipeError, match=r"train_steps_rounding='floor': must be one of \['up', 'nearest'\]"
     ):
         LoopedTrainingArguments(output_dir="unused", train_steps_rounding="floor")
 

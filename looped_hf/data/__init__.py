@@ -71,13 +71,13 @@ Where things are (one file per concern)::
 # Patched by tests as looped_hf.data.AutoTokenizer.from_pretrained (the Hub is mocked there).
 from transformers import AutoTokenizer as AutoTokenizer
 
-from .arguments import DataArguments
 from .blocks import PackedBlockCollator, TokenBlocks, collator
 from .build import build_datasets, data_stats, heldout_from_recipe
 from .cache import DATA_PIPELINE_VERSION
 from .corpus import ASSETS_DIR as ASSETS_DIR
 from .corpus import EMBEDDED as EMBEDDED
 from .corpus import default_cache_dir, embedded_corpus_jsonl, embedded_corpus_path, embedded_tokenizer_path
+from .data_arguments import DataArguments
 from .sources import _builder_for as _builder_for  # looped_hf.prepack reads local files the same way
 from .sources import _resolve_source as _resolve_source
 from .sources import iter_documents

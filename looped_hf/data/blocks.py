@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from .arguments import DataArguments
+from .data_arguments import DataArguments
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,8 @@ from typing import Any
 from datasets import Dataset, IterableDataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from .arguments import DataArguments
 from .cache import DATA_PIPELINE_VERSION, _cache_key, _publish, _remove_stale_builds
-from .corpus import _cache_root
+from .data_arguments import DataArguments
 from .heldout import _build_map_style, _streaming_parts
 from .packing import _block_features
 from .sources import _resolve_source
@@ -46,10 +45,10 @@ def build_datasets(
     if args.prepacked:
         from looped_hf.prepacked import load_prepacked
 
-        return load_prepacked(args, tokenizer, cache_dir=str(_cache_root(args) / "hf"))
+        return load_prepacked(args, tokenizer, cache_dir=str(args.cache_root() / "hf"))
     kind, kwargs, identity = _resolve_source(args)
     key = _cache_key(args, tokenizer, identity)
-    root = _cache_root(args) / "tokenized"
+    root = args.cache_root() / "tokenized"
     final = root / key
     if (final / "meta.json").exists():
         logger.info("Loading tokenized data from cache %s", final)
@@ -109,7 +108,7 @@ def data_stats(args: DataArguments, tokenizer: PreTrainedTokenizerBase) -> dict[
     """Counts recorded when the cached data was built (documents, tokens, blocks); builds if needed."""
     build_datasets(args, tokenizer)
     kind, kwargs, identity = _resolve_source(args)
-    meta = _cache_root(args) / "tokenized" / _cache_key(args, tokenizer, identity) / "meta.json"
+    meta = args.cache_root() / "tokenized" / _cache_key(args, tokenizer, identity) / "meta.json"
     return json.loads(meta.read_text())["stats"]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from .arguments import DataArguments
+from .data_arguments import DataArguments
 from .tokenizer import tokenizer_fingerprint
 
 #: Bump when tokenization, splitting or packing semantics change: it is part of every cache key.

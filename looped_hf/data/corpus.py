@@ -13,10 +13,6 @@ import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # arguments.py imports this module
-    from .arguments import DataArguments
 
 EMBEDDED = "embedded"
 # The package data folder: looped_hf/assets, beside this subpackage.
@@ -37,10 +33,6 @@ def default_cache_dir() -> Path:
     """``$LOOPED_HF_CACHE/data`` if that variable is set, else ``~/.cache/looped_hf/data``."""
     root = os.environ.get("LOOPED_HF_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "looped_hf") / "data"
-
-
-def _cache_root(args: DataArguments) -> Path:
-    return Path(args.data_cache_dir).expanduser() if args.data_cache_dir else default_cache_dir()
 
 
 @lru_cache(maxsize=8)

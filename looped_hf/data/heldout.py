@@ -11,8 +11,8 @@ import numpy as np
 from datasets import Dataset, Features, IterableDataset, List, Value
 from transformers import PreTrainedTokenizerBase
 
-from .arguments import DataArguments
 from .corpus import EMBEDDED
+from .data_arguments import DataArguments
 from .packing import _HASH_SPACE, _block_features, _pack_batch, _tokenize_batch
 from .sources import _load_raw
 

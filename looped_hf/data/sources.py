@@ -5,15 +5,17 @@ the identity that keys the cache (embedded: file hash; local: path, size, mtime;
 config, revision).
 """
 
+import lzma
 import re
 from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, IterableDataset, load_dataset
 
-from .arguments import DataArguments
-from .corpus import EMBEDDED, _cache_root, _sha256_of, embedded_corpus_jsonl, embedded_corpus_path
+from .corpus import EMBEDDED, _sha256_of, embedded_corpus_jsonl, embedded_corpus_path
+from .data_arguments import DataArguments
 
 # Builders of `datasets` for local files, by extension (after a compression suffix is removed).
 _LOCAL_BUILDERS = {
@@ -35,7 +37,7 @@ def _resolve_source(args: DataArguments) -> tuple[str, dict[str, Any], dict[str,
     """Return (kind, load_dataset kwargs, identity dict for the cache key)."""
     if args.dataset is None or args.dataset == EMBEDDED:
         sha = _sha256_of(embedded_corpus_path())
-        path = embedded_corpus_jsonl(_cache_root(args))
+        path = embedded_corpus_jsonl(args.cache_root())
         kwargs = {"path": "json", "data_files": str(path)}
         return "embedded", kwargs, {"kind": "embedded", "sha256": sha}
     path = Path(args.dataset).expanduser()
@@ -86,7 +88,7 @@ def _load_raw(
 ) -> tuple[Dataset | IterableDataset, list[str]]:
     # Local and embedded data get their Arrow cache under our cache dir (tests stay out of $HOME);
     # Hub data uses the user's HF cache so already-downloaded datasets are reused.
-    cache_dir = str(_cache_root(args) / "hf") if kind != "hub" else None
+    cache_dir = str(args.cache_root() / "hf") if kind != "hub" else None
     split = "train" if kind != "hub" else args.dataset_split
     ds = load_dataset(**kwargs, split=split, streaming=streaming, cache_dir=cache_dir)
     columns = ds.column_names
@@ -147,3 +149,32 @@ def describe_source(args: DataArguments) -> str:
              f"split {args.dataset_split!r}", f"revision {args.dataset_revision!r}" if args.dataset_revision else ""]  # fmt: skip
     kind = "prepacked Hub dataset" if args.prepacked else "Hub dataset"
     return f"{kind} {args.dataset!r} ({', '.join(p for p in parts if p)}; read when training starts)"
+
+
+@lru_cache(maxsize=4)
+def _embedded_bound(sha256: str) -> int:
+    del sha256  # the cache key: this exact corpus file
+    total = 0
+    with lzma.open(embedded_corpus_path(), "rb") as src:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            total += len(chunk) + 2 * chunk.count(b"\n")  # a document a line: its bytes, bos and eos
+    return total
+
+
+def token_upper_bound(args: DataArguments) -> int | None:
+    """An upper bound on the tokens the source can give, when it costs no more than reading file
+    sizes (or decompressing the embedded corpus): the text's bytes, as no tokenizer here gives more
+    than one token per byte, plus two special tokens (bos, eos) a line. None where it is not known
+    cheaply (Hub data, prepacked shards, compressed or parquet files).
+    The bound is loose; `build_datasets` checks the exact count before training."""
+    if args.prepacked:
+        return None
+    if args.dataset is None or args.dataset == EMBEDDED:
+        return _embedded_bound(_sha256_of(embedded_corpus_path()))
+    path = Path(args.dataset).expanduser()
+    if not path.exists():
+        return None
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    if any(p.suffix.lower() in _COMPRESSION_SUFFIXES or _builder_for(p) in ("parquet", "arrow") for p in files):
+        return None
+    return 3 * sum(p.stat().st_size for p in files)  # bytes, and bos + eos per (>= 1 byte) line

@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from looped_hf.fileio import yaml_load
+
 PathLike = str | os.PathLike[str]
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -175,6 +177,9 @@ def _check_row(row: Any, task_type: str, where: str) -> None:
         return
     if len(options) < 2:
         raise BundleError(f"{where}: field {field_name!r} has {len(options)} option(s); need at least 2")
+    for i, option in enumerate(options):
+        if not isinstance(option, str) or not option.strip():  # None, a number, "": nothing to score
+            raise BundleError(f"{where}: field {field_name!r}[{i}] = {option!r}: expected a non-empty string")
     gold = need("gold", int)
     if isinstance(gold, bool) or not 0 <= gold < len(options):
         raise BundleError(
@@ -188,7 +193,7 @@ def read_rows(path: Path, task_type: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise BundleError(f"{path}: data file missing")
     rows = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
@@ -197,6 +202,8 @@ def read_rows(path: Path, task_type: str) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise BundleError(f"{where}: not valid JSON ({err.msg})") from err
+            except UnicodeDecodeError:
+                raise BundleError(f"{where}: not UTF-8 text") from None
             _check_row(row, task_type, where)
             rows.append(row)
     if not rows:
@@ -210,11 +217,14 @@ def load_bundle(path: PathLike, tasks: Sequence[str] | None = None) -> Bundle:
     ``tasks``: only these labels. Raises :class:`BundleError` naming the file, line and field of
     anything that is wrong: an unknown task type, a missing data file, a ``gold`` out of range."""
     yaml_path = _yaml_file(Path(path))
-    text = yaml_path.read_text(encoding="utf-8")
     try:
-        config = yaml.safe_load(text) or {}
+        text = yaml_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise BundleError(f"{yaml_path}: cannot be read as text ({str(err).splitlines()[0]})") from None
+    try:
+        config = yaml_load(text) or {}
     except yaml.YAMLError as err:
-        raise BundleError(f"{yaml_path}: not valid YAML ({err})") from err
+        raise BundleError(f"{yaml_path}: not valid YAML ({' '.join(str(err).split())})") from err
     if not isinstance(config, dict):
         raise BundleError(f"{yaml_path}: expected a mapping with 'tasks' or 'icl_tasks'")
     core = "icl_tasks" in config
@@ -260,6 +270,10 @@ def load_bundle(path: PathLike, tasks: Sequence[str] | None = None) -> Bundle:
                 f"{where}: field 'random_baseline' = {baseline!r}: expected a percentage in [0, 100)"
             )
         data = _data_path(yaml_path, uri)
+        root = yaml_path.parent.resolve()
+        if Path(uri).is_absolute() or not data.resolve().is_relative_to(root):
+            # ../../etc/hostname or a link out: a bundle reads only files inside its own folder
+            raise BundleError(f"{where}: field 'dataset_uri' = {uri!r}: outside the bundle folder {root}")
         if not data.is_file():
             raise BundleError(f"{where}: field 'dataset_uri' = {uri!r}: data file missing ({data})")
         rows = read_rows(data, task_type)

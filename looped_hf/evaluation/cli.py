@@ -12,12 +12,22 @@ the checkpoint's directory; for a Hub id ``eval/<owner>__<name>``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+from looped_hf.cli import bounded_int, positive_int
 
 from .builtin import BUILTIN_NAME, DEFAULT_EXAMPLES, write_builtin_bundle
 from .bundle import BundleError, load_bundle
 from .scoring import DEFAULT_BATCH_TOKENS, EvalError
+
+#: The largest r `eval` runs (docs/validation.md). Cost grows linearly in r: each r is that many
+#: passes of the recurrent block per token, for every item of every task; past this a typo
+#: (--recurrences 10000) would run for days without a word.
+MAX_EVAL_RECURRENCES = 512
+#: Past this many times the trained r, eval warns with the cost before it starts.
+WARN_RECURRENCE_FACTOR = 16
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,26 +42,64 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a bundle directory (or its YAML); '{BUILTIN_NAME}' generates the built-in reasoning primitives. "
         "Repeatable.",
     )  # fmt: skip
-    p.add_argument("--recurrences", type=int, nargs="+", default=None, metavar="R",
+    r_cost = "each r costs r passes of the recurrent block per token"
+    p.add_argument("--recurrences", type=bounded_int("--recurrences", MAX_EVAL_RECURRENCES, r_cost),
+                   nargs="+", default=None, metavar="R",
                    help="the r values (default: 1, 2, 4, ... up to 2x the trained r, and the trained r)")  # fmt: skip
     p.add_argument("--tasks", nargs="+", default=None, metavar="LABEL", help="only these bundle tasks")
-    p.add_argument("--max-per-task", type=int, default=None, metavar="N",
+    p.add_argument("--max-per-task", type=positive_int("--max-per-task"), default=None, metavar="N",
                    help="at most N items per task (the study's seeded shuffle, then the first N)")  # fmt: skip
-    p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS, help="padded tokens per forward")
-    p.add_argument("--builtin-examples", type=int, default=DEFAULT_EXAMPLES, help="rows per built-in task")
+    p.add_argument("--batch-tokens", type=positive_int("--batch-tokens"), default=DEFAULT_BATCH_TOKENS,
+                   help="padded tokens per forward")  # fmt: skip
+    p.add_argument("--builtin-examples", type=positive_int("--builtin-examples"), default=DEFAULT_EXAMPLES,
+                   help="rows per built-in task")  # fmt: skip
     p.add_argument("--exit-criterion", default=None, help="adaptive exit (LoopedConfig.exit_criterion)")
     p.add_argument("--exit-threshold", type=float, default=None, help="its threshold (criterion's default)")
-    p.add_argument("--min-recurrences", type=int, default=None, help="no exit before this many (capped at r)")
-    p.add_argument("--kv-budget", type=int, default=None,
+    p.add_argument("--min-recurrences", type=positive_int("--min-recurrences"), default=None,
+                   help="no exit before this many (capped at r)")  # fmt: skip
+    p.add_argument("--kv-budget", type=positive_int("--kv-budget"), default=None,
                    help="KV-cache slots per block layer; below r the continuation is decoded through the cache")  # fmt: skip
     p.add_argument(
         "--lm-eval", default=None, metavar="TASKS", help="comma-separated lm-evaluation-harness tasks"
     )
     p.add_argument("--lm-eval-include", default=None, metavar="DIR", help="a folder of lm-eval task YAMLs")
-    p.add_argument("--lm-eval-batch-size", type=int, default=8)
+    p.add_argument("--lm-eval-batch-size", type=positive_int("--lm-eval-batch-size"), default=8)
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="DIR", help="where the results go")
     return p
+
+
+def _check_device(device: str) -> str:
+    """A device torch can allocate on, checked before the model is loaded."""
+    import torch
+
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as err:  # unknown type, no such index, not compiled
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise EvalError(f"--device {device!r}: not usable here ({first})") from None
+    return device
+
+
+def _check_out(out: Path) -> Path:
+    """The output folder exists or can be made, before any scoring (its results would be lost)."""
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out}: is an existing file; eval writes a folder of results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise EvalError(f"--out {out}: cannot be created ({err.strerror or err})") from None
+    if not os.access(out, os.W_OK):
+        raise EvalError(f"--out {out}: not writable")
+    return out
+
+
+def _warn_cost(recurrences: list[int], trained: int) -> None:
+    far = [r for r in recurrences if r > WARN_RECURRENCE_FACTOR * trained]
+    if far:
+        print(f"looped-hf eval: warning: --recurrences {far} are over {WARN_RECURRENCE_FACTOR}x the trained r="
+              f"{trained}: the recurrent block runs {max(far)} times per token, ~{max(far) / trained:.0f}x the "
+              "trained model's block compute per item", file=sys.stderr)  # fmt: skip
 
 
 def default_recurrences(trained: int) -> list[int]:
@@ -70,20 +118,24 @@ def main(argv: list[str] | None = None) -> int:
         print("looped-hf eval: nothing to evaluate: give --bundle DIR (or builtin) and/or --lm-eval TASKS",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.max_per_task is not None and args.max_per_task < 1:
-        print(f"looped-hf eval: --max-per-task {args.max_per_task}: must be >= 1", file=sys.stderr)
-        return 2
     import torch
 
     from .report import summary_line, write_results
-    from .runner import evaluate_model, load_checkpoint
+    from .runner import check_lm_eval_tasks, evaluate_model, load_checkpoint
 
+    lm_eval_tasks = [t.strip() for t in (args.lm_eval or "").split(",") if t.strip()]
+    if args.lm_eval is not None and not lm_eval_tasks:
+        print(f"looped-hf eval: --lm-eval {args.lm_eval!r}: names no task", file=sys.stderr)
+        return 2
     try:
+        # Everything that can be checked is checked before the model is loaded or a task scored.
+        device = _check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        local = Path(args.checkpoint).is_dir()
+        out = _check_out(Path(args.out) if args.out else (
+            Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
+        ))  # fmt: skip
+        manager = check_lm_eval_tasks(lm_eval_tasks, args.lm_eval_include) if lm_eval_tasks else None
         model, tokenizer, info = load_checkpoint(args.checkpoint)
-        out = Path(args.out) if args.out else (
-            Path(args.checkpoint) if info["local"] else Path("eval") / args.checkpoint.replace("/", "__")
-        )  # fmt: skip
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model.to(device)
         bundles = [
             load_bundle(
@@ -104,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,
             "min_recurrences": args.min_recurrences, "kv_budget": args.kv_budget,
         }  # fmt: skip
+        trained = int(model.config.num_recurrences)
+        recurrences = args.recurrences or default_recurrences(trained)
+        _warn_cost(sorted(set(recurrences)), trained)
         results = evaluate_model(
-            model, tokenizer, bundles, args.recurrences or default_recurrences(int(model.config.num_recurrences)),
+            model, tokenizer, bundles, recurrences,
             max_per_task=args.max_per_task, batch_tokens=args.batch_tokens, settings=settings,
-            lm_eval_tasks=[t.strip() for t in (args.lm_eval or "").split(",") if t.strip()],
-            lm_eval_include=args.lm_eval_include, lm_eval_batch_size=args.lm_eval_batch_size, progress=print,
+            lm_eval_tasks=lm_eval_tasks, lm_eval_include=args.lm_eval_include,
+            lm_eval_batch_size=args.lm_eval_batch_size, lm_eval_manager=manager, progress=print,
         )  # fmt: skip
     except (BundleError, EvalError, ValueError, FileNotFoundError, OSError) as err:
         print(f"looped-hf eval: {err}", file=sys.stderr)

@@ -92,6 +92,34 @@ def pick_metric(task_result: Mapping[str, Any]) -> tuple[str, float]:
     return name, numeric[name]
 
 
+def task_manager_for(tasks: Sequence[str], include_path: PathLike | None = None) -> Any:
+    """lm-eval's `TaskManager` that knows every one of `tasks`; raises `ValueError` naming the
+    unknown ones (and the closest known names), before anything is scored."""
+    import difflib
+
+    _require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    manager = None
+    if include_path:
+        if not os.path.isdir(include_path):
+            raise ValueError(f"--lm-eval-include {str(include_path)!r}: no such directory")
+        # Indexing lm-eval's own thousands of task YAMLs takes seconds; skip it when the local
+        # folder has every task asked for.
+        manager = TaskManager(include_path=str(include_path), include_defaults=False)
+        if not set(tasks) <= set(manager.all_tasks):
+            manager = None
+    if manager is None:
+        manager = TaskManager(include_path=str(include_path) if include_path else None)
+    known = set(manager.all_tasks)
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        close = sorted({m for t in unknown for m in difflib.get_close_matches(t, sorted(known), n=3)})
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"--lm-eval {','.join(unknown)}: not lm-eval task(s){hint}")
+    return manager
+
+
 def run_lm_eval(
     model: Any,
     tokenizer: Any,
@@ -103,26 +131,19 @@ def run_lm_eval(
     num_fewshot: int | None = None,
     batch_size: int = 8,
     call_kwargs: Mapping[str, Any] | None = None,
+    task_manager: Any = None,
 ) -> dict[int, dict[str, dict[str, Any]]]:
     """lm-eval ``tasks`` at each r: ``{r: {task: {accuracy, centered, loss, num_items,
     mean_recurrences, metric}}}``. ``centered`` equals the metric (lm-eval has no random-baseline
     table); ``loss`` is None (lm-eval reports no continuation loss); ``mean_recurrences`` is over
     every position lm-eval ran (context included). ``limit``: at most this many documents per task
-    (lm-eval's first ones); ``include_path``: a folder of task YAMLs to register."""
+    (lm-eval's first ones); ``include_path``: a folder of task YAMLs to register; ``task_manager``:
+    the one `task_manager_for` returned (else it is built here)."""
     _require_lm_eval()
     import lm_eval
     import torch
-    from lm_eval.tasks import TaskManager
 
-    manager = None
-    if include_path:
-        # Indexing lm-eval's own thousands of task YAMLs takes seconds; skip it when the local
-        # folder has every task asked for.
-        manager = TaskManager(include_path=str(include_path), include_defaults=False)
-        if not set(tasks) <= set(manager.all_tasks):
-            manager = None
-    if manager is None:
-        manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = task_manager if task_manager is not None else task_manager_for(tasks, include_path)
     lm = make_lm(model, tokenizer, batch_size)
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for r in recurrences:
@@ -151,4 +172,4 @@ def run_lm_eval(
     return out
 
 
-__all__ = ["PREFERRED_METRICS", "make_lm", "pick_metric", "run_lm_eval"]
+__all__ = ["PREFERRED_METRICS", "make_lm", "pick_metric", "run_lm_eval", "task_manager_for"]

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, read_run_record
+from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir, read_run_record
 
 from .bundle import Bundle
 from .scoring import (
@@ -33,15 +33,46 @@ PathLike = str | os.PathLike[str]
 CALL_SETTINGS = ("exit_criterion", "exit_threshold", "min_recurrences", "kv_budget")
 
 
+def check_lm_eval_tasks(tasks: Sequence[str], include_path: PathLike | None = None) -> Any:
+    """The lm-eval task manager for `tasks`, checked before the model is loaded: an unknown task or
+    lm-eval not installed is an `EvalError` naming it."""
+    from .lm_eval_bridge import task_manager_for
+
+    try:
+        return task_manager_for(tasks, include_path)
+    except (ImportError, ValueError) as err:
+        raise EvalError(str(err).strip().splitlines()[0]) from None
+
+
+def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) of a checkpoint folder or Hub id, every failure a
+    `CheckpointError` naming the file: a local folder is checked first (`check_checkpoint_dir`:
+    model_type looped, weights not truncated), then loaded; a config value `LoopedConfig` refuses
+    (num_recurrences 0, ...) and a weights file torch cannot read are named too. Eval, publish and
+    test-time all load through here."""
+    from transformers import AutoTokenizer
+
+    from looped_hf import LoopedForCausalLM
+
+    if Path(checkpoint).is_dir():
+        check_checkpoint_dir(checkpoint)
+    try:
+        model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the file is named
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be loaded: {first}") from err
+    return model, tokenizer
+
+
 def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
     """(model in eval mode, tokenizer, info) of a run directory, a published folder or a Hub id.
 
     ``info``: ``checkpoint`` (as given), ``run_id`` (the run record's, else the folder or repo
     name), ``local`` (a directory here), ``weights_sha256`` (local weights) and the run record's
     ``train_flops`` / ``tokens`` / ``num_recurrences`` when there is one."""
-    from transformers import AutoTokenizer
-
-    from looped_hf import LoopedForCausalLM
     from looped_hf.fileio import weights_sha256
 
     path = Path(checkpoint)
@@ -56,8 +87,7 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
         raise EvalError(str(err)) from None
     if record.get("status") not in (None, "ok"):
         raise EvalError(f"{path / RECORD_NAME}: status={record.get('status')!r}; only finished runs have weights")
-    model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model, tokenizer = load_pretrained(checkpoint)
     info = {
         "checkpoint": str(checkpoint),
         "run_id": record.get("run_id") or (path.name if local else str(checkpoint)),
@@ -104,6 +134,7 @@ def evaluate_model(
     lm_eval_tasks: Sequence[str] = (),
     lm_eval_include: PathLike | None = None,
     lm_eval_batch_size: int = 8,
+    lm_eval_manager: Any = None,
     seed: int = 0,
     progress: Any = None,
 ) -> dict[str, Any]:
@@ -120,6 +151,7 @@ def evaluate_model(
             every forward (None: the model's config).
         lm_eval_tasks: lm-evaluation-harness task names run at every r too (table rows ``lm_eval``).
         lm_eval_include: a folder of lm-eval task YAMLs to register.
+        lm_eval_manager: the task manager `check_lm_eval_tasks` returned (else built when needed).
         seed: torch is re-seeded before each r (a model with a random initial state scores the same twice).
         progress: a callable taking one line of text (e.g. ``print``), or None.
 
@@ -150,6 +182,8 @@ def evaluate_model(
             bundle_of[task.label], groups[task.label] = bundle.name, task.group
             prepared.append(prepare_task(task, tokenizer, max_per_task, max_length))  # once, for every r
     pad = bos_id(tokenizer)
+    if prepared:
+        say(f"[eval] {len(prepared)} tasks ({sum(len(p.sequences) for p in prepared)} sequences) at r = {grid}")
     rows = []
     for r in grid:
         kwargs = _call_kwargs(settings, r)
@@ -179,6 +213,7 @@ def evaluate_model(
         lm_rows = run_lm_eval(
             model, tokenizer, lm_eval_tasks, grid, include_path=lm_eval_include, limit=max_per_task or None,
             batch_size=lm_eval_batch_size, call_kwargs={k: v for k, v in settings.items() if v is not None},
+            task_manager=lm_eval_manager,
         )  # fmt: skip
         for row in rows:
             found = lm_rows[row["num_recurrences"]]

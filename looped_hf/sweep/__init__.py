@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from looped_hf.arguments import RecipeError as RecipeError
 
-from .cli import _positive_int as _positive_int
 from .cli import main
 from .execution import LOCK_NAME as LOCK_NAME
 from .execution import LOG_NAME as LOG_NAME

@@ -6,20 +6,10 @@ import argparse
 import sys
 
 from looped_hf.arguments import RecipeError
+from looped_hf.cli import positive_int
 
 from .plan import EXECUTORS, make_plan
 from .runner import available_cores, default_jobs, run_sweep
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--jobs={text!r}: must be an integer >= 1")
-    return value
-
 
 # The first line of the package's docstring (the package imports this module, not the reverse).
 DESCRIPTION = "Iso-depth sweeps: plan (budget x width x r), run resumably, append one record per run."
@@ -34,9 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         "--output", default=None, help="sweep directory (default: sweep.output_dir or runs/<stem>)"
     )
     parser.add_argument("--executor", default=None, choices=EXECUTORS, help="override sweep.executor")
-    parser.add_argument("--max-runs", type=int, default=None, help="run at most N runs this session")
+    parser.add_argument("--max-runs", type=positive_int("--max-runs"), default=None, metavar="N",
+                        help="run at most N runs this session")  # fmt: skip
     parser.add_argument(
-        "--jobs", "-j", type=_positive_int, default=None, metavar="N",
+        "--jobs", "-j", type=positive_int("--jobs"), default=None, metavar="N",
         help="runs trained at once (default: available cores // the recipe's torch_num_threads, at least 1; "
              "1 if the recipe does not set torch_num_threads)",
     )  # fmt: skip

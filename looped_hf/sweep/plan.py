@@ -116,6 +116,16 @@ class SweepArguments:
             raise bad("checkpoints_per_run", "must be >= 0")
         if not self.seeds:
             raise bad("seeds", "must list at least one seed")
+        # A repeated value would plan the same run twice (one run id for both): name the list.
+        for name in ("recurrences", "seeds"):
+            values = getattr(self, name)
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise bad(name, f"repeats {repeated}; each value must appear once")
+        for w in self.widths_for_all():
+            repeated = sorted({d for d in w if w.count(d) > 1})
+            if repeated:
+                raise bad("widths", f"repeats {repeated} within one budget; each width must appear once")
         if self.learning_rate_by_r is not None:
             lrs = self.learning_rate_by_r
             if not isinstance(lrs, dict) or any(
@@ -370,7 +380,7 @@ def make_plan(
     if isinstance(recipe, dict):
         data, where = dict(recipe), "sweep recipe"
     else:
-        data, where = load_yaml(recipe), f"sweep recipe {str(recipe)!r}"
+        data, where = load_yaml(recipe, "sweep recipe"), f"sweep recipe {str(recipe)!r}"
     if "sweep" not in data:
         raise RecipeError(f"{where}: no 'sweep' section (a single run is `looped-hf train`)")
     sweep = parse_sweep_section(data.pop("sweep"), where)

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from looped_hf.arguments import RecipeError
+from looped_hf.arguments import RecipeError, load_yaml, read_recipe_text
+from looped_hf.fileio import yaml_load
 
 from .console import _Console, _refresh_callback
 from .execution import (
@@ -72,8 +73,8 @@ def _prepare(plan: SweepPlan, sweep_dir: Path, recipe_text: str | None) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     copy = sweep_dir / RECIPE_COPY
     if copy.exists():
-        old = yaml.safe_load(copy.read_text())
-        new = yaml.safe_load(recipe_text) if recipe_text is not None else None
+        old = yaml_load(copy.read_text())
+        new = yaml_load(recipe_text) if recipe_text is not None else None
         if new is not None and old != new:
             raise RecipeError(
                 f"{sweep_dir} holds a different sweep recipe ({copy}); resume with that one or use another --output"
@@ -327,21 +328,28 @@ def run_sweep(
     where the sweep's own lines go (default: a live progress line on a terminal, else one line
     per finished run on stdout). `max_runs` stops after starting that many runs this session.
     """
+    if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1):
+        # checked first: a negative count would slice the run list from its end
+        raise RecipeError(f"--max-runs={max_runs!r}: must be an integer >= 1")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise RecipeError(f"--jobs={jobs!r}: must be an integer >= 1")
     if isinstance(recipe, dict):
         recipe_text = yaml.safe_dump(recipe, sort_keys=False)
         default_dir = Path("runs") / "sweep"
+        data = dict(recipe)
     else:
-        recipe_text = Path(recipe).read_text()
+        recipe_text = read_recipe_text(recipe, "sweep recipe")
         default_dir = Path("runs") / Path(recipe).stem
-    data = yaml.safe_load(recipe_text)
-    sweep_dir = Path(sweep_dir or (data.get("sweep") or {}).get("output_dir") or default_dir).resolve()
+        data = load_yaml(recipe, "sweep recipe")
+    section = data.get("sweep")
+    if not isinstance(section, dict):
+        section = {}  # make_plan names what is wrong with it
+    sweep_dir = Path(sweep_dir or section.get("output_dir") or default_dir).resolve()
     plan = make_plan(recipe if isinstance(recipe, dict) else Path(recipe), sweep_dir)
     if executor is not None:
         if executor not in EXECUTORS:
             raise RecipeError(f"--executor={executor!r}: must be one of {EXECUTORS}")
         plan.sweep.executor = executor
-    if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
-        raise RecipeError(f"--jobs={jobs!r}: must be an integer >= 1")
     _prepare(plan, sweep_dir, recipe_text)
     results = sweep_dir / RESULTS_NAME
     records = read_jsonl(results)

@@ -1,8 +1,10 @@
 """``DataArguments``: where the training text comes from and how it becomes blocks (recipe fields)."""
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-from .corpus import EMBEDDED
+# One way only: this module reads the corpus module, which never imports it back.
+from .corpus import EMBEDDED, default_cache_dir
 
 # DataArguments fields that only shape text -> blocks; prepacked data rejects non-default values.
 _TEXT_ONLY_FIELDS = ("dataset_config", "text_column", "text_sample_by", "streaming_eval_fraction",
@@ -33,7 +35,8 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column holding the document text."})
     text_sample_by: str = field(
         default="paragraph",
-        metadata={"help": "For .txt inputs, what one document is: 'line', 'paragraph' or 'document' (file)."},
+        metadata={"choices": ("line", "paragraph", "document"),
+                  "help": "For .txt inputs, what one document is: a line, a paragraph or the whole file."},
     )
     streaming: bool = field(
         default=False,
@@ -94,30 +97,17 @@ class DataArguments:
     def __post_init__(self) -> None:
         self.validate()
 
+    def cache_root(self) -> Path:
+        """Where this recipe's data is cached: ``data_cache_dir``, else ``default_cache_dir()``."""
+        return Path(self.data_cache_dir).expanduser() if self.data_cache_dir else default_cache_dir()
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and value for settings that cannot work."""
-        if self.seq_len < 2:
-            raise ValueError(
-                f"DataArguments.seq_len must be >= 2 (a block needs an input and a target), got {self.seq_len}"
-            )
-        if self.eval_blocks < 1:
-            raise ValueError(f"DataArguments.eval_blocks must be >= 1, got {self.eval_blocks}")
-        if not 0.0 < self.streaming_eval_fraction < 1.0:
-            raise ValueError(
-                f"DataArguments.streaming_eval_fraction must be in (0, 1), got {self.streaming_eval_fraction}"
-            )
-        if self.text_sample_by not in ("line", "paragraph", "document"):
-            raise ValueError(
-                f"DataArguments.text_sample_by must be 'line', 'paragraph' or 'document', got {self.text_sample_by!r}"
-            )
-        if self.pack_batch_docs < 1:
-            raise ValueError(f"DataArguments.pack_batch_docs must be >= 1, got {self.pack_batch_docs}")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"DataArguments.shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
-        if self.num_proc is not None and self.num_proc < 1:
-            raise ValueError(f"DataArguments.num_proc must be >= 1 or None, got {self.num_proc}")
-        if not self.text_column:
-            raise ValueError(f"DataArguments.text_column must be a column name, got {self.text_column!r}")
+        # Types, ranges and choices: the one table recipes are checked against; below, how the
+        # fields go together.
+        from looped_hf.field_checks import check_declared_fields
+
+        check_declared_fields(self)
         self._check_prepacked_fields()
 
     def _check_prepacked_fields(self) -> None:
