@@ -119,26 +119,29 @@ def reference_python() -> str | None:
     return None
 
 
-def greedy_reference_via(
-    python: str, checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs
-) -> list[tuple[list[int], list[float]]]:
-    """``greedy_reference`` run by ``python`` (in-process when it is this interpreter)."""
+def greedy_references(jobs: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
+    """``greedy_reference`` for each job ``{"checkpoint", "prompts", "n", "kwargs"}``."""
+    return [greedy_reference(job["checkpoint"], job["prompts"], job["n"], **job["kwargs"]) for job in jobs]
+
+
+def greedy_references_via(python: str, jobs: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
+    """``greedy_references(jobs)`` run by ``python``: in-process when it is this interpreter, else in
+    one subprocess for all jobs (paths as strings), importing this checkout's looped_hf."""
     import json
     import subprocess
     import sys
 
     if Path(python).resolve() == Path(sys.executable).resolve():
-        return greedy_reference(checkpoint, prompts, max_new_tokens, **generate_kwargs)
+        return greedy_references(jobs)
     script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from serving_helpers import greedy_reference; "
-        "a = json.loads(sys.argv[2]); "
-        "print(json.dumps(greedy_reference(a['checkpoint'], a['prompts'], a['n'], **a['kwargs'])))"
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from serving_helpers import greedy_references; "
+        "print(json.dumps(greedy_references(json.loads(sys.stdin.read()))))"
     )
-    args = json.dumps({"checkpoint": str(checkpoint), "prompts": prompts, "n": max_new_tokens, "kwargs": generate_kwargs})
+    payload = json.dumps([{**job, "checkpoint": str(job["checkpoint"])} for job in jobs])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's looped_hf
-    done = subprocess.run([python, "-c", script, str(Path(__file__).parent), args], capture_output=True, text=True,
-                          env=env, check=False)  # fmt: skip
+    done = subprocess.run([python, "-c", script, str(Path(__file__).parent)], input=payload, capture_output=True,
+                          text=True, env=env, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the generate() reference failed in {python}:\n{done.stderr[-3000:]}")
-    return [(tokens, logprobs) for tokens, logprobs in json.loads(done.stdout.strip().splitlines()[-1])]
+    return [[(tokens, logprobs) for tokens, logprobs in job] for job in json.loads(done.stdout.strip().splitlines()[-1])]

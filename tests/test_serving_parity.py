@@ -23,7 +23,7 @@ import pytest
 import torch
 from serving_helpers import (
     SERVING_VOCAB,
-    greedy_reference_via,
+    greedy_references_via,
     reference_python,
     save_serving_checkpoint,
     serving_config,
@@ -110,8 +110,8 @@ def references(checkpoints, prompts) -> dict[str, list]:
     if python is None:
         pytest.skip("no interpreter whose transformers runs looped_hf's forward for the generate() reference "
                     "(set LOOPED_HF_REFERENCE_PYTHON)")  # fmt: skip
-    jobs = [(engine_id(case), checkpoints[case[0]], overrides(case[1], case[2])) for case in ENGINES]
-    return {name: greedy_reference_via(python, ckpt, prompts, NEW_TOKENS, **kw) for name, ckpt, kw in jobs}
+    jobs = [dict(checkpoint=checkpoints[arch], prompts=prompts, n=NEW_TOKENS, kwargs=overrides(r, k)) for arch, r, k in ENGINES]
+    return dict(zip(map(engine_id, ENGINES), greedy_references_via(python, jobs)))
 
 
 def make_llm(checkpoint: Path, hf_overrides: dict | None = None, **kwargs):
