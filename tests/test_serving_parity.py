@@ -117,9 +117,9 @@ def references(checkpoints, prompts) -> dict[str, list]:
 def make_llm(checkpoint: Path, hf_overrides: dict | None = None, **kwargs):
     from vllm import LLM
 
-    return LLM(model=str(checkpoint), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-               block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, seed=0, hf_overrides=hf_overrides or {},
-               **kwargs)  # fmt: skip
+    settings = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
+                    max_model_len=256, max_num_seqs=8, seed=0, hf_overrides=hf_overrides or {})  # fmt: skip
+    return LLM(model=str(checkpoint), **{**settings, **kwargs})
 
 
 def greedy(llm, prompts: list[list[int]], **params) -> list:
@@ -229,3 +229,21 @@ def test_importing_looped_hf_serving_does_not_import_vllm() -> None:
 
     code = "import sys, looped_hf, looped_hf.serving; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@needs_vllm
+def test_a_converted_study_checkpoint_builds_its_config_without_remote_code(workdir: Path) -> None:
+    """``looped-hf convert``'s folder reaches the model's checks with no trust_remote_code. The study's
+    fixtures have head_dim 16, which vLLM's CPU attention cannot run: refused with that line (on
+    a GPU the same folder is served)."""
+    from conftest import fixture_path
+
+    from looped_hf.convert import convert_nanochat
+
+    folder = convert_nanochat(fixture_path("study_checkpoints", "loop4_linear"), workdir / "converted", step=20)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head_dim refusal is the CPU backend's")
+    with pytest.raises(Exception, match=r"head_dim=16: vLLM's CPU attention runs head sizes"):
+        close(make_llm(folder, max_model_len=64))
