@@ -16,6 +16,11 @@ later recurrence i + k overwrites those places. That is exactly what ``generate(
 same split of tokens into forward calls (it writes, attends, and crops an earlier writer's tokens
 back out). vLLM splits tokens into calls itself, so with a budget the plugin turns off what would
 split them differently from ``generate()``: prefix caching and chunked prefill (``plugin.py``).
+One split remains vLLM's: a request preempted because the KV cache is full is recomputed by
+prefilling its prompt and the tokens generated so far in one call, so with a budget its later
+tokens are what ``generate()`` gives for that text as one prompt (without a budget a slot's KV does
+not depend on the split, and preemption changes nothing). A KV cache sized for the batch
+(``VLLM_CPU_KVCACHE_SPACE``, ``gpu_memory_utilization``) never preempts.
 
 r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrences": R,
 "kv_budget": K}``. What cannot be served exactly is refused by ``looped_hf.serving.servable_problems``.
@@ -23,9 +28,7 @@ r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrence
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -44,6 +47,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from ..configuration_looped import LoopedConfig
@@ -248,15 +252,6 @@ class LoopedVllmModel(nn.Module):
         return self.norm(h)
 
 
-def _trained_num_recurrences(vllm_config: VllmConfig) -> int | None:
-    """r as the checkpoint's config.json says (before hf_overrides), or None if it cannot be read."""
-    path = Path(vllm_config.model_config.model) / "config.json"
-    try:
-        return int(json.loads(path.read_text())["num_recurrences"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 class LoopedForCausalLM(nn.Module):
     """vLLM's entry class for architecture ``LoopedForCausalLM`` (see the module docstring)."""
 
@@ -268,17 +263,13 @@ class LoopedForCausalLM(nn.Module):
         super().__init__()
         config: LoopedConfig = vllm_config.model_config.hf_config
         self.config = config
-        self.trained_num_recurrences = _trained_num_recurrences(vllm_config)
-        self.model = LoopedVllmModel(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model")
+        self.model = LoopedVllmModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.padded_vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-                                      prefix=f"{prefix}lm_head" if not prefix else f"{prefix}.lm_head")  # fmt: skip
+                                      prefix=maybe_prefix(prefix, "lm_head"))  # fmt: skip
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         # The padded rows are cropped (org_vocab_size) before the soft-cap, as logits_from_hidden does.
         self.logits_processor = LogitsProcessor(config.padded_vocab_size, config.vocab_size, soft_cap=config.logit_softcap)
-        self.make_empty_intermediate_tensors = None
-        if not get_pp_group().is_last_rank:  # check_servable refuses pipeline parallelism; kept for clarity
-            raise ValueError("pipeline_parallel_size > 1 is not supported by the looped model")
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
