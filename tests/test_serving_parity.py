@@ -1,4 +1,4 @@
-"""vLLM serves looped checkpoints exactly as ``generate()`` computes them (issue 32, items 1-3).
+"""vLLM serves looped checkpoints exactly as ``generate()`` computes them.
 
 Each engine case loads a saved folder with ``vllm.LLM`` (the plugin registers the model and the
 config, no ``trust_remote_code``), decodes greedily in float32 and must give ``generate(do_sample=
