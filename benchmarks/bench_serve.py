@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=(1, 8, 32))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--llama-layers", action="store_true",
+                   help="looped layers without QK-norm, logit soft-cap and embedding norm, as Llama's: then only the "
+                        "loop (injection, recurrence norm) differs from the Llama")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
     p.add_argument("--skip-kv", action="store_true", help="skip the KV-capacity table (five engine starts)")
     p.add_argument("--generate-python", default=None, metavar="PYTHON",
@@ -78,6 +81,7 @@ def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
         vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=heads, hidden_act="silu",
         num_prelude_layers=prelude, num_recurrent_layers=block, num_coda_layers=coda, num_recurrences=args.r,
         max_position_embeddings=1024,
+        **({"qk_norm": None, "logit_softcap": None, "embedding_norm": False} if args.llama_layers else {}),
     )  # fmt: skip
     llama = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads,
@@ -281,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; float32, "
           f"{'compiled' if args.compile else 'eager'}")  # fmt: skip
+    extras = "none (--llama-layers)" if args.llama_layers else "QK-norm, logit soft-cap, embedding norm"
     print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, r={args.r} (effective depth "
-          f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), vocab {args.vocab}, "
+          f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), looped extras: {extras}, "
+          f"vocab {args.vocab}, "
           f"prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median (min .. max) of "
           f"{args.repeats} repeats\n")  # fmt: skip
     print(throughput_table(results))
