@@ -9,10 +9,12 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -216,7 +218,9 @@ def test_server_completions_equal_offline_vllm_and_generate_and_chat_works(tmp_p
     g = torch.Generator().manual_seed(0)
     # Lengths across vLLM's 32-token KV blocks.
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 7, 33, 70)]
-    env = {**_env(), **vllm_env(tmp_path / "vllm"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    # vLLM's IPC sockets need a short path (107 bytes), shorter than pytest-xdist's tmp_path.
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvs-"))
+    env = {**_env(), **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     port = _free_port()
     serve = [sys.executable, "-m", "looped_hf", "serve", str(folder), "--num-recurrences", str(R),
              "--kv-budget", str(BUDGET), "--port", str(port),
@@ -224,7 +228,8 @@ def test_server_completions_equal_offline_vllm_and_generate_and_chat_works(tmp_p
     overrides = json.dumps({"num_recurrences": R, "kv_budget": BUDGET})
     offline_cmd = [sys.executable, "-c", OFFLINE, str(folder), overrides, json.dumps([*prompts, chat_ids]),
                    str(NEW_TOKENS)]  # fmt: skip
-    with _running(serve, env, tmp_path / "server.log") as proc:
+    with contextlib.ExitStack() as cleanup, _running(serve, env, tmp_path / "server.log") as proc:
+        cleanup.callback(shutil.rmtree, vllm_root, ignore_errors=True)
         # The offline engine starts beside the server, on the other core.
         offline = subprocess.run(offline_cmd, env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                                  capture_output=True, text=True, timeout=480)  # fmt: skip
