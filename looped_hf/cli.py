@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "publish": ("looped_hf.publish", "write a Hub-ready folder for one run; --push uploads it"),
     "convert": ("looped_hf.convert", "convert a study (nanochat) checkpoint into a Hub-ready looped_hf folder"),
     "eval": ("looped_hf.evaluation.cli", "downstream tasks (study bundles, built-in primitives, lm-eval) at every r"),
+    "serve": ("looped_hf.serving.cli", "serve a checkpoint with vLLM's OpenAI-compatible server (r, kv_budget per server)"),
     "test-time": ("looped_hf.recurrence_curves", "held-out loss of a checkpoint at r = 1 .. 4x its trained r (table + plot)"),
     "prepare-data": ("looped_hf.prepack", "pack a text source into the study's prepacked rows (best fit, resumable)"),
     "demo": ("looped_hf.demo", "the main job: tiny iso-depth sweep -> fit -> cards"),

@@ -260,6 +260,12 @@ class LoopedConfig(PreTrainedConfig):
         stacks = tuple(stack for stack, n in counts.items() if n > 0)
         return tensor_parallel_plan(gated=self.hidden_act != "relu2", stacks=stacks)
 
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str]) -> None:
+        # transformers < 5.20 (vLLM's pinned range) writes the tied embedding's split here while
+        # constructing a tied config; the plan is derived on every read, so nothing is stored.
+        return None
+
     vocab_size: int = 8192
     hidden_size: int = 256
     intermediate_size: int | None = None

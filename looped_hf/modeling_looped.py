@@ -38,7 +38,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import TransformersKwargs, can_return_tuple, merge_with_config_defaults
@@ -65,6 +65,18 @@ from .interface_looped import (
     check_token_ids,
 )
 from .recurrent_block_looped import LoopedRecurrentBlock
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.20 (vLLM's pinned range) slices inline, as its Llama does
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+            if logits_to_keep.dtype == torch.bool:
+                return hidden_states[logits_to_keep]
+            return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (Llama's, with the study's switches)

@@ -1,0 +1,304 @@
+"""Serving throughput and KV capacity: vLLM against batched ``generate()``, looped against Llama.
+
+    python benchmarks/bench_serve.py                        # the docs' table (a few minutes on 2 CPU cores)
+    python benchmarks/bench_serve.py --hidden 512 --repeats 5 --concurrency 1 8 32 64
+
+Three measurements, in one run, in the serving environment (``make serve-setup``):
+
+1. tokens/s at 1, 8 and 32 concurrent requests (64 new tokens each, greedy, no early stop): vLLM's
+   offline engine (every request submitted at once, so they share its continuous batch) against
+   ``generate()`` on the same requests as one batch, on the same looped checkpoint;
+2. the same vLLM on a Llama of the same width, heads, MLP and effective depth (P + r*K + C layers):
+   the loop should cost what its depth costs;
+3. vLLM's KV-cache capacity, tokens per GiB of ``VLLM_CPU_KVCACHE_SPACE``, at r = 1, 4 and 8 with
+   one cache per layer application and with a ``kv_budget``, next to what P + k*K + C caches of
+   this shape should hold.
+
+The sides of 1 and 2 are interleaved within each repeat (vLLM looped, ``generate()``, vLLM Llama),
+so drifting load on a shared machine hits all of them; the table gives the median over repeats and
+the spread (min .. max). Models are random (throughput does not depend on the weights), float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KV_SPACE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE for every engine here; capacities are per this GiB
+KV_CASES = ((1, None), (4, None), (4, 2), (8, None), (8, 2))  # (r, kv_budget)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=256, help="width d (head_dim 64)")
+    p.add_argument("--layers", type=int, nargs=3, default=(1, 2, 1), metavar=("P", "K", "C"),
+                   help="prelude, block and coda layers")  # fmt: skip
+    p.add_argument("--r", type=int, default=4, help="recurrences of the throughput model")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=(1, 8, 32))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--llama-layers", action="store_true",
+                   help="looped layers without QK-norm, logit soft-cap and embedding norm, as Llama's: then only the "
+                        "loop (injection, recurrence norm) differs from the Llama")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
+    p.add_argument("--skip-kv", action="store_true", help="skip the KV-capacity table (five engine starts)")
+    p.add_argument("--generate-python", default=None, metavar="PYTHON",
+                   help="interpreter for the generate() side (default: this one if its transformers runs the looped "
+                        "forward, else python3 on PATH)")  # fmt: skip
+    p.add_argument("--generate-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
+    return p
+
+
+def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
+    """A random looped checkpoint and the Llama of its width and effective depth; returns both folders
+    and the looped config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from looped_hf import LoopedConfig, LoopedForCausalLM
+
+    prelude, block, coda = args.layers
+    heads = args.hidden // 64
+    looped = LoopedConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=heads, hidden_act="silu",
+        num_prelude_layers=prelude, num_recurrent_layers=block, num_coda_layers=coda, num_recurrences=args.r,
+        max_position_embeddings=1024,
+        **({"qk_norm": None, "logit_softcap": None, "embedding_norm": False} if args.llama_layers else {}),
+    )  # fmt: skip
+    llama = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=64, intermediate_size=looped.intermediate_size, num_hidden_layers=looped.effective_num_layers,
+        hidden_act="silu", max_position_embeddings=1024, rms_norm_eps=looped.rms_norm_eps,
+        tie_word_embeddings=looped.tie_word_embeddings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LoopedForCausalLM(looped).save_pretrained(root / "looped")
+    LlamaForCausalLM(llama).save_pretrained(root / "llama")
+    return root / "looped", root / "llama", looped
+
+
+def vllm_engine(folder: Path, args: argparse.Namespace, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(folder), dtype="float32", skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
+        max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency), **kwargs,
+    )  # fmt: skip
+
+
+def close(engine: Any) -> None:
+    """Stop an engine's core process now (not at garbage collection), so the next one has the cores."""
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def _looped_forward_runs(python: str) -> bool:
+    """Whether ``python``'s transformers runs looped_hf's cached forward (transformers 5.20 renamed
+    ``past_key_values`` to ``cache``; vllm-cpu 0.32.0 pins < 5.20)."""
+    probe = "from transformers.modeling_outputs import BaseModelOutputWithPast as B; assert 'cache' in B.__dataclass_fields__"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+
+
+def generate_python(requested: str | None) -> str:
+    """The interpreter for the ``generate()`` side: ``--generate-python``, else this one when its
+    transformers runs the looped forward, else ``python3`` on PATH (the main environment)."""
+    for python in (requested, sys.executable, shutil.which("python3")):
+        if python and _looped_forward_runs(python):
+            return python
+    raise SystemExit("bench_serve: no interpreter runs looped_hf's generate(); pass --generate-python")
+
+
+class GenerateWorker:
+    """``generate()`` on the looped checkpoint in a persistent process (possibly another environment):
+    one batched call per request, timed there, so its rate excludes the pipe."""
+
+    def __init__(self, python: str, folder: Path, prompts: list[list[int]], new_tokens: int) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([python, __file__, "--generate-worker", str(folder)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self._send({"prompts": prompts, "new_tokens": new_tokens})
+
+    def _send(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the generate() worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def tokens_per_s(self, n: int) -> float:
+        return float(self._send({"n": n})["tokens_per_s"])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def generate_worker(folder: str) -> int:
+    """The worker's loop: the first line sets prompts and length, each next ``{"n": N}`` runs the first N
+    prompts as one batch and answers ``{"tokens_per_s": ...}``."""
+    import torch
+
+    from looped_hf import LoopedForCausalLM
+
+    model = LoopedForCausalLM.from_pretrained(folder).eval()
+    setup = json.loads(sys.stdin.readline())
+    prompts, new_tokens = torch.tensor(setup["prompts"]), int(setup["new_tokens"])
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        batch = prompts[: json.loads(line)["n"]]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False, pad_token_id=0,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens)  # fmt: skip
+        rate = (out.shape[1] - batch.shape[1]) * batch.shape[0] / (time.perf_counter() - start)
+        print(json.dumps({"tokens_per_s": rate}), flush=True)
+    return 0
+
+
+def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> dict[str, dict[int, list[float]]]:
+    """{side: {concurrency: [tokens/s per repeat]}} for vLLM looped, generate() looped, vLLM Llama."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args)}
+    worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens)
+
+    def run_vllm(name: str, n: int) -> float:
+        start = time.perf_counter()
+        outs = engines[name].generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:n]], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    sides: dict[str, Callable[[int], float]] = {
+        "vllm_looped": lambda n: run_vllm("vllm_looped", n),
+        "generate_looped": worker.tokens_per_s,
+        "vllm_llama": lambda n: run_vllm("vllm_llama", n),
+    }
+    for fn in sides.values():  # warm-up: first calls allocate and (with --compile) compile
+        fn(min(args.concurrency))
+    results: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.concurrency} for name in sides}
+    for rep in range(args.repeats):
+        for n in args.concurrency:
+            for name, fn in sides.items():
+                results[name][n].append(fn(n))
+        print(f"[bench_serve] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    worker.close()
+    for engine in engines.values():
+        close(engine)
+    return results
+
+
+def kv_capacity(args: argparse.Namespace, looped_dir: Path, config: Any) -> list[dict[str, Any]]:
+    """vLLM's KV-cache tokens per GiB for each (r, kv_budget) of ``KV_CASES``, and the expected value
+    for P + k*K + C caches of 2 * kv_heads * head_dim float32 numbers per token each."""
+    rows = []
+    for r, budget in KV_CASES:
+        overrides = {"num_recurrences": r, "kv_budget": budget}
+        engine = vllm_engine(looped_dir, args, hf_overrides=overrides, load_format="dummy")
+        cache = engine.llm_engine.vllm_config.cache_config
+        tokens = cache.num_gpu_blocks * cache.block_size
+        close(engine)
+        slots = config.num_kv_slots(r, budget)
+        per_token = slots * 2 * config.num_key_value_heads * config.head_dim * 4
+        rows.append({"r": r, "kv_budget": budget, "slots": slots, "tokens_per_gib": tokens / KV_SPACE_GIB,
+                     "expected_tokens_per_gib": 2**30 / per_token})  # fmt: skip
+    return rows
+
+
+def spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f} .. {max(values):,.0f})"
+
+
+def throughput_table(results: dict[str, dict[int, list[float]]]) -> str:
+    """Markdown: tokens/s per side and concurrency, and the two ratios of the targets (of medians)."""
+    lines = [
+        "| concurrent requests | vLLM, looped | generate(), looped | vLLM, equal-depth Llama | vLLM / generate() | looped / Llama |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in results["vllm_looped"]:
+        med = {name: statistics.median(results[name][n]) for name in results}
+        lines.append(
+            f"| {n} | {spread(results['vllm_looped'][n])} | {spread(results['generate_looped'][n])} | "
+            f"{spread(results['vllm_llama'][n])} | {med['vllm_looped'] / med['generate_looped']:.2f}x | "
+            f"{med['vllm_looped'] / med['vllm_llama']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def kv_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| r | kv_budget | KV caches (P + k*K + C) | tokens / GiB (vLLM) | tokens / GiB (expected) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        lines.append(f"| {row['r']} | {row['kv_budget'] or '-'} | {row['slots']} | {row['tokens_per_gib']:,.0f} | "
+                     f"{row['expected_tokens_per_gib']:,.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.generate_worker:
+        return generate_worker(args.generate_worker)
+    if args.hidden % 64 or args.r < 1 or args.repeats < 1 or min(args.concurrency) < 1:
+        print(f"bench_serve: --hidden {args.hidden} must be a multiple of 64 (head_dim 64), --r {args.r}, "
+              f"--repeats {args.repeats} and --concurrency {args.concurrency} >= 1", file=sys.stderr)  # fmt: skip
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
+        root = Path(tmp)
+        # vLLM's compile cache and IPC sockets in the temp folder, a fixed CPU KV-cache size.
+        for name in ("cache", "rpc"):
+            (root / name).mkdir()
+        os.environ.update({"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
+                           "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+        import torch
+        import vllm
+
+        looped_dir, llama_dir, config = save_models(root, args)
+        results = throughput(args, looped_dir, llama_dir)
+        rows = [] if args.skip_kv else kv_capacity(args, looped_dir, config)
+    prelude, block, coda = args.layers
+    print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; float32, "
+          f"{'compiled' if args.compile else 'eager'}")  # fmt: skip
+    extras = "none (--llama-layers)" if args.llama_layers else "QK-norm, logit soft-cap, embedding norm"
+    print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, r={args.r} (effective depth "
+          f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), looped extras: {extras}, "
+          f"vocab {args.vocab}, "
+          f"prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median (min .. max) of "
+          f"{args.repeats} repeats\n")  # fmt: skip
+    print(throughput_table(results))
+    if rows:
+        print(f"\nKV cache (VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB} GiB):\n")
+        print(kv_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "throughput": results, "kv": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

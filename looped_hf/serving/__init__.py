@@ -1,0 +1,71 @@
+"""Serving looped_hf checkpoints with vLLM (docs/serving.md).
+
+``plugin.register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in each of its
+processes, and it registers ``vllm_model.LoopedForCausalLM`` (lazily, by name) and ``LoopedConfig``.
+Nothing here imports vLLM (or torch) at import time: ``import looped_hf.serving`` works without
+vLLM installed, and ``check_servable`` reads only the config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VLLM_ARCHITECTURE = "LoopedForCausalLM"
+VLLM_MODEL_CLASS = "looped_hf.serving.vllm_model:LoopedForCausalLM"
+# vLLM's CPU attention backend runs these head sizes only (csrc/cpu attention kernels).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Rotary variants whose tables depend on the length of the current call (transformers'
+# dynamic_rope_update): vLLM's calls are not generate()'s, so their positions would rotate differently.
+CALL_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def servable_problems(
+    config: Any, *, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, device: str | None = None
+) -> list[str]:
+    """Every reason the native vLLM model cannot serve ``config`` exactly as ``generate()`` computes
+    it, one line each naming the field and the value (empty: servable). Everything else that
+    ``LoopedConfig`` accepts is served: prelude / block / coda, every injection mode, each QK-norm,
+    the soft-cap, the recurrence and embedding norms, tied or untied heads, GQA, padded vocabularies,
+    both looped formats, every hidden_act, rope_table_dtype, kv_budget, r from hf_overrides."""
+    problems = []
+    if config.state_init == "noise":
+        problems.append(
+            "state_init='noise': h_0 is drawn from the global RNG on every forward, so vLLM's forward calls "
+            "cannot reproduce generate(); serve a checkpoint with state_init 'prelude' or 'zeros'"
+        )
+    if config.exit_criterion is not None:
+        problems.append(
+            f"exit_criterion={config.exit_criterion!r}: per-token adaptive exit is not served by vLLM (every token of "
+            "a batch runs the engine's r); save the config with exit_criterion=None to serve at a fixed r"
+        )
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type in CALL_DEPENDENT_ROPE_TYPES:
+        problems.append(
+            f"rope_parameters.rope_type={rope_type!r}: its tables depend on the length of each forward call, "
+            "which vLLM chooses differently from generate()"
+        )
+    if pipeline_parallel_size != 1:
+        problems.append(
+            f"pipeline_parallel_size={pipeline_parallel_size}: the looped model is not split into pipeline stages "
+            "(its shared block runs r times in one place); use tensor_parallel_size"
+        )
+    if config.num_attention_heads % tensor_parallel_size or (
+        config.num_key_value_heads >= tensor_parallel_size and config.num_key_value_heads % tensor_parallel_size
+    ):
+        problems.append(
+            f"tensor_parallel_size={tensor_parallel_size}: must divide num_attention_heads={config.num_attention_heads} "
+            f"and num_key_value_heads={config.num_key_value_heads}"
+        )
+    if device == "cpu" and config.head_dim not in CPU_HEAD_SIZES:
+        problems.append(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes {CPU_HEAD_SIZES} only")
+    return problems
+
+
+def check_servable(config: Any, **kwargs: Any) -> None:
+    """Raise ``ValueError`` with every line of ``servable_problems`` (see there)."""
+    problems = servable_problems(config, **kwargs)
+    if problems:
+        raise ValueError("this looped checkpoint cannot be served by vLLM: " + "; ".join(problems))
+
+
+__all__ = ["CPU_HEAD_SIZES", "VLLM_ARCHITECTURE", "VLLM_MODEL_CLASS", "check_servable", "servable_problems"]

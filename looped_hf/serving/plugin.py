@@ -1,0 +1,160 @@
+"""The ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls ``register()`` in each of its
+processes before it reads a model's config.
+
+It makes three things known to vLLM:
+
+- ``LoopedConfig`` to transformers' ``AutoConfig`` under model_type ``looped``, so vLLM builds a
+  looped folder's config from the installed looped_hf, with no ``--trust-remote-code`` (a folder's
+  ``auto_map`` names remote code, which transformers prefers only when the type is unknown);
+- architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
+  process that builds the model);
+- a config hook (vLLM's ``MODELS_CONFIG_MAP``, run when the engine's config is made, in the process
+  the user started) that refuses what cannot be served with one clear line, and, for a
+  ``kv_budget`` below r, turns off the two scheduler features that would split tokens into forward
+  calls differently from ``generate()`` (see ``vllm_model``'s docstring): prefix caching and
+  chunked prefill. It also adds the engine's request guard (below) to its logits processors.
+
+r and kv_budget are per engine. The one per-request channel that reaches vLLM's admission check is
+``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI request body): the CPU model runner never
+hands it to the model's forward, so a request cannot change r. A request that names
+``num_recurrences`` or ``kv_budget`` there is checked against the engine's by a logits processor
+whose ``validate_params`` runs at admission, and refused (HTTP 400 from the server) when they differ;
+its ``apply`` changes nothing. The engine's values are in the guard's name
+(``RecurrenceGuard_r3_k2``; k 0: no budget), made on demand by this module's ``__getattr__``, so
+vLLM can load it by name in every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
+
+logger = logging.getLogger(__name__)
+
+
+def _budget_settings(vllm_config) -> None:
+    """With kv_budget < r a token's KV at a shared slot depends on which tokens shared its forward
+    call, so prompts must be prefilled whole, and never from another request's cached prefix."""
+    config = vllm_config.model_config.hf_config
+    plan = config.slot_plan()
+    if not plan.shares_slots:
+        return
+    why = f"kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences}"
+    cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
+    if cache_config.enable_prefix_caching:
+        logger.info("looped_hf: %s, turning prefix caching off", why)
+        cache_config.enable_prefix_caching = False
+    if scheduler_config.enable_chunked_prefill:
+        logger.info("looped_hf: %s, turning chunked prefill off", why)
+        scheduler_config.enable_chunked_prefill = False
+        scheduler_config.long_prefill_token_threshold = 0
+    max_len = vllm_config.model_config.max_model_len
+    if scheduler_config.max_num_batched_tokens < max_len:
+        scheduler_config.max_num_batched_tokens = max_len
+
+
+REQUEST_KEYS = ("num_recurrences", "kv_budget")
+_GUARD_NAME = re.compile(r"RecurrenceGuard_r(\d+)_k(\d+)")
+_GUARDS: dict[str, type] = {}
+
+
+def guard_name(num_recurrences: int, kv_budget: int | None) -> str:
+    """The request guard's class name for an engine at r with kv_budget (None: every slot its own)."""
+    return f"RecurrenceGuard_r{num_recurrences}_k{kv_budget or 0}"
+
+
+def check_request(extra_args: dict | None, num_recurrences: int, kv_budget: int | None) -> None:
+    """Raise ``ValueError`` when a request's ``extra_args`` ask for an r or kv_budget other than the
+    engine's (a value equal to the engine's is accepted)."""
+    engine = {"num_recurrences": num_recurrences, "kv_budget": kv_budget}
+    for key in REQUEST_KEYS:
+        if extra_args and key in extra_args and extra_args[key] != engine[key]:
+            raise ValueError(
+                f"{key}={extra_args[key]!r}: this engine serves num_recurrences={num_recurrences}, "
+                f"kv_budget={kv_budget}; both are set per engine (hf_overrides, looped-hf serve "
+                "--num-recurrences / --kv-budget), not per request"
+            )
+
+
+def _make_guard(name: str) -> type:
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    match = _GUARD_NAME.fullmatch(name)
+    r, k = int(match.group(1)), int(match.group(2)) or None
+
+    class RecurrenceGuard(LogitsProcessor):
+        @classmethod
+        def validate_params(cls, sampling_params) -> None:
+            check_request(sampling_params.extra_args, r, k)
+
+        def __init__(self, vllm_config, device, is_pin_memory) -> None:
+            pass
+
+        def apply(self, logits):
+            return logits
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update) -> None:
+            return None
+
+    RecurrenceGuard.__name__ = RecurrenceGuard.__qualname__ = name
+    RecurrenceGuard.__module__ = __name__
+    return RecurrenceGuard
+
+
+def __getattr__(name: str) -> type:
+    # vLLM loads logits processors by "module:name" in each process; the name carries r and k.
+    if _GUARD_NAME.fullmatch(name):
+        if name not in _GUARDS:
+            _GUARDS[name] = _make_guard(name)
+        return _GUARDS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _add_request_guard(vllm_config) -> None:
+    config = vllm_config.model_config.hf_config
+    guard = f"{__name__}:{guard_name(config.num_recurrences, config.kv_budget)}"
+    model_config = vllm_config.model_config
+    processors = list(model_config.logits_processors or [])
+    if guard not in processors:
+        model_config.logits_processors = [*processors, guard]
+
+
+class LoopedConfigHook:
+    """vLLM's per-architecture config hook (the interface of ``VerifyAndUpdateConfig``)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        from vllm.platforms import current_platform
+
+        parallel = vllm_config.parallel_config
+        check_servable(
+            vllm_config.model_config.hf_config,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            device="cpu" if current_platform.is_cpu() else None,
+        )
+        _budget_settings(vllm_config)
+        _add_request_guard(vllm_config)
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return None
+
+
+def register() -> None:
+    """Register the looped config, model and config hook with vLLM (idempotent)."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from ..configuration_looped import LoopedConfig
+
+    AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
+    if VLLM_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(VLLM_ARCHITECTURE, VLLM_MODEL_CLASS)
+    MODELS_CONFIG_MAP[VLLM_ARCHITECTURE] = LoopedConfigHook

@@ -1,0 +1,317 @@
+"""The native vLLM implementation of ``LoopedForCausalLM`` (registered by ``plugin.register``).
+
+The forward is ``modeling_looped.LoopedModel``'s, op for op, on vLLM's layers: tensor-parallel
+projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a vocabulary-parallel
+embedding and head, and vLLM's paged ``Attention``. The norms, the rotary tables and the
+hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit.
+
+KV cache: one vLLM ``Attention`` per KV slot of ``LoopedConfig.slot_plan(r, kv_budget)``, named
+``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
+layer is applied r times and each application attends through its own slot: P + r*K + C caches.
+With ``kv_budget = k < r`` recurrence i uses slot P + (i mod k)*K + j, and the slot's cache is
+simply written by every recurrence that owns it: vLLM writes a token's KV at its fixed place in
+the paged cache, so within one forward recurrence i writes the new tokens' KV, attends (past
+tokens: the KV the slot's last writer left there; new tokens: their fresh recurrence-i KV), and a
+later recurrence i + k overwrites those places. That is exactly what ``generate()`` computes for the
+same split of tokens into forward calls (it writes, attends, and crops an earlier writer's tokens
+back out). vLLM splits tokens into calls itself, so with a budget the plugin turns off what would
+split them differently from ``generate()``: prefix caching and chunked prefill (``plugin.py``).
+One split remains vLLM's: a request preempted because the KV cache is full is recomputed by
+prefilling its prompt and the tokens generated so far in one call, so with a budget its later
+tokens are what ``generate()`` gives for that text as one prompt (without a budget a slot's KV does
+not depend on the split, and preemption changes nothing). A KV cache sized for the batch
+(``VLLM_CPU_KVCACHE_SPACE``, ``gpu_memory_utilization``) never preempts.
+
+r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrences": R,
+"kv_budget": K}``. What cannot be served exactly is refused by ``looped_hf.serving.servable_problems``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
+from vllm.sequence import IntermediateTensors
+
+from ..configuration_looped import LoopedConfig
+from ..modeling_looped import (
+    LoopedHyperConnection,
+    LoopedRMSNorm,
+    LoopedRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from . import check_servable
+
+
+class _LoopedAttention(nn.Module):
+    """q/k/v/o of one layer (the weights); the KV cache it attends through is passed in per call,
+    because a shared layer attends through a different slot at each recurrence."""
+
+    def __init__(self, config: LoopedConfig, quant_config, prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=config.attention_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
+        )  # fmt: skip
+        self.qk_norm = config.qk_norm
+        self.qk_norm_eps = config.rms_norm_eps
+        if self.qk_norm == "learnable_before_rope":
+            self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "learnable_before_rope":
+            q, k = self.q_norm(q), self.k_norm(k)
+        # (tokens, heads, head_dim) with tables (tokens, head_dim): modeling_looped's order of ops.
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        if self.qk_norm == "after_rope":
+            q = F.rms_norm(q, (self.head_dim,), eps=self.qk_norm_eps)
+            k = F.rms_norm(k, (self.head_dim,), eps=self.qk_norm_eps)
+        out = attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+        out, _ = self.o_proj(out)
+        return out
+
+
+class _LoopedMLP(nn.Module):
+    """The study's squared ReLU (up, down) or a gated MLP (gate and up fused, as vLLM's Llama)."""
+
+    def __init__(self, config: LoopedConfig, quant_config, prefix: str) -> None:
+        super().__init__()
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gated = config.hidden_act != "relu2"
+        if self.gated:
+            self.gate_up_proj = MergedColumnParallelLinear(
+                d, [f, f], bias=bias, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+            )
+            self.act_fn = ACT2FN[config.hidden_act]
+        else:
+            self.up_proj = ColumnParallelLinear(d, f, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up_proj")
+        self.down_proj = RowParallelLinear(f, d, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate_up, _ = self.gate_up_proj(x)
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = self.act_fn(gate) * up
+        else:
+            y = F.relu(self.up_proj(x)[0]).square()
+        return self.down_proj(y)[0]
+
+
+class _LoopedDecoderLayer(nn.Module):
+    def __init__(self, config: LoopedConfig, quant_config, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = _LoopedAttention(config, quant_config, f"{prefix}.self_attn")
+        self.mlp = _LoopedMLP(config, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _KVSlot(nn.Module):
+    """One KV-cache slot: a module named ``kv_slots.{slot}`` holding vLLM's ``Attention``."""
+
+    def __init__(self, config: LoopedConfig, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.attn = Attention(
+            config.num_attention_heads // tp, config.head_dim, config.head_dim**-0.5,
+            num_kv_heads=max(1, config.num_key_value_heads // tp), cache_config=vllm_config.cache_config,
+            quant_config=vllm_config.quant_config, prefix=f"{prefix}.attn",
+        )  # fmt: skip
+
+
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
+class LoopedVllmModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config: LoopedConfig = vllm_config.model_config.hf_config
+        parallel = vllm_config.parallel_config
+        check_servable(config, pipeline_parallel_size=parallel.pipeline_parallel_size,
+                       tensor_parallel_size=parallel.tensor_parallel_size)
+        quant_config = vllm_config.quant_config
+        self.config = config
+        self.plan = config.slot_plan()
+        self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")  # fmt: skip
+        norm = lambda: LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
+        self.embedding_norm = norm() if config.embedding_norm else None
+
+        def stack(name: str, n: int) -> nn.ModuleList:
+            return nn.ModuleList(_LoopedDecoderLayer(config, quant_config, f"{prefix}.{name}.{j}") for j in range(n))
+
+        self.prelude_layers = stack("prelude_layers", config.num_prelude_layers)
+        self.recurrent_layers = stack("recurrent_layers", config.num_recurrent_layers)
+        self.coda_layers = stack("coda_layers", config.num_coda_layers)
+        self.injection = None
+        if config.input_injection == "linear":
+            self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
+        self.recurrence_norm = norm() if config.recurrence_norm else None
+        self.norm = norm()
+        self.rotary_emb = LoopedRotaryEmbedding(config)
+        self.kv_slots = nn.ModuleList(
+            _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}") for slot in range(self.plan.num_slots)
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def _inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """modeling_looped's ``_inject``, with its numerics: format 2 splits W [e; h] into W_e e +
+        W_h h (two matmuls), format 1 keeps the concatenated [h; e] matmul it was saved with."""
+        mode = self.config.input_injection
+        if mode == "linear":
+            if self.config.looped_format == 1:
+                return self.injection(torch.cat([h, e], dim=-1))
+            d = self.config.hidden_size
+            weight = self.injection.weight
+            return F.linear(e, weight[:, :d]) + F.linear(h, weight[:, d:])
+        if mode == "add":
+            return h + e
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        config, plan = self.config, self.plan
+        h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        cos, sin = self.rotary_emb(h, positions)
+        if self.embedding_norm is not None:
+            h = self.embedding_norm(h)
+        for j, layer in enumerate(self.prelude_layers):
+            h = layer(h, cos, sin, self.kv_slots[plan.prelude(j)].attn)
+        e = h
+        if config.state_init == "zeros":
+            h = torch.zeros_like(e)
+        hc = self.hyperconnection
+        legacy = config.looped_format == 1
+        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
+        for step in range(plan.num_recurrences):
+            if hc is not None:
+                x = y = hc.read(lanes, step)
+                for j, layer in enumerate(self.recurrent_layers):
+                    y = layer(y, cos, sin, self.kv_slots[plan.block(step, j)].attn)
+                if legacy:
+                    lanes = hc.write(lanes, step, y - x)
+                    if self.recurrence_norm is not None:
+                        lanes = self.recurrence_norm(lanes)
+                else:
+                    lanes = hc.write(lanes, step, self.recurrence_norm(y) if self.recurrence_norm is not None else y)
+                continue
+            h = self._inject(h, e)
+            for j, layer in enumerate(self.recurrent_layers):
+                h = layer(h, cos, sin, self.kv_slots[plan.block(step, j)].attn)
+            if self.recurrence_norm is not None:
+                h = self.recurrence_norm(h)
+        if hc is not None:
+            h = lanes.sum(0)
+        for j, layer in enumerate(self.coda_layers):
+            h = layer(h, cos, sin, self.kv_slots[plan.coda(j)].attn)
+        return self.norm(h)
+
+
+class LoopedForCausalLM(nn.Module):
+    """vLLM's entry class for architecture ``LoopedForCausalLM`` (see the module docstring)."""
+
+    # q/k/v and gate/up are fused on load: looped_hf's names -> (vLLM's parameter, shard).
+    _STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"))
+    _STACKED_GATED = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config: LoopedConfig = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = LoopedVllmModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.padded_vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+                                      prefix=maybe_prefix(prefix, "lm_head"))  # fmt: skip
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        # The padded rows are cropped (org_vocab_size) before the soft-cap, as logits_from_hidden does.
+        self.logits_processor = LogitsProcessor(config.padded_vocab_size, config.vocab_size, soft_cap=config.logit_softcap)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load looped_hf's safetensors names (``model.prelude_layers.0.self_attn.q_proj.weight``...),
+        fusing q/k/v and gate/up. A name the model does not have is an error, not a skip."""
+        config = self.config
+        stacked = self._STACKED + (self._STACKED_GATED if config.hidden_act != "relu2" else ())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, weight in weights:
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the head is the embedding
+            if name == "model.hyperconnection.alpha" and weight.shape[0] != config.num_recurrences:
+                raise ValueError(
+                    f"num_recurrences={config.num_recurrences}: this checkpoint's hyperconnection parameters were "
+                    f"trained for num_recurrences={weight.shape[0]}, the only r it can run at"
+                )
+            for fused, part, shard in stacked:
+                if part in name:
+                    target = name.replace(part, fused)
+                    param = params[target]
+                    param.weight_loader(param, weight, shard)
+                    loaded.add(target)
+                    break
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"checkpoint weight {name!r}: the looped vLLM model has no such parameter")
+                getattr(param, "weight_loader", default_weight_loader)(param, weight)
+                loaded.add(name)
+        return loaded

