@@ -251,3 +251,23 @@ def test_test_time_counts_and_ceiling_exit_2(run_dir, capsys, flags, named):
 def test_test_time_compare_path_is_checked_before_measuring(run_dir, tmp_path, capsys):
     assert looped_hf(["test-time", str(run_dir), "--compare", str(tmp_path / "no" / "such" / "c.png")]) == 2
     assert "--compare" in _one_line(capsys) and not (run_dir / "test_time_scaling.json").exists()
+
+
+def test_eval_refuses_an_r_above_the_models_ceiling_before_scoring_any(run_dir, tmp_path, capsys, monkeypatch):
+    """The model's own ceiling (config.max_recurrences) is checked for every r before the first is scored,
+    so a typo in the largest r costs no scoring of the smaller ones."""
+    import looped_hf.evaluation.runner as runner
+
+    capped = _copy(run_dir, tmp_path)
+    config = json.loads((capped / "config.json").read_text())
+    config["max_recurrences"] = 4
+    (capped / "config.json").write_text(json.dumps(config))
+    scored = []
+    monkeypatch.setattr(runner, "evaluate_model", lambda *a, **k: scored.append(a))
+    assert _eval(str(capped), "--bundle", str(FIXTURE), "--device", "cpu", "--recurrences", "1", "8",
+                 "--out", str(tmp_path / "ev")) == 2  # fmt: skip
+    err = capsys.readouterr().err  # transformers' weight-loading bar shares stderr
+    lines = [line for line in err.splitlines() if line.startswith("looped-hf eval:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "num_recurrences=8" in lines[0] and "ceiling of 4" in lines[0]
+    assert not scored

@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         trained = int(model.config.num_recurrences)
         recurrences = args.recurrences or default_recurrences(trained)
+        for r in sorted(set(recurrences)):
+            # The model's own ceiling (config.max_recurrences), checked for every r before any is scored.
+            model.config.resolve_num_recurrences(r)
         _warn_cost(sorted(set(recurrences)), trained)
         results = evaluate_model(
             model, tokenizer, bundles, recurrences,
