@@ -13,6 +13,7 @@ from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
 from transformers import DynamicCache, StaticCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
+from looped_hf.interface_looped import CACHE_KEYWORD
 
 VOCAB = TINY_VOCAB
 P, K, C, R = 1, 2, 1, 4
@@ -144,7 +145,8 @@ def test_decode_attends_to_each_slots_last_writer(k):
 def test_generate_with_a_budget_matches_step_by_step_decoding(k):
     model, ids = tiny_model(), prompts()
     out = greedy(model, ids, kv_budget=k, return_dict_in_generate=True)
-    assert len(out.cache.layers) == P + k * K + C
+    # transformers' own GenerateDecoderOnlyOutput: its cache field is past_key_values before 5.20
+    assert len(getattr(out, CACHE_KEYWORD).layers) == P + k * K + C
     # Greedy by hand: prefill then one token at a time with the same budget.
     with torch.no_grad():
         step = model(ids, use_cache=True, kv_budget=k)
