@@ -28,7 +28,7 @@ from functools import wraps
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
 from transformers.masking_utils import create_causal_mask as _create_causal_mask
@@ -114,10 +114,11 @@ def cache_output_alias(cls: type) -> type:
     return cls
 
 
-# transformers 5.20 also made cache slots croppable where the looped model needs them: ``StaticLayer``
-# gained ``crop`` / ``is_croppable`` (5.20's crop steps the write position back; the stale KV
-# past it is masked and then overwritten), and ``DynamicLayer.crop`` learnt to skip a slot never
-# written (before, it slices ``None``; assisted decoding crops every slot of the draft's cache).
+# Which cache slots can be cropped moved over releases: transformers 5.17 added the
+# ``is_croppable`` flag (before, a plain dynamic slot crops but says nothing); 5.20 gave
+# ``StaticLayer`` ``crop`` (it steps the write position back; the stale KV past it is masked and
+# then overwritten) and taught ``DynamicLayer.crop`` to skip a slot never written (before, it
+# slices ``None``; assisted decoding crops every slot of the draft's cache).
 
 
 def slot_croppable(layer: object) -> bool:
@@ -125,7 +126,10 @@ def slot_croppable(layer: object) -> bool:
     if getattr(layer, "is_croppable", False):
         return True
     # transformers < 5.20: a plain static slot, cropped by ``crop_slot`` as 5.20 does.
-    return type(layer) is StaticLayer and not hasattr(layer, "crop")
+    if type(layer) is StaticLayer and not hasattr(layer, "crop"):
+        return True
+    # transformers < 5.17 has no ``is_croppable`` flag; its plain dynamic slot crops as later ones do.
+    return not hasattr(layer, "is_croppable") and type(layer) is DynamicLayer
 
 
 def crop_slot(layer: object, num_tokens: int) -> None:
