@@ -33,10 +33,17 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
-from transformers.masking_utils import create_causal_mask
 
 from .configuration_looped import KVSlotPlan
-from .interface_looped import check_positions
+from .interface_looped import (
+    CACHE_RENAMED,
+    KEEPS_UNWRITTEN_SLOTS,
+    cache_output_alias,
+    check_positions,
+    create_causal_mask,
+    crop_slot,
+    slot_croppable,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Adaptive exit (test-time compute): which tokens stop, and the KV they offer once stopped
@@ -209,7 +216,7 @@ def coda_predictor(
         for i, layer in enumerate(coda_layers):
             x = layer(x, cache_index=coda_start + i, **layer_kwargs)[0]
             if cache is not None:
-                cache.layers[coda_start + i].crop(-num_new_tokens)
+                crop_slot(cache.layers[coda_start + i], num_new_tokens)
         return head(norm(x))
 
     return predict
@@ -224,7 +231,7 @@ def _grow_cache(cache: Cache, num_slots: int, shrink: bool = False) -> None:
     """``generate()`` sizes its cache from ``num_hidden_layers`` (the default r); more recurrences
     per call need more slots. Dynamic caches grow; fixed-size ones must be built big enough.
 
-    ``shrink`` (a KV budget is in force): trailing slots that were never written are dropped, so
+    ``shrink`` (a KV budget is in force, or transformers < 5.20: ``KEEPS_UNWRITTEN_SLOTS``): trailing slots that were never written are dropped, so
     the cache has exactly the P + k*K + C slots the budget allows. A static layer allocates its
     buffers on its first write, so a dropped one never held memory."""
     if shrink and len(cache.layers) > num_slots:
@@ -245,7 +252,7 @@ def _croppable(cache: Cache) -> bool:
     """Whether every slot can take a write and then drop it again (a KV budget's overwritten
     recurrences, an exit criterion's coda passes): dynamic and static layers can, quantised ones
     cannot."""
-    return all(getattr(layer, "is_croppable", False) for layer in cache.layers)
+    return all(slot_croppable(layer) for layer in cache.layers)
 
 
 def _check_cache_recurrences(cache: Cache, r: int, kv_budget: int | None = None) -> None:
@@ -289,7 +296,7 @@ def prepare_cache(cache: Cache, plan: KVSlotPlan) -> None:
     (or refuse) first, so a refused call leaves the cache's recorded r unchanged; then check it
     was filled at this r and budget."""
     r, kv_budget = plan.num_recurrences, plan.kv_budget
-    _grow_cache(cache, plan.num_slots, shrink=plan.shares_slots)
+    _grow_cache(cache, plan.num_slots, shrink=plan.shares_slots or not KEEPS_UNWRITTEN_SLOTS)
     _check_cache_recurrences(cache, r, kv_budget)
     if plan.shares_slots and not _croppable(cache):
         # An overwritten slot is written then cropped back; a cache layer that cannot crop
@@ -300,6 +307,7 @@ def prepare_cache(cache: Cache, plan: KVSlotPlan) -> None:
         )
 
 
+@cache_output_alias
 @dataclass
 class LoopedGenerateOutput(GenerateDecoderOnlyOutput):
     """``generate(..., return_dict_in_generate=True)`` with the looped extras.
@@ -417,6 +425,11 @@ class LoopedGenerationMixin(GenerationMixin):
         checks the guarantee on any output: each emitted token's logit is within rounding of
         the maximum.
         """
+        if not CACHE_RENAMED and "cache" in kwargs:
+            # transformers < 5.20's generate() takes a cache as past_key_values (interface_looped).
+            if kwargs.get("past_key_values") is not None:
+                raise ValueError("past_key_values and cache are the same argument (the KV cache): pass only cache")
+            kwargs["past_key_values"] = kwargs.pop("cache")
         run = _GenerationRun(draft_num_recurrences=draft_num_recurrences)
         if draft_num_recurrences is not None:
             self._check_draft(draft_num_recurrences, kwargs)

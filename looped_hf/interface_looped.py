@@ -21,29 +21,156 @@ import), so it imports only torch and transformers.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import wraps
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    create_causal_mask,
-    flash_attention_mask,
-    sdpa_mask,
-)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
+from transformers.masking_utils import create_causal_mask as _create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import TransformersKwargs
 from transformers.utils.import_utils import is_tracing
+from transformers.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# transformers < 5.20: the KV cache was called ``past_key_values``
+# ---------------------------------------------------------------------------------------------
+# transformers 5.20 renamed the KV cache ``past_key_values`` -> ``cache`` everywhere a looped
+# model meets it: the forward keyword ``generate()`` passes (and ``prepare_inputs_for_generation``
+# builds), the ``ModelOutput`` field ``generate()`` reads back (``BaseModelOutputWithPast``,
+# ``CausalLMOutputWithPast``, ``GenerateDecoderOnlyOutput``), ``create_causal_mask``'s argument,
+# and the keyword ``GradientCheckpointingLayer`` nulls. looped_hf says ``cache`` throughout; on an
+# older transformers (the project supports >= 5.16.1, vLLM 0.32 pins < 5.20) the shims below
+# translate at those boundaries, so the model files stay written against the new name. The name
+# is feature-detected from the output dataclass, never from the version string.
+CACHE_KEYWORD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+CACHE_RENAMED = CACHE_KEYWORD == "cache"
+
+if "cache" in inspect.signature(_create_causal_mask).parameters:
+    create_causal_mask = _create_causal_mask
+else:
+
+    def create_causal_mask(*, cache: Cache | None = None, **kwargs) -> torch.Tensor | None:
+        """transformers < 5.20's ``create_causal_mask``, called with 5.20's ``cache=`` keyword."""
+        return _create_causal_mask(past_key_values=cache, **kwargs)
+
+
+def accepts_past_key_values(forward: Callable) -> Callable:
+    """Let ``forward(cache=...)`` also be called as ``forward(past_key_values=...)``.
+
+    From transformers 5.20 that is the old name, renamed with transformers' deprecation warning.
+    Before 5.20 it is the name ``generate()`` passes every step, so it is renamed silently (a
+    warning there would blame the caller for transformers' own call)."""
+    if CACHE_RENAMED:
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @wraps(forward)
+    def wrapper(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            old = kwargs.pop("past_key_values")
+            if kwargs.get("cache") is not None and old is not None and old is not kwargs["cache"]:
+                raise ValueError("past_key_values and cache are the same argument (the KV cache): pass only cache")
+            if kwargs.get("cache") is None:
+                kwargs["cache"] = old
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def cache_output_alias(cls: type) -> type:
+    """On transformers < 5.20, give a ``ModelOutput`` whose field is ``past_key_values`` the 5.20
+    spelling too: ``cls(cache=...)`` and ``out.cache`` (read and set) mean ``past_key_values``, so
+    the model builds and reads its outputs one way. The field keeps its old name (and its place in
+    ``to_tuple()``), which is the key ``generate()`` reads back. A no-op from 5.20 on."""
+    if "cache" in cls.__dataclass_fields__ or "past_key_values" not in cls.__dataclass_fields__:
+        return cls
+    init = cls.__init__
+
+    @wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "cache" in kwargs:
+            if kwargs.get("past_key_values") is not None:
+                raise ValueError(f"{cls.__name__}: pass the KV cache as cache or past_key_values, not both")
+            kwargs["past_key_values"] = kwargs.pop("cache")
+        init(self, *args, **kwargs)
+
+    def _get(self) -> Cache | None:
+        return self.past_key_values
+
+    def _set(self, value: Cache | None) -> None:
+        self.past_key_values = value
+
+    cls.__init__ = __init__
+    cls.cache = property(_get, _set, doc="The KV cache (transformers < 5.20 names the field past_key_values).")
+    return cls
+
+
+# Which cache slots can be cropped moved over releases: transformers 5.17 added the
+# ``is_croppable`` flag (before, a plain dynamic slot crops but says nothing); 5.20 gave
+# ``StaticLayer`` ``crop`` (it steps the write position back; the stale KV past it is masked and
+# then overwritten) and taught ``DynamicLayer.crop`` to skip a slot never written (before, it
+# slices ``None``; assisted decoding crops every slot of the draft's cache).
+
+
+def slot_croppable(layer: object) -> bool:
+    """Whether one cache slot can take a write and then drop it again."""
+    if getattr(layer, "is_croppable", False):
+        return True
+    # transformers < 5.20: a plain static slot, cropped by ``crop_slot`` as 5.20 does.
+    if type(layer) is StaticLayer and not hasattr(layer, "crop"):
+        return True
+    # transformers < 5.17 has no ``is_croppable`` flag; its plain dynamic slot crops as later ones do.
+    return not hasattr(layer, "is_croppable") and type(layer) is DynamicLayer
+
+
+def crop_slot(layer: object, num_tokens: int) -> None:
+    """Drop the last ``num_tokens`` tokens written to one cache slot (see ``slot_croppable``)."""
+    if hasattr(layer, "crop"):
+        layer.crop(-num_tokens)
+    else:  # transformers < 5.20's StaticLayer: 5.20's StaticLayer.crop, in place (a static address)
+        layer.cumulative_length.sub_(num_tokens)
+
+
+# Whether a cache keeps slots no call of its r writes: from 5.20 they are harmless; before, the
+# whole-cache ``crop`` of assisted decoding fails on them, so a call drops them (generation_looped).
+KEEPS_UNWRITTEN_SLOTS = CACHE_RENAMED
+
+
+if CACHE_RENAMED:
+    CheckpointingLayer = GradientCheckpointingLayer
+else:
+
+    class CheckpointingLayer(GradientCheckpointingLayer):
+        """transformers < 5.20's ``GradientCheckpointingLayer`` nulls a ``past_key_values`` keyword
+        under gradient checkpointing (its backward replay would write the KV a second time) but
+        not 5.20's ``cache``, which the looped layers take; this nulls ``cache`` as 5.20 does."""
+
+        def __call__(self, *args, **kwargs):
+            if (
+                self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+                and not self._can_checkpoint_with_cache and kwargs.get("cache") is not None
+            ):
+                kwargs["cache"] = None
+                logger.warning_once(
+                    f"Caching is incompatible with gradient checkpointing in {type(self).__name__}. Setting `cache=None`."
+                )
+            return super().__call__(*args, **kwargs)
 
 # ---------------------------------------------------------------------------------------------
 # Outputs
 # ---------------------------------------------------------------------------------------------
 
 
+@cache_output_alias
 @dataclass
 class LoopedModelOutputWithPast(BaseModelOutputWithPast):
     """``recurrent_states[i]``: the state after recurrence i+1 (before the coda), for logit lens.
@@ -53,6 +180,7 @@ class LoopedModelOutputWithPast(BaseModelOutputWithPast):
     recurrences_used: torch.LongTensor | None = None
 
 
+@cache_output_alias
 @dataclass
 class LoopedCausalLMOutputWithPast(CausalLMOutputWithPast):
     recurrent_states: tuple[torch.Tensor, ...] | None = None

@@ -35,12 +35,10 @@ from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
     GenericForTokenClassification,
-    GradientCheckpointingLayer,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import TransformersKwargs, can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -56,10 +54,12 @@ from .generation_looped import (
 )
 from .interface_looped import (
     _LOSS_KWARGS,
+    CheckpointingLayer,
     LoopedCausalLMOutputWithPast,
     LoopedModelOutputWithPast,
     _checked_kwargs,
     _select_hidden_states_at_r,
+    accepts_past_key_values,
     causal_attention_mask,
     check_positions,
     check_token_ids,
@@ -288,7 +288,7 @@ class LoopedAttention(nn.Module):
         return attn_output, attn_weights
 
 
-class LoopedDecoderLayer(GradientCheckpointingLayer):
+class LoopedDecoderLayer(CheckpointingLayer):
     """Pre-norm attention + MLP. Each call of a shared layer is checkpointed on its own."""
 
     def __init__(self, config: LoopedConfig) -> None:
@@ -442,7 +442,7 @@ class LoopedModel(LoopedPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @_select_hidden_states_at_r
     @merge_with_config_defaults
     @capture_outputs
@@ -566,7 +566,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             logits = _SoftCap.apply(logits, cap)
         return logits
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,

@@ -22,6 +22,7 @@ from torch import nn
 
 from .configuration_looped import KVSlotPlan
 from .generation_looped import _AdaptiveExit, _ExitKV
+from .interface_looped import crop_slot
 
 
 class LoopedRecurrentBlock:
@@ -92,7 +93,7 @@ class LoopedRecurrentBlock:
         slot = self.plan.block(step, j)
         x = layer(x, cache_index=slot, **self.layer_kwargs)[0]
         if self.cache is not None and self.plan.overwritten(step):
-            self.cache.layers[slot].crop(-self.num_new_tokens)
+            crop_slot(self.cache.layers[slot], self.num_new_tokens)
         return x
 
     def recurrence(self, step: int, h: torch.Tensor, lanes: torch.Tensor | None, e: torch.Tensor,

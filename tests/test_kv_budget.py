@@ -13,6 +13,7 @@ from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
 from transformers import DynamicCache, StaticCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
+from looped_hf.interface_looped import CACHE_KEYWORD
 
 VOCAB = TINY_VOCAB
 P, K, C, R = 1, 2, 1, 4
@@ -144,7 +145,8 @@ def test_decode_attends_to_each_slots_last_writer(k):
 def test_generate_with_a_budget_matches_step_by_step_decoding(k):
     model, ids = tiny_model(), prompts()
     out = greedy(model, ids, kv_budget=k, return_dict_in_generate=True)
-    assert len(out.cache.layers) == P + k * K + C
+    # transformers' own GenerateDecoderOnlyOutput: its cache field is past_key_values before 5.20
+    assert len(getattr(out, CACHE_KEYWORD).layers) == P + k * K + C
     # Greedy by hand: prefill then one token at a time with the same budget.
     with torch.no_grad():
         step = model(ids, use_cache=True, kv_budget=k)
@@ -260,8 +262,13 @@ def test_the_budget_must_stay_fixed_for_the_life_of_a_cache():
             model(ids[:, :1], cache=full.cache, kv_budget=1)
         # Budgets of r and more are the same layout: allowed on the same cache.
         model(ids[:, :1], cache=full.cache, kv_budget=R + 5)
-        # An emptied cache can be reused at another budget.
+        # An emptied cache can be reused at another budget. transformers < 5.18's DynamicCache.reset()
+        # zeroes its KV but keeps its length: not emptied, so it keeps its budget.
         out.cache.reset()
+        if out.cache.get_seq_length() > 0:
+            with pytest.raises(ValueError, match=r"kv_budget=3, but this cache was filled at kv_budget=1"):
+                model(ids, cache=out.cache, kv_budget=3)
+            return
         model(ids, cache=out.cache, kv_budget=3)
     assert out.cache.looped_kv_budget == 3
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_VOCAB, run_without_looped_hf, tiny_looped_config, tiny_looped_model
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import looped_hf
 from looped_hf import LoopedConfig, LoopedForCausalLM
@@ -250,6 +250,8 @@ def test_hyperconnections_refuse_another_r():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
+    if not hasattr(LoopedForCausalLM, "activation_checkpointing_enable"):
+        pytest.skip("activation_checkpointing_enable is transformers >= 5.20's API (older ones: gradient_checkpointing_enable)")
     ids = prompts(batch=2, length=12)
     grads = []
     for checkpointing in (False, True):
@@ -257,6 +259,28 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         if checkpointing:
             model.activation_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_drops_the_cache_and_keeps_the_gradients():
+    """Whichever API this transformers has: a checkpointed layer gets no cache (its backward replay
+    would write the KV twice; before 5.20 transformers nulls only ``past_key_values``, so
+    ``interface_looped.CheckpointingLayer`` nulls ``cache``), and the gradients are unchanged."""
+    ids = prompts(batch=2, length=12)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(num_recurrences=3).train()
+        cache = DynamicCache()
+        if checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                enable()
+        model(ids, labels=ids, cache=cache, use_cache=True).loss.backward()
+        assert (cache.get_seq_length() == 0) == checkpointing
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
