@@ -2,8 +2,11 @@
 
 The forward is ``modeling_looped.LoopedModel``'s, op for op, on vLLM's layers: tensor-parallel
 projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a vocabulary-parallel
-embedding and head, and vLLM's paged ``Attention``. The norms, the rotary tables and the
-hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit.
+embedding and head, and vLLM's paged ``Attention``. The norm weights, the rotary tables and the
+hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit. In
+float32 the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on those
+values, one call where PyTorch's ops take several per layer and recurrence: equal to
+``generate()``'s ops to float32 rounding (the kernels sum and multiply in another order).
 
 KV cache: one vLLM ``Attention`` per KV slot of ``LoopedConfig.slot_plan(r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
