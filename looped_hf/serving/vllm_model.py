@@ -2,8 +2,11 @@
 
 The forward is ``modeling_looped.LoopedModel``'s, op for op, on vLLM's layers: tensor-parallel
 projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a vocabulary-parallel
-embedding and head, and vLLM's paged ``Attention``. The norms, the rotary tables and the
-hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit.
+embedding and head, and vLLM's paged ``Attention``. The norm weights, the rotary tables and the
+hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit. In
+float32 the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on those
+values, one call where PyTorch's ops take several per layer and recurrence: equal to
+``generate()``'s ops to float32 rounding (the kernels sum and multiply in another order).
 
 KV cache: one vLLM ``Attention`` per KV slot of ``LoopedConfig.slot_plan(r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
@@ -59,6 +62,32 @@ from ..modeling_looped import (
 )
 from . import check_servable
 
+# vLLM's CPU/CUDA kernels (RMSNorm, neox RoPE), used in float32 where they equal looped_hf's ops to
+# float32 rounding: on CPU they replace a dozen small aten ops per layer, the cost that made the
+# looped model slower than the Llama of its depth.
+_C = getattr(torch.ops, "_C", None)
+_HAS_KERNELS = _C is not None and hasattr(_C, "rms_norm") and hasattr(_C, "rotary_embedding")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (``weight`` None: the parameter-free norm) with vLLM's kernel in
+    float32, else ``F.rms_norm``. The kernel reads ``x`` as contiguous rows, so a strided ``x`` is
+    copied first."""
+    if _HAS_KERNELS and x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(rows)
+        _C.rms_norm(out, rows, weight, eps)
+        return out.view(x.shape)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _norm(module: LoopedRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """A ``LoopedRMSNorm`` through ``_rms_norm`` in float32 (its own forward otherwise: the fp32
+    normalise-then-scale order of other dtypes)."""
+    if x.dtype == torch.float32:
+        return _rms_norm(x, module.weight, module.variance_epsilon)
+    return module(x)
+
 
 class _LoopedAttention(nn.Module):
     """q/k/v/o of one layer (the weights); the KV cache it attends through is passed in per call,
@@ -86,20 +115,38 @@ class _LoopedAttention(nn.Module):
             self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, ...], attn: Attention
+    ) -> torch.Tensor:
+        """``rope`` is ``(cos_sin_cache,)`` for vLLM's in-place RoPE kernel (float32, tables that do
+        not depend on the sequence length), else ``(cos, sin)`` per token for modeling_looped's op."""
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "learnable_before_rope":
-            q, k = self.q_norm(q), self.k_norm(k)
-        # (tokens, heads, head_dim) with tables (tokens, head_dim): modeling_looped's order of ops.
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+            q = _norm(self.q_norm, q.view(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
+            k = _norm(self.k_norm, k.view(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
+        if len(rope) == 1:
+            # In place on q and k (views of qkv, or the normed copies): q1 cos - q2 sin, q2 cos + q1 sin,
+            # modeling_looped's q cos + rotate_half(q) sin with the same tables.
+            _C.rotary_embedding(positions, q, k, self.head_dim, rope[0], True)
+        else:
+            cos, sin = rope
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            # (tokens, heads, head_dim) with tables (tokens, head_dim): modeling_looped's order of ops.
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
         if self.qk_norm == "after_rope":
-            q = F.rms_norm(q, (self.head_dim,), eps=self.qk_norm_eps)
-            k = F.rms_norm(k, (self.head_dim,), eps=self.qk_norm_eps)
-        out = attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+            if len(rope) == 1:
+                # q and k are still adjacent in qkv (roped in place): one norm over their heads.
+                qk = qkv[:, : self.q_size + self.kv_size].reshape(-1, self.head_dim)
+                qk = _rms_norm(qk, None, self.qk_norm_eps).view(num_tokens, -1)
+                q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            else:
+                q = _rms_norm(q.reshape(-1, self.head_dim), None, self.qk_norm_eps).view(num_tokens, -1)
+                k = _rms_norm(k.reshape(-1, self.head_dim), None, self.qk_norm_eps).view(num_tokens, -1)
+        out = attn(q, k, v)
         out, _ = self.o_proj(out)
         return out
 
@@ -138,9 +185,11 @@ class _LoopedDecoderLayer(nn.Module):
         self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Attention) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, ...], attn: Attention
+    ) -> torch.Tensor:
+        h = h + self.self_attn(_norm(self.input_layernorm, h), positions, rope, attn)
+        return h + self.mlp(_norm(self.post_attention_layernorm, h))
 
 
 class _KVSlot(nn.Module):
@@ -187,6 +236,18 @@ class LoopedVllmModel(nn.Module):
         self.recurrence_norm = norm() if config.recurrence_norm else None
         self.norm = norm()
         self.rotary_emb = LoopedRotaryEmbedding(config)
+        # vLLM's RoPE kernel reads cos | sin (first halves: the tables repeat them) per position from
+        # one table; built here from looped_hf's own module, so the values are the same. Only in
+        # float32 and for tables that do not depend on the sequence length (not dynamic/longrope).
+        rope_cache = None
+        rope_type = self.rotary_emb.rope_type
+        if (_HAS_KERNELS and vllm_config.model_config.dtype == torch.float32 and "dynamic" not in rope_type
+                and rope_type != "longrope"):  # fmt: skip
+            length = max(config.max_position_embeddings, vllm_config.model_config.max_model_len)
+            cos, sin = self.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(length))
+            half = config.head_dim // 2
+            rope_cache = torch.cat([cos[:, :half], sin[:, :half]], dim=-1)
+        self.register_buffer("rope_cache", rope_cache, persistent=False)
         self.kv_slots = nn.ModuleList(
             _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}") for slot in range(self.plan.num_slots)
         )
@@ -194,16 +255,21 @@ class LoopedVllmModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def _inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def _injected_input(self, e: torch.Tensor) -> torch.Tensor | None:
+        """W_e e of format 2's linear injection: the same at every recurrence, so computed once."""
+        if self.config.input_injection == "linear" and self.config.looped_format != 1:
+            return F.linear(e, self.injection.weight[:, : self.config.hidden_size])
+        return None
+
+    def _inject(self, h: torch.Tensor, e: torch.Tensor, injected: torch.Tensor | None) -> torch.Tensor:
         """modeling_looped's ``_inject``, with its numerics: format 2 splits W [e; h] into W_e e +
-        W_h h (two matmuls), format 1 keeps the concatenated [h; e] matmul it was saved with."""
+        W_h h (two matmuls; ``injected`` is W_e e), format 1 keeps the concatenated [h; e] matmul it
+        was saved with."""
         mode = self.config.input_injection
         if mode == "linear":
-            if self.config.looped_format == 1:
+            if injected is None:
                 return self.injection(torch.cat([h, e], dim=-1))
-            d = self.config.hidden_size
-            weight = self.injection.weight
-            return F.linear(e, weight[:, :d]) + F.linear(h, weight[:, d:])
+            return injected + F.linear(h, self.injection.weight[:, self.config.hidden_size :])
         if mode == "add":
             return h + e
         return h
@@ -217,14 +283,15 @@ class LoopedVllmModel(nn.Module):
     ) -> torch.Tensor:
         config, plan = self.config, self.plan
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        cos, sin = self.rotary_emb(h, positions)
+        rope = (self.rope_cache,) if self.rope_cache is not None else self.rotary_emb(h, positions)
         if self.embedding_norm is not None:
-            h = self.embedding_norm(h)
+            h = _norm(self.embedding_norm, h)
         for j, layer in enumerate(self.prelude_layers):
-            h = layer(h, cos, sin, self.kv_slots[plan.prelude(j)].attn)
+            h = layer(h, positions, rope, self.kv_slots[plan.prelude(j)].attn)
         e = h
         if config.state_init == "zeros":
             h = torch.zeros_like(e)
+        injected = self._injected_input(e)
         hc = self.hyperconnection
         legacy = config.looped_format == 1
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
@@ -232,24 +299,24 @@ class LoopedVllmModel(nn.Module):
             if hc is not None:
                 x = y = hc.read(lanes, step)
                 for j, layer in enumerate(self.recurrent_layers):
-                    y = layer(y, cos, sin, self.kv_slots[plan.block(step, j)].attn)
+                    y = layer(y, positions, rope, self.kv_slots[plan.block(step, j)].attn)
                 if legacy:
                     lanes = hc.write(lanes, step, y - x)
                     if self.recurrence_norm is not None:
-                        lanes = self.recurrence_norm(lanes)
+                        lanes = _norm(self.recurrence_norm, lanes)
                 else:
-                    lanes = hc.write(lanes, step, self.recurrence_norm(y) if self.recurrence_norm is not None else y)
+                    lanes = hc.write(lanes, step, _norm(self.recurrence_norm, y) if self.recurrence_norm is not None else y)
                 continue
-            h = self._inject(h, e)
+            h = self._inject(h, e, injected)
             for j, layer in enumerate(self.recurrent_layers):
-                h = layer(h, cos, sin, self.kv_slots[plan.block(step, j)].attn)
+                h = layer(h, positions, rope, self.kv_slots[plan.block(step, j)].attn)
             if self.recurrence_norm is not None:
-                h = self.recurrence_norm(h)
+                h = _norm(self.recurrence_norm, h)
         if hc is not None:
             h = lanes.sum(0)
         for j, layer in enumerate(self.coda_layers):
-            h = layer(h, cos, sin, self.kv_slots[plan.coda(j)].attn)
-        return self.norm(h)
+            h = layer(h, positions, rope, self.kv_slots[plan.coda(j)].attn)
+        return _norm(self.norm, h)
 
 
 class LoopedForCausalLM(nn.Module):
