@@ -247,6 +247,12 @@ def test_server_completions_equal_offline_vllm_and_generate_and_chat_works(tmp_p
             "model": model_name, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True,
         })  # fmt: skip
+        # A request cannot change the engine's r: asking for another one is a 400 that says so.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(url + "/v1/completions", {"model": model_name, "prompt": prompts[0], "max_tokens": 2,
+                                            "vllm_xargs": {"num_recurrences": R + 1}})  # fmt: skip
+        assert refused.value.code == 400
+        assert f"this engine serves num_recurrences={R}" in refused.value.read().decode()
     assert served == expected[:-1]
     assert chat["prompt_token_ids"] == chat_ids  # the template was applied
     assert chat["choices"][0]["token_ids"] == expected[-1]
