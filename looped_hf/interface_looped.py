@@ -52,6 +52,9 @@ logger = get_logger(__name__)
 # older transformers (the project supports >= 5.16.1, vLLM 0.32 pins < 5.20) the shims below
 # translate at those boundaries, so the model files stay written against the new name. The name
 # is feature-detected from the output dataclass, never from the version string.
+# The transformers versions these shims are written and tested for: pyproject.toml declares the
+# same range (a test keeps the two equal), and checkpoint cards quote it for remote code.
+SUPPORTED_TRANSFORMERS = ">=5.16.1,<5.25"
 CACHE_KEYWORD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 CACHE_RENAMED = CACHE_KEYWORD == "cache"
 

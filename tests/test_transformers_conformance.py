@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -577,3 +578,9 @@ def test_the_injection_split_equals_the_concatenated_adapter(looped_format):
     for (name, a), b in zip(fast.named_parameters(), slow.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
+
+def test_the_declared_transformers_range_is_the_one_the_model_supports():
+    from looped_hf.interface_looped import SUPPORTED_TRANSFORMERS
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.findall(r'"(transformers[<>=!~].*?)"', pyproject) == [f"transformers{SUPPORTED_TRANSFORMERS}"]

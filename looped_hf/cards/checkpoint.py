@@ -271,6 +271,7 @@ def render_checkpoint_card(
     """
     from looped_hf import __version__
     from looped_hf.accounting_looped import inference_flops_per_token, num_scaling_params
+    from looped_hf.interface_looped import SUPPORTED_TRANSFORMERS
 
     config = model.config
     curve = _test_time_curve(model, test_time)
@@ -332,7 +333,7 @@ def render_checkpoint_card(
             "plot": test_time_plot,
             "sampling": curve.get("recurrence_sampling") or "fixed",
         },
-        transformers_spec=">=5.24,<5.25",
+        transformers_spec=SUPPORTED_TRANSFORMERS,
         looped_hf_link=_project_link(),
         looped_hf_version=__version__,
     )
