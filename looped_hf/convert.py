@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .fileio import sha256_file
+from .fileio import read_json, sha256_file
 from .publish import PathLike, PublishError
 
 #: The source formats ``looped-hf convert`` reads (the first positional).
@@ -186,9 +186,9 @@ def load_nanochat_checkpoint(ckpt_dir: PathLike, step: int | str | None = None) 
         if not file.is_file():
             raise ConversionError(f"{file}: no such file (step {step!r} of {path})")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConversionError(f"{meta_path}: not valid JSON ({err})") from None
+        meta = read_json(meta_path)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
         raise ConversionError(f"{meta_path}: no 'model_config' object (not a nanochat base_train meta file)")
     raw = _load_weights_only(model_path)

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME
+from looped_hf.fileio import RECORD_NAME, read_json
 from looped_hf.publish import TOKENIZER_FILES, WEIGHTS_FILES
 
 from . import servable_problems
@@ -107,9 +107,9 @@ def read_looped_config(folder: Path) -> Any:
     if not config_file.is_file():
         raise ServeError(f"CKPT={str(folder)!r}: no config.json, not a saved model")
     try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ServeError(f"{config_file}: not valid JSON ({err})") from None
+        raw = read_json(config_file)
+    except ValueError as err:
+        raise ServeError(str(err)) from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type != "looped":
         raise ServeError(
