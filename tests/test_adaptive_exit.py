@@ -334,7 +334,7 @@ def test_exit_refuses_what_it_cannot_honour() -> None:
         tiny_looped_config(num_recurrences=5, exit_criterion="kl", min_recurrences=6)
     with pytest.raises(ValueError, match="output_hidden_states"):
         model(x, exit_criterion="cosine", output_hidden_states=True)
-    # The refusal reads the model's flag; transformers < 5.20 sets it with gradient_checkpointing_enable.
+    # The refusal reads the model's flag; transformers < 5.23 sets it with gradient_checkpointing_enable.
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.train()
     with pytest.raises(ValueError, match="gradient checkpointing"):
