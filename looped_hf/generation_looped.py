@@ -231,8 +231,9 @@ def _grow_cache(cache: Cache, num_slots: int, shrink: bool = False) -> None:
     """``generate()`` sizes its cache from ``num_hidden_layers`` (the default r); more recurrences
     per call need more slots. Dynamic caches grow; fixed-size ones must be built big enough.
 
-    ``shrink`` (a KV budget is in force, or transformers < 5.20: ``KEEPS_UNWRITTEN_SLOTS``): trailing slots that were never written are dropped, so
-    the cache has exactly the P + k*K + C slots the budget allows. A static layer allocates its
+    ``shrink`` (a KV budget is in force, or transformers < 5.20: ``KEEPS_UNWRITTEN_SLOTS``):
+    trailing slots that were never written are dropped, so the cache has exactly the slots of this
+    call's plan (P + k*K + C under a budget). A static layer allocates its
     buffers on its first write, so a dropped one never held memory."""
     if shrink and len(cache.layers) > num_slots:
         if not any(getattr(layer, "is_initialized", True) for layer in cache.layers[num_slots:]):
