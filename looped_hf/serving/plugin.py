@@ -26,6 +26,7 @@ vLLM can load it by name in every process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -57,7 +58,6 @@ def _budget_settings(vllm_config) -> None:
 
 REQUEST_KEYS = ("num_recurrences", "kv_budget")
 _GUARD_NAME = re.compile(r"RecurrenceGuard_r(\d+)_k(\d+)")
-_GUARDS: dict[str, type] = {}
 
 
 def guard_name(num_recurrences: int, kv_budget: int | None) -> str:
@@ -78,7 +78,9 @@ def check_request(extra_args: dict | None, num_recurrences: int, kv_budget: int 
             )
 
 
+@functools.cache
 def _make_guard(name: str) -> type:
+    """The guard class called ``name``, made once per process (vLLM resolves it by name)."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     match = _GUARD_NAME.fullmatch(name)
@@ -109,9 +111,7 @@ def _make_guard(name: str) -> type:
 def __getattr__(name: str) -> type:
     # vLLM loads logits processors by "module:name" in each process; the name carries r and k.
     if _GUARD_NAME.fullmatch(name):
-        if name not in _GUARDS:
-            _GUARDS[name] = _make_guard(name)
-        return _GUARDS[name]
+        return _make_guard(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -2,7 +2,8 @@
 
 The forward is ``modeling_looped.LoopedModel``'s, op for op, on vLLM's layers: tensor-parallel
 projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a vocabulary-parallel
-embedding and head, and vLLM's paged ``Attention``. The norm weights, the rotary tables and the
+embedding and head, and vLLM's paged ``Attention``; the loop itself is modeling_looped's own
+``LoopedRecurrentBlock``, its block layers run on those. The norm weights, the rotary tables and the
 hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit. In
 float32 the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on those
 values, one call where PyTorch's ops take several per layer and recurrence: equal to
@@ -31,6 +32,7 @@ r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrence
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -60,6 +62,7 @@ from ..modeling_looped import (
     LoopedRotaryEmbedding,
     apply_rotary_pos_emb,
 )
+from ..recurrent_block_looped import LoopedRecurrentBlock
 from . import check_servable
 
 # vLLM's CPU/CUDA kernels (RMSNorm, neox RoPE), used in float32 where they equal looped_hf's ops to
@@ -205,6 +208,22 @@ class _KVSlot(nn.Module):
         )  # fmt: skip
 
 
+class _VllmRecurrentBlock(LoopedRecurrentBlock):
+    """modeling_looped's loop (``LoopedRecurrentBlock``: initial state, injection, hyperconnection
+    lanes, recurrence norm), its block layers run on vLLM's layers: each attends through the vLLM
+    ``Attention`` of its planned slot, which writes the paged cache itself (no transformers cache,
+    nothing to crop, no exit, inference only)."""
+
+    def __init__(self, model: LoopedVllmModel, positions: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> None:
+        super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
+        self.kv_slots, self.positions, self.rope = model.kv_slots, positions, rope
+        if model.recurrence_norm is not None:
+            self.recurrence_norm = functools.partial(_norm, model.recurrence_norm)
+
+    def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
+        return layer(x, self.positions, self.rope, self.kv_slots[self.plan.block(step, j)].attn)
+
+
 @support_torch_compile(
     dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
 )
@@ -238,11 +257,10 @@ class LoopedVllmModel(nn.Module):
         self.rotary_emb = LoopedRotaryEmbedding(config)
         # vLLM's RoPE kernel reads cos | sin (first halves: the tables repeat them) per position from
         # one table; built here from looped_hf's own module, so the values are the same. Only in
-        # float32 and for tables that do not depend on the sequence length (not dynamic/longrope).
+        # float32 (tables that depend on the call's length, dynamic/longrope, are refused by
+        # check_servable above, so every served table is fixed).
         rope_cache = None
-        rope_type = self.rotary_emb.rope_type
-        if (_HAS_KERNELS and vllm_config.model_config.dtype == torch.float32 and "dynamic" not in rope_type
-                and rope_type != "longrope"):  # fmt: skip
+        if _HAS_KERNELS and vllm_config.model_config.dtype == torch.float32:
             length = max(config.max_position_embeddings, vllm_config.model_config.max_model_len)
             cos, sin = self.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(length))
             half = config.head_dim // 2
@@ -255,25 +273,6 @@ class LoopedVllmModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def _injected_input(self, e: torch.Tensor) -> torch.Tensor | None:
-        """W_e e of format 2's linear injection: the same at every recurrence, so computed once."""
-        if self.config.input_injection == "linear" and self.config.looped_format != 1:
-            return F.linear(e, self.injection.weight[:, : self.config.hidden_size])
-        return None
-
-    def _inject(self, h: torch.Tensor, e: torch.Tensor, injected: torch.Tensor | None) -> torch.Tensor:
-        """modeling_looped's ``_inject``, with its numerics: format 2 splits W [e; h] into W_e e +
-        W_h h (two matmuls; ``injected`` is W_e e), format 1 keeps the concatenated [h; e] matmul it
-        was saved with."""
-        mode = self.config.input_injection
-        if mode == "linear":
-            if injected is None:
-                return self.injection(torch.cat([h, e], dim=-1))
-            return injected + F.linear(h, self.injection.weight[:, self.config.hidden_size :])
-        if mode == "add":
-            return h + e
-        return h
-
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -281,39 +280,14 @@ class LoopedVllmModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        config, plan = self.config, self.plan
+        plan = self.plan
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         rope = (self.rope_cache,) if self.rope_cache is not None else self.rotary_emb(h, positions)
         if self.embedding_norm is not None:
             h = _norm(self.embedding_norm, h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.prelude(j)].attn)
-        e = h
-        if config.state_init == "zeros":
-            h = torch.zeros_like(e)
-        injected = self._injected_input(e)
-        hc = self.hyperconnection
-        legacy = config.looped_format == 1
-        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        for step in range(plan.num_recurrences):
-            if hc is not None:
-                x = y = hc.read(lanes, step)
-                for j, layer in enumerate(self.recurrent_layers):
-                    y = layer(y, positions, rope, self.kv_slots[plan.block(step, j)].attn)
-                if legacy:
-                    lanes = hc.write(lanes, step, y - x)
-                    if self.recurrence_norm is not None:
-                        lanes = _norm(self.recurrence_norm, lanes)
-                else:
-                    lanes = hc.write(lanes, step, _norm(self.recurrence_norm, y) if self.recurrence_norm is not None else y)
-                continue
-            h = self._inject(h, e, injected)
-            for j, layer in enumerate(self.recurrent_layers):
-                h = layer(h, positions, rope, self.kv_slots[plan.block(step, j)].attn)
-            if self.recurrence_norm is not None:
-                h = _norm(self.recurrence_norm, h)
-        if hc is not None:
-            h = lanes.sum(0)
+        h = _VllmRecurrentBlock(self, positions, rope)(h, exit_rule=None, predict=None, output_recurrent_states=False)[0]
         for j, layer in enumerate(self.coda_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.coda(j)].attn)
         return _norm(self.norm, h)
