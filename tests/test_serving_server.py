@@ -99,6 +99,7 @@ def test_a_run_directory_serves_its_publish_folder_when_there_is_one(tmp_path, c
         (["{missing}"], "CKPT="),
         (["{folder}", "--num-recurrences", "0"], "--num-recurrences 0: must be an integer >= 1"),
         (["{folder}", "--kv-budget", "0"], "--kv-budget 0: must be an integer >= 1"),
+        (["{folder}", "-r", "100000"], "--num-recurrences 100000: above this model's ceiling"),
         (["{folder}", "--port", "70000"], "--port 70000"),
         (["{folder}", "--", "--hf-overrides", "{{}}"], "--hf-overrides after --"),
         (["{folder}", "--", "--model=x"], "--model after --"),

@@ -142,6 +142,13 @@ def engine_overrides(config: Any, num_recurrences: int | None, kv_budget: int | 
             f"--num-recurrences {num_recurrences}: input_injection={config.input_injection!r} indexes parameters by "
             f"recurrence step, so this model runs only at its trained num_recurrences={trained}"
         )
+    if num_recurrences is not None and num_recurrences > config.recurrence_ceiling:
+        # Checked against the trained r, before the override replaces it: each recurrence is K
+        # more vLLM attention layers, each with its own KV cache, built when the engine starts.
+        raise ServeError(
+            f"--num-recurrences {num_recurrences}: above this model's ceiling of {config.recurrence_ceiling} "
+            "recurrences (LoopedConfig.recurrence_ceiling); raise max_recurrences in its config.json to serve more"
+        )
     overrides: dict[str, int] = {}
     if num_recurrences is not None:
         overrides["num_recurrences"] = num_recurrences
