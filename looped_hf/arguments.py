@@ -46,7 +46,7 @@ from looped_hf.field_checks import (
     check_value,
     declared_choices,
 )
-from looped_hf.fileio import yaml_load
+from looped_hf.fileio import first_line, yaml_load
 
 OPTIMIZERS = ("adamw", "muon", "muonh")
 LR_SCALINGS = ("hyperp", "none")
@@ -54,7 +54,7 @@ LR_SCALINGS = ("hyperp", "none")
 # eps 1e-10), and TrainingArguments' own for the other optimizers: the value of each field a
 # recipe leaves unset (null). A value the recipe writes is kept, even one equal to a default.
 MUONH_ADAM = {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-10}
-TRAINER_ADAM = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+TRAINER_ADAM = {f.name: f.default for f in dataclasses.fields(TrainingArguments) if f.name in MUONH_ADAM}
 # Fields read only by muonh (set with another optimizer, they would be silently unused).
 MUONH_ONLY_FIELDS = ("embedding_learning_rate", "lm_head_learning_rate", "norm_learning_rate")
 LR_SCHEDULES = ("study", "trainer")
@@ -440,10 +440,11 @@ def recipe_field_types() -> dict[str, Any]:
     return out
 
 
-def yaml_key_lines(path: str | os.PathLike) -> dict[str, int]:
-    """Line (1-based) of each top-level key of a YAML mapping file, for error messages."""
+def yaml_key_lines(path: str | os.PathLike, text: str | None = None) -> dict[str, int]:
+    """Line (1-based) of each top-level key of a YAML mapping file, for error messages (`text`:
+    the file's text, when already read)."""
     try:
-        node = yaml.compose(Path(path).read_text(encoding="utf-8"))
+        node = yaml.compose(Path(path).read_text(encoding="utf-8") if text is None else text)
     except (yaml.YAMLError, OSError, ValueError):  # ValueError: not UTF-8 (load_yaml names it)
         return {}
     if not isinstance(node, yaml.MappingNode):
@@ -473,7 +474,7 @@ def _blame(dtype: type, inputs: dict[str, Any], given: list[str], err: Exception
     """An error from a dataclass's own checks (TrainingArguments': "Your setup doesn't support
     bf16/gpu") as one line that names the recipe field it is about: the given field that alone
     raises the same error, or else every given field of that dataclass."""
-    message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    message = first_line(err)
     names = [n for n in given if n in inputs]
     if any(n in message for n in names):
         return message
@@ -511,10 +512,12 @@ def read_recipe_text(path: str | os.PathLike, what: str = "recipe") -> str:
         raise RecipeError(f"{what} {str(path)!r}: cannot be read ({err.strerror or err})") from None
 
 
-def load_yaml(path: str | os.PathLike, what: str = "recipe") -> dict[str, Any]:
+def load_yaml(path: str | os.PathLike, what: str = "recipe", text: str | None = None) -> dict[str, Any]:
     """Read a YAML mapping (duplicate keys and alias bombs refused); anything else is an error
-    naming the file."""
-    text = read_recipe_text(path, what)
+    naming the file. `text`: the file's text, when already read (`read_recipe_text`): parsed
+    instead of reading the file again."""
+    if text is None:
+        text = read_recipe_text(path, what)
     try:
         data = yaml_load(text) or {}
     except yaml.YAMLError as err:

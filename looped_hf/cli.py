@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from looped_hf.fileio import first_line
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("looped_hf.train", "train one model from a recipe (YAML); flags override the file"),
@@ -34,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # one. Anything else is a bug and keeps its traceback. Looked up in sys.modules, so a command that
 # never imported torch does not import it here either.
 EXPECTED_ERRORS: dict[str, tuple[str, ...]] = {
-    "looped_hf.arguments": ("RecipeError",),
+    "looped_hf.field_checks": ("RecipeError",),
     "looped_hf.fileio": ("CheckpointError",),
     "looped_hf.evaluation.scoring": ("EvalError",),
     "looped_hf.evaluation.bundle": ("BundleError",),
@@ -109,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not isinstance(err, expected_errors()):
             raise  # a bug: its traceback is what a report needs
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        print(f"looped-hf {name}: {first}", file=sys.stderr)
+        print(f"looped-hf {name}: {first_line(err)}", file=sys.stderr)
         return 2
 
 

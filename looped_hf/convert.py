@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .fileio import read_json, sha256_file
+from .fileio import first_line, read_json, sha256_file
 from .publish import PathLike, PublishError
 
 #: The source formats ``looped-hf convert`` reads (the first positional).
@@ -151,9 +151,9 @@ def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConversionError(
-            f"{path}: refused, the file holds more than tensors (torch.load(weights_only=True) failed: {first}). "
+            f"{path}: refused, the file holds more than tensors (torch.load(weights_only=True) failed: "
+            f"{first_line(err)}). "
             "Loading it fully would run code stored in the file; a nanochat base_train checkpoint never needs that."
         ) from None
     except (RuntimeError, OSError, EOFError) as err:

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from looped_hf.configuration_looped import QK_NORMS
-
 
 class RecipeError(ValueError):
     """A recipe (YAML file or flags) that cannot be trained; the message names the field."""
@@ -121,17 +119,17 @@ DIR_FIELDS = ("resume_from_checkpoint",)
 
 @functools.cache
 def extra_choices() -> dict[str, tuple[str, ...]]:
-    """Choices of fields whose declaration cannot carry them in its metadata: qk_norm (it also
-    takes true / false, which argparse choices would refuse), recurrence_sampling (its list lives
-    with the schedule, in a module that imports torch), and the TrainingArguments fields that
-    transformers checks only once training starts (report_to, the multiprocessing context, the
-    compile mode), so they fail up front."""
+    """Choices of fields whose declaration cannot carry them in its metadata: recurrence_sampling
+    (its list lives with the schedule, in a module that imports torch), and the TrainingArguments
+    fields that transformers checks only once training starts (report_to, the multiprocessing
+    context, the compile mode), so they fail up front. (qk_norm, which also takes true / false,
+    is checked by `ModelArguments` itself.)"""
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     from looped_hf.recurrence import RECURRENCE_SAMPLINGS
 
     return dict(
-        qk_norm=QK_NORMS, recurrence_sampling=tuple(RECURRENCE_SAMPLINGS),
+        recurrence_sampling=tuple(RECURRENCE_SAMPLINGS),
         report_to=("all", "none", *sorted(INTEGRATION_TO_CALLBACK)),
         include_num_input_tokens_seen=("all", "non_padding", "no"),
         dataloader_multiprocessing_context=("fork", "spawn", "forkserver"),
@@ -334,7 +332,7 @@ def check_value(
     integer field as ints). Raises `RecipeError` with one line: where, field, value, and why.
 
     `where` says where the value came from (the file and line, or the flag); `limits` defaults to
-    `FIELD_LIMITS`; `choices` (field -> the strings it takes) to `extra_choices` without `limits`.
+    `FIELD_LIMITS`; `choices` (field -> the strings it takes; `declared_choices`) to none.
     """
     limit = (FIELD_LIMITS if limits is None else limits).get(name.rsplit(".", 1)[-1])
 
@@ -366,10 +364,8 @@ def check_value(
             raise bad("names no file (give a mapping, or the path of a JSON file)")
         if name in DIR_FIELDS and not _is(Path.is_dir, checked):
             raise bad("no such directory")
-    if choices is None:
-        choices = extra_choices() if limits is None else {}
-    allowed = choices.get(name)
-    if allowed is not None and name != "qk_norm":  # qk_norm also takes true / false (ModelArguments)
+    allowed = (choices or {}).get(name)
+    if allowed is not None:
         words = [checked] if isinstance(checked, str) else checked if isinstance(checked, list) else []
         for word in words:
             if isinstance(word, str) and word not in allowed:

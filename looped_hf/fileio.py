@@ -327,6 +327,13 @@ def yaml_load(text: str | bytes) -> Any:
     return yaml.load(text, Loader=_bounded_loader())  # noqa: S506 - a SafeLoader subclass
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (stripped), or its class name when the message is
+    empty: how an error from a library is quoted in a one-line refusal."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
 # ---------------------------------------------------------------------------------------------
 # A checkpoint folder, checked before torch reads it
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +345,7 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_bytes())
     except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
-        raise CheckpointError(f"{path}: not a readable JSON file ({str(err).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: not a readable JSON file ({first_line(err)})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value

@@ -413,8 +413,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"looped-hf publish: error: --out {args.out or Path(args.run_dir) / 'publish'}: cannot be written "
               f"({err.strerror or err})", file=sys.stderr)  # fmt: skip
         return 2
-        print(f"looped-hf publish: error: {err}", file=sys.stderr)
-        return 2
     if not args.push:
         print(
             f"[publish] upload it with: looped-hf publish {args.run_dir} --repo-id {args.repo_id} --out {folder} --push"

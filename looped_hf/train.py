@@ -49,7 +49,7 @@ from looped_hf.arguments import (
     tokens_per_step,
 )
 from looped_hf.attention_backends import apply_attention_backend
-from looped_hf.fileio import RECORD_NAME, append_jsonl, write_json_atomic, write_yaml_atomic
+from looped_hf.fileio import RECORD_NAME, append_jsonl, first_line, write_json_atomic, write_yaml_atomic
 
 RECIPE_NAME = "recipe.yaml"
 CHECKPOINTS_DIR = "checkpoints"
@@ -291,11 +291,6 @@ class ResolvedRun:
     n_rec: int
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 def resolve_run(
     model_args: ModelArguments, data_args: Any, training_args: LoopedTrainingArguments
 ) -> ResolvedRun:
@@ -325,7 +320,7 @@ def resolve_run(
         raise RecipeError(str(err)) from err
     except (OSError, RuntimeError) as err:  # too long, unreadable, ~user unknown: the OS's one line
         shown = str(data_args.dataset)[:80]
-        raise RecipeError(f"DataArguments.dataset={shown!r}: cannot be read ({_first_line(err)})") from None
+        raise RecipeError(f"DataArguments.dataset={shown!r}: cannot be read ({first_line(err)})") from None
     if bound is not None and data_args.eval_blocks * seq_len > bound:
         raise RecipeError(
             f"DataArguments.eval_blocks={data_args.eval_blocks}: {data_args.eval_blocks:,} held-out blocks of "
@@ -335,7 +330,7 @@ def resolve_run(
     try:
         tokenizer = load_tokenizer(data_args.tokenizer)
     except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed
-        raise RecipeError(f"tokenizer={data_args.tokenizer!r}: cannot be loaded: {_first_line(err)}") from err
+        raise RecipeError(f"tokenizer={data_args.tokenizer!r}: cannot be loaded: {first_line(err)}") from err
     config = model_args.to_config(
         len(tokenizer), seq_len,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -349,7 +344,7 @@ def resolve_run(
     except (RuntimeError, ValueError, OverflowError) as err:  # sizes past what torch can index
         raise RecipeError(
             f"the model of this recipe cannot be built (hidden_size={config.hidden_size}, "
-            f"intermediate_size={config.intermediate_size}, layers {config.num_hidden_layers}): {_first_line(err)}"
+            f"intermediate_size={config.intermediate_size}, layers {config.num_hidden_layers}): {first_line(err)}"
         ) from err
     sampling = training_args.recurrence_sampling
     if sampling != "fixed":

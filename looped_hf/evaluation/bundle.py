@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from looped_hf.fileio import yaml_load
+from looped_hf.fileio import first_line, yaml_load
 
 PathLike = str | os.PathLike[str]
 
@@ -220,7 +220,7 @@ def load_bundle(path: PathLike, tasks: Sequence[str] | None = None) -> Bundle:
     try:
         text = yaml_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise BundleError(f"{yaml_path}: cannot be read as text ({str(err).splitlines()[0]})") from None
+        raise BundleError(f"{yaml_path}: cannot be read as text ({first_line(err)})") from None
     try:
         config = yaml_load(text) or {}
     except yaml.YAMLError as err:

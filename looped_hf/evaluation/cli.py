@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from looped_hf.cli import bounded_int, positive_int
+from looped_hf.fileio import first_line
 
 from .builtin import BUILTIN_NAME, DEFAULT_EXAMPLES, write_builtin_bundle
 from .bundle import BundleError, load_bundle
@@ -76,8 +77,7 @@ def _check_device(device: str) -> str:
     try:
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError, ValueError) as err:  # unknown type, no such index, not compiled
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise EvalError(f"--device {device!r}: not usable here ({first})") from None
+        raise EvalError(f"--device {device!r}: not usable here ({first_line(err)})") from None
     return device
 
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .report import summary_line, write_results
-    from .runner import check_lm_eval_tasks, evaluate_model, load_checkpoint
+    from .runner import check_lm_eval_tasks, check_recurrences, evaluate_model, load_checkpoint
 
     lm_eval_tasks = [t.strip() for t in (args.lm_eval or "").split(",") if t.strip()]
     if args.lm_eval is not None and not lm_eval_tasks:
@@ -158,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         trained = int(model.config.num_recurrences)
         recurrences = args.recurrences or default_recurrences(trained)
-        for r in sorted(set(recurrences)):
-            # The model's own ceiling (config.max_recurrences), checked for every r before any is scored.
-            model.config.resolve_num_recurrences(r)
-        _warn_cost(sorted(set(recurrences)), trained)
+        # Every r (the model's own ceiling, config.max_recurrences, included) before any is scored.
+        _warn_cost(check_recurrences(model, recurrences), trained)
         results = evaluate_model(
             model, tokenizer, bundles, recurrences,
             max_per_task=args.max_per_task, batch_tokens=args.batch_tokens, settings=settings,

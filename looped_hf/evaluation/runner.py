@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir, read_run_record
+from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir, first_line, read_run_record
 
 from .bundle import Bundle
 from .scoring import (
@@ -41,7 +41,7 @@ def check_lm_eval_tasks(tasks: Sequence[str], include_path: PathLike | None = No
     try:
         return task_manager_for(tasks, include_path)
     except (ImportError, ValueError) as err:
-        raise EvalError(str(err).strip().splitlines()[0]) from None
+        raise EvalError(first_line(err)) from None
 
 
 def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
@@ -62,8 +62,7 @@ def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the file is named
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be loaded: {first}") from err
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be loaded: {first_line(err)}") from err
     return model, tokenizer
 
 
@@ -100,16 +99,25 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
     return model, tokenizer, info
 
 
-def _check_recurrences(model: Any, recurrences: Sequence[int]) -> list[int]:
+def check_recurrences(model: Any, recurrences: Sequence[int]) -> list[int]:
+    """The r values to score (sorted, deduplicated), each checked before the first is scored: at
+    least one, each >= 1, only the trained r for a recurrence-locked model, and none above the
+    model's own ceiling (`LoopedConfig.resolve_num_recurrences`: config.max_recurrences)."""
     grid = sorted({int(r) for r in recurrences})
     if not grid or grid[0] < 1:
         raise EvalError(f"recurrences={list(recurrences)!r}: need at least one r, each >= 1")
     config = model.config
+    # Before the ceiling: resolve_num_recurrences would name a locked model's r in its own words.
     if getattr(config, "is_recurrence_locked", False) and grid != [config.num_recurrences]:
         raise EvalError(
             f"recurrences={grid}: input_injection={config.input_injection!r} indexes parameters by recurrence step, "
             f"so this model runs only at its trained num_recurrences={config.num_recurrences}"
         )
+    for r in grid if hasattr(config, "resolve_num_recurrences") else ():
+        try:
+            config.resolve_num_recurrences(r)
+        except ValueError as err:
+            raise EvalError(str(err)) from None
     return grid
 
 
@@ -168,7 +176,7 @@ def evaluate_model(
     if unknown:
         raise EvalError(f"settings {unknown}: unknown; one of {list(CALL_SETTINGS)}")
     settings = {k: (settings or {}).get(k) for k in CALL_SETTINGS}
-    grid = _check_recurrences(model, recurrences)
+    grid = check_recurrences(model, recurrences)
     say = progress or (lambda _line: None)
     started = time.time()
     max_length = getattr(model.config, "max_position_embeddings", None)

@@ -365,9 +365,10 @@ def _model_accounting(model_args: Any, config: Any, seq_len: int) -> _Accounting
 
 
 def make_plan(
-    recipe: str | os.PathLike | dict[str, Any], sweep_dir: str | os.PathLike | None = None
+    recipe: str | os.PathLike | dict[str, Any], sweep_dir: str | os.PathLike | None = None, text: str | None = None
 ) -> SweepPlan:
-    """Turn a sweep recipe into its runs; every error names the recipe field.
+    """Turn a sweep recipe into its runs; every error names the recipe field. `text`: the recipe
+    file's text, when already read (`run_sweep`): parsed instead of reading the file again.
 
     Each run's N_once, N_rec and FLOPs per token are its model's own accounting; its steps are
     `steps_for_tokens(budget / flops_per_token)` with the recipe's `train_steps_rounding` (the paper
@@ -380,7 +381,7 @@ def make_plan(
     if isinstance(recipe, dict):
         data, where = dict(recipe), "sweep recipe"
     else:
-        data, where = load_yaml(recipe, "sweep recipe"), f"sweep recipe {str(recipe)!r}"
+        data, where = load_yaml(recipe, "sweep recipe", text), f"sweep recipe {str(recipe)!r}"
     if "sweep" not in data:
         raise RecipeError(f"{where}: no 'sweep' section (a single run is `looped-hf train`)")
     sweep = parse_sweep_section(data.pop("sweep"), where)
@@ -404,7 +405,7 @@ def make_plan(
             if k not in ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval")
         },
         where=where,
-        lines=None if isinstance(recipe, dict) else yaml_key_lines(recipe),
+        lines=None if isinstance(recipe, dict) else yaml_key_lines(recipe, text),
     )
     seq_len = data_args.seq_len
     step_tokens = tokens_per_step(training_args, seq_len, world_size=sweep.num_processes)

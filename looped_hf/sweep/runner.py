@@ -328,11 +328,10 @@ def run_sweep(
     where the sweep's own lines go (default: a live progress line on a terminal, else one line
     per finished run on stdout). `max_runs` stops after starting that many runs this session.
     """
-    if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1):
-        # checked first: a negative count would slice the run list from its end
-        raise RecipeError(f"--max-runs={max_runs!r}: must be an integer >= 1")
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise RecipeError(f"--jobs={jobs!r}: must be an integer >= 1")
+    for flag, count in (("--max-runs", max_runs), ("--jobs", jobs)):
+        # checked first: a negative --max-runs would slice the run list from its end
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise RecipeError(f"{flag}={count!r}: must be an integer >= 1")
     if isinstance(recipe, dict):
         recipe_text = yaml.safe_dump(recipe, sort_keys=False)
         default_dir = Path("runs") / "sweep"
@@ -340,12 +339,15 @@ def run_sweep(
     else:
         recipe_text = read_recipe_text(recipe, "sweep recipe")
         default_dir = Path("runs") / Path(recipe).stem
-        data = load_yaml(recipe, "sweep recipe")
+        data = load_yaml(recipe, "sweep recipe", text=recipe_text)  # the file is read once
     section = data.get("sweep")
     if not isinstance(section, dict):
         section = {}  # make_plan names what is wrong with it
     sweep_dir = Path(sweep_dir or section.get("output_dir") or default_dir).resolve()
-    plan = make_plan(recipe if isinstance(recipe, dict) else Path(recipe), sweep_dir)
+    if isinstance(recipe, dict):
+        plan = make_plan(recipe, sweep_dir)
+    else:
+        plan = make_plan(Path(recipe), sweep_dir, text=recipe_text)  # the text read above, not the file again
     if executor is not None:
         if executor not in EXECUTORS:
             raise RecipeError(f"--executor={executor!r}: must be one of {EXECUTORS}")
