@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from looped_hf.scaling.diagnose import SEARCH_FACTOR, compute_optimal, law_loss, size_family
-from looped_hf.scaling.formatting import interval, si
+from looped_hf.scaling.formatting import flop_budget, interval, si
 from looped_hf.scaling.law import PHI, effective_params
 from looped_hf.scaling.runs import load_runs
 
@@ -141,7 +141,7 @@ def plot_isoflop(fit: ScalingLawFit, path: PathLike, runs: Any = None) -> Path:
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(FuncFormatter(_compact_count))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"budget {budget:.3g} FLOPs".replace("e+", "e"), fontsize=9)
+        ax.set_title(f"budget {flop_budget(budget)} FLOPs", fontsize=9)
         ax.grid(True, which="both", alpha=0.25)
         ax.set_xlabel(
             "N_eff = N_once + r^phi N_rec" if fit.params.get("phi") is not None else "N", fontsize=8
@@ -262,7 +262,7 @@ def plot_isoflop_study(
         leg = ax.legend(handles=arch, title="architecture", fontsize=7, title_fontsize=7, loc="upper right")
         ax.add_artist(leg)
         budgets = [
-            Line2D([], [], color=colors[b], lw=2, label=f"{b:.3g}".replace("e+", "e"))
+            Line2D([], [], color=colors[b], lw=2, label=flop_budget(b))
             for b in np.unique(runs.budget)
         ]
         ax.legend(handles=budgets, title="FLOPs budget", fontsize=7, title_fontsize=7, loc="lower left")
@@ -293,10 +293,8 @@ def plot_phi_profile(fit: ScalingLawFit, path: PathLike) -> Path:
     )
     ax.axhline(prof.cut, color="k", ls="--", lw=0.9, label=f"95% cut ({prof.cut:.2f})")
     lo, hi = prof.interval
-    lo_s = f"{lo:.3f}" if lo is not None else "open"
-    hi_s = f"{hi:.3f}" if hi is not None else "open"
     ax.axvspan(prof.phi.min() if lo is None else lo, prof.phi.max() if hi is None else hi, color="orange",
-               alpha=0.25, label=f"profile 95% CI [{lo_s}, {hi_s}]")  # fmt: skip
+               alpha=0.25, label=f"profile 95% CI {interval((lo, hi), '.3f', 'open')}")  # fmt: skip
     phi = fit.params.get("phi")
     if phi is not None:
         ax.axvline(phi, color="k", lw=1.2, label=f"estimate {phi:.3f}")

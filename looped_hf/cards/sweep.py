@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from looped_hf.fileio import replace_dir
-from looped_hf.scaling.formatting import interval
+from looped_hf.scaling.diagnose import OPTIMAL_VS_WIDTHS
+from looped_hf.scaling.formatting import flop_budget, interval
 
 from .common import (
     CARD_NAME,
@@ -90,9 +91,9 @@ def identifiability_summary(fit: ScalingLawFit) -> dict[str, Any] | None:
     for row in d.get("budgets") or []:
         tpp = f"{si(row['tokens_per_param'][0], 2)} - {si(row['tokens_per_param'][1], 2)}"
         for k, p in enumerate(row["per_r"]):
-            side = {"below": "below the widths", "above": "above the widths", "inside": "inside"}[p["optimal_vs_widths"]]
+            side = OPTIMAL_VS_WIDTHS[p["optimal_vs_widths"]]
             rows.append({
-                "budget": f"{row['budget']:.3g}".replace("e+", "e") if k == 0 else "",
+                "budget": flop_budget(row["budget"]) if k == 0 else "",
                 "tokens_per_param": tpp if k == 0 else "", "r": f"{p['r']:g}", "best": p["best"],
                 "position": f"**{p['position']}**" if p["position"] in ("smallest", "largest") else p["position"],
                 "optimum": f"{si(p['optimal_params'])} ({p['optimal_tokens_per_param']:.3g} tokens/param, {side})",

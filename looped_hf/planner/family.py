@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from looped_hf.fileio import read_json, write_text_atomic
 from looped_hf.scaling import ScalingLawFit
 
 if TYPE_CHECKING:
@@ -217,15 +218,13 @@ def _disk_cached(recipe_text: str, source: str, measure: Any) -> ArchitectureFam
         return measure()
     path = root / f"{_accounting_key(recipe_text)}.json"
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = read_json(path)
         if obj.get("format") == _FAMILY_FORMAT:
             return ArchitectureFamily.from_dict(obj["family"], source)
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, unreadable or from another version: measure again
     family = measure()
     try:
-        from looped_hf.fileio import write_text_atomic
-
         root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps({"format": _FAMILY_FORMAT, "family": family.to_dict()}))
     except OSError:

@@ -79,6 +79,8 @@ def main(argv: list[str]) -> int:
             check_output_path(args.out, "--out")
         if args.plots is not None:
             check_output_path(args.plots, "--plots", directory=True)
+        if args.compare is not None and args.bootstrap < 2:
+            raise ValueError("--compare needs --bootstrap N (N >= 2) for the interval of the phi difference")
         fit = fit_scaling_law(
             args.results,
             bootstrap=args.bootstrap,
@@ -89,10 +91,6 @@ def main(argv: list[str]) -> int:
         )
         comparison = None
         if args.compare is not None:
-            if args.bootstrap < 2:
-                raise ValueError(
-                    "--compare needs --bootstrap N (N >= 2) for the interval of the phi difference"
-                )
             # A probe without r = 1 runs is fitted with the base's (the study's probe fit).
             comparison = compare_fits(
                 fit,

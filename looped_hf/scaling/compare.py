@@ -129,14 +129,15 @@ def comparison_verdict(c: FitComparison) -> dict[str, Any]:
     lo, hi = c.ci
     prof = None if c.profile is None else tuple(c.profile.interval)
     n, n_dropped = (None, None) if c.checks is None else (c.checks.n, c.checks.n_dropped)
-    t = trusted_interval(prof, (lo, hi), sign_of, n_resamples=n, n_dropped=n_dropped,
-                         describe=lambda s: _SIGN_WORDS[s], spec="+.3f")  # fmt: skip
+    t = trusted_interval(prof, (lo, hi), sign_of, n_resamples=n, n_dropped=n_dropped)
     sign = int(t.answer or 0)
     out: dict[str, Any] = {"bootstrap": [lo, hi], "profile": None if prof is None else list(prof)}
     if prof is None:
-        out.update(decides=bool(sign), trusted="bootstrap", sign=sign)
+        # The rule's own answer: the bootstrap, unless it is suspect (then nothing is trusted).
+        out.update(decides=bool(sign), trusted=t.trusted, sign=sign)
         what = _SIGN_WORDS[sign] if sign else "no sign"
-        out["line"] = f"{'decides' if sign else 'does not decide'}: {what} (bootstrap only, no phi profiles)"
+        why = "bootstrap only, no phi profiles" if t.trusted == "bootstrap" else t.why
+        out["line"] = f"{'decides' if sign else 'does not decide'}: {what} ({why})"
         return out
     dropped = 0.0 if not n else (n_dropped or 0) / n
     out.update(decides=bool(sign), trusted=t.trusted, sign=sign, dropped_share=dropped)
@@ -145,7 +146,7 @@ def comparison_verdict(c: FitComparison) -> dict[str, Any]:
     return out
 
 
-_SIGN_WORDS = {1: "delta phi > 0", -1: "delta phi < 0", 0: "0 is inside"}
+_SIGN_WORDS = {1: "delta phi > 0", -1: "delta phi < 0"}
 
 
 def _fmt_ci(ci: tuple[float, float] | None) -> str:

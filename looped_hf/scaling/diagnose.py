@@ -37,15 +37,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy.optimize import nnls
 
-from .formatting import interval, si
-from .law import BOUNDS, NATURAL_NAMES, PARAM_NAMES, PHI, effective_params
-from .trust import (
-    PHI_WIDTH_IDENTIFIED,
-    Interval,
-    phi_measured,
-    too_many_dropped,
-    trusted_interval,
-)
+from .formatting import flop_budget, interval, si
+from .law import BOUNDS, NATURAL_NAMES, PARAM_NAMES, PHI, effective_params, natural_loss
+from .trust import PHI_WIDTH_IDENTIFIED, Interval, phi_measured, trusted_interval
 
 if TYPE_CHECKING:
     from .fit import ScalingLawFit
@@ -54,6 +48,8 @@ if TYPE_CHECKING:
 #: Compute-optimal sizes are searched this factor below the smallest and above the largest model.
 SEARCH_FACTOR = 100.0
 _NATURAL = {"a": "A", "alpha": "alpha", "b": "B", "beta": "beta", "e": "E", "phi": "phi"}
+#: How the report and the sweep card word :func:`budget_table`'s ``optimal_vs_widths``.
+OPTIMAL_VS_WIDTHS = {"below": "below the widths", "above": "above the widths", "inside": "inside"}
 
 
 @dataclass(frozen=True)
@@ -107,8 +103,7 @@ def law_loss(params: dict[str, Any], family: SizeFamily, budget: float, n: np.nd
     """The law's loss for the family's models of size ``n`` trained with ``budget`` FLOPs."""
     n_once, n_rec = family.split(n)
     n_eff = effective_params(n_once, n_rec, family.r, params.get("phi"))
-    tokens = family.tokens(budget, n)
-    return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
+    return natural_loss(params, n_eff, family.tokens(budget, n))
 
 
 def compute_optimal(
@@ -131,10 +126,6 @@ def compute_optimal(
         "loss": float(loss[i]),
         "edge": "low" if i == 0 else ("high" if i == points - 1 else None),
     }
-
-
-def _fmt_budget(x: float) -> str:
-    return f"{x:.3g}".replace("e+", "e")
 
 
 def _model_name(runs: Runs, i: int) -> str:
@@ -195,7 +186,7 @@ def budget_table(fit: ScalingLawFit) -> list[dict[str, Any]]:
 def _budget_finding(row: dict[str, Any]) -> tuple[str | None, str | None]:
     """``(kind, sentence)`` for one budget: kind ``"above"`` / ``"below"`` / ``"few"`` / None."""
     per_r = row["per_r"]
-    b = _fmt_budget(row["budget"])
+    b = flop_budget(row["budget"])
     if all(p["position"] == "single width" for p in per_r) or max(len(p["widths"]) for p in per_r) < 3:
         return "few", (
             f"budget {b} has fewer than 3 widths per r: no IsoFLOP minimum can be located there; "
@@ -330,7 +321,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
         kind, sentence = _budget_finding(row)
         if kind is not None and sentence is not None:
             reasons.append(sentence)
-            placement[kind].append(_fmt_budget(row["budget"]))
+            placement[kind].append(flop_budget(row["budget"]))
     for kind, advice in (("above", "are all above the compute-optimal size: add smaller widths"),
                          ("below", "are all below the compute-optimal size: add larger widths"),
                          ("few", "have fewer than 3 widths per r: add widths around the optimum")):  # fmt: skip
@@ -359,7 +350,7 @@ def verdict(fit: ScalingLawFit, budgets: list[dict[str, Any]], at_bound: list[di
                              n_resamples=checks.get("n"), n_dropped=checks.get("dropped"),
                              describe=lambda m: "measures phi" if m else "does not measure phi")  # fmt: skip
     judged = list(intervals)  # the intervals the verdict rests on
-    if "bootstrap" in named and too_many_dropped(checks.get("n"), checks.get("dropped")):
+    if trust.suspect == "dropped":
         # Dropped resamples are failed fits, not evidence; but many of them mean many resamples
         # leave phi (or another parameter) unbounded, so the kept ones understate the spread. The
         # verdict then rests on the profile alone (and fails without one).

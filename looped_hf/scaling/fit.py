@@ -185,12 +185,12 @@ class ScalingLawFit:
             n_eff = np.asarray(params, float)
         elif n_once is None:
             raise ValueError("predict needs params=N (plain) or n_once/n_rec/num_recurrences (looped)")
-        elif self.params["phi"] is None:
-            n_eff = np.asarray(n_once, float) + np.asarray(n_rec, float)
         else:
-            n_eff = np.asarray(self.effective_params(n_once, n_rec, num_recurrences), float)
-        p = self.params
-        out = p["E"] + p["A"] * n_eff ** -p["alpha"] + p["B"] * np.asarray(tokens, float) ** -p["beta"]
+            # phi None (not identifiable; a plain fit's phi is inert) counts every parameter once.
+            phi = self.params["phi"] if self.kind == "looped" else None
+            n_once, n_rec = np.asarray(n_once, float), np.asarray(n_rec, float)
+            n_eff = np.asarray(law.effective_params(n_once, n_rec, num_recurrences, phi), float)
+        out = law.natural_loss(self.params, n_eff, np.asarray(tokens, float))
         return float(out) if np.ndim(out) == 0 else out
 
     def equivalence(self, n_once: float, n_rec: float, num_recurrences: float) -> dict[str, float]:
@@ -442,10 +442,7 @@ def fit_scaling_law(
             )
     data_runs = load_runs(runs, variant=variant)
     if len(data_runs) and np.ptp(data_runs.loss) == 0:
-        where = (
-            "" if data_runs.source is None or data_runs.source.startswith("<") else f"{data_runs.source}: "
-        )
-        raise ValueError(f"{where}column 'loss': all {len(data_runs)} runs have the same loss "
+        raise ValueError(f"{data_runs.where}column 'loss': all {len(data_runs)} runs have the same loss "
                          f"({data_runs.loss[0]:g}): a law cannot be fitted to a constant")  # fmt: skip
     with single_threaded_blas():
         return _fit(
@@ -501,7 +498,7 @@ def _fit(
         )
 
     fixed: dict[int, float] = (
-        {} if phi_free else {5: float(fix_phi) if (fix_phi is not None and identifiable) else 0.0}
+        {} if phi_free else {law.PHI: float(fix_phi) if (fix_phi is not None and identifiable) else 0.0}
     )
     if fix_phi is not None and not identifiable:
         notes.append(f"fix_phi={fix_phi} has no effect: phi is not identifiable from these runs")
@@ -575,7 +572,7 @@ def _fit(
         for value in (0.0, 1.0):
             if fix_phi is not None and value == fix_phi:
                 continue
-            fx = {5: value}
+            fx = {law.PHI: value}
             th = _refit(data, [np.r_[w[:5], value] for w in warm], _free_mask(False), fx, rng, None, 4)
             p = law.predict_log_loss(th, data)[0]
             f = float(law.objective_value(th, data)[0])

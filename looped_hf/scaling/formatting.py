@@ -20,6 +20,12 @@ def si(x: float | None, digits: int = 3, missing: str = "-") -> str:
     return f"{x:.{digits}g}"
 
 
+def flop_budget(x: float) -> str:
+    """A compute budget in FLOPs, 3 significant digits, the exponent without its plus sign:
+    ``3e+18`` reads ``3e18`` (the budgets of the report, the cards and the plots)."""
+    return f"{x:.3g}".replace("e+", "e")
+
+
 def interval(iv: Iterable[float | None], spec: str = ".3g", open_end: str = "box") -> str:
     """``[lo, hi]`` with each end formatted by ``spec``; an end that is None (an open end: the
     search box clipped it, nothing measured it) reads ``open_end``."""

@@ -57,6 +57,13 @@ def effective_params(n_once: Any, n_rec: Any, r: Any, phi: Any) -> Any:
         return np.add(n_once, n_rec)
     return np.add(n_once, np.power(np.asarray(r, float), phi) * np.asarray(n_rec, float))
 
+
+def natural_loss(params: Any, n_eff: Any, tokens: Any) -> Any:
+    """The law's loss ``E + A n_eff^-alpha + B tokens^-beta`` from the user's parameters
+    (``params["E"]``, ...; see :func:`effective_params` for ``n_eff``). Broadcasts like numpy."""
+    return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
+
+
 #: Bounds of the start box and of L-BFGS-B (the study's appendix: a, b in [-5, 35],
 #: alpha, beta in [0, 2.5], e in [-3, 2], phi in [-3, 3]).
 BOUNDS: tuple[tuple[float, float], ...] = (

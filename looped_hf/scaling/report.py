@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .formatting import interval, si
+from .diagnose import OPTIMAL_VS_WIDTHS
+from .formatting import flop_budget, interval, si
 
 if TYPE_CHECKING:
     from .fit import ScalingLawFit
@@ -60,14 +61,11 @@ def _diagnosis_lines(fit: ScalingLawFit) -> list[str]:
             for k, p in enumerate(row["per_r"]):
                 opt = f"{si(p['optimal_params'])} ({p['optimal_tokens_per_param']:.3g} tok/param, "
                 opt += (
-                    {"below": "below the widths", "above": "above the widths", "inside": "inside"}[
-                        p["optimal_vs_widths"]
-                    ]
+                    OPTIMAL_VS_WIDTHS[p["optimal_vs_widths"]]
                     + (", beyond the search range" if p.get("optimal_edge") else "")
                     + ")"
                 )
-                budget = f"{row['budget']:.3g}".replace("e+", "e")
-                head = f"{budget:<9} {tpp:<13}" if k == 0 else " " * 23
+                head = f"{flop_budget(row['budget']):<9} {tpp:<13}" if k == 0 else " " * 23
                 lines.append(f"  {head} {p['r']:>3g}  {p['best']:<12} {p['position']:<9} {opt}")
         lines.append("")
     v = d.get("verdict")

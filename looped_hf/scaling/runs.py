@@ -33,6 +33,12 @@ from ..fileio import read_json
 LOOPED_COLUMNS = ("n_once", "n_rec", "num_recurrences")
 
 
+def error_prefix(source: str) -> str:
+    """How an error about runs from ``source`` begins: ``"results.jsonl: "``, or nothing for runs
+    that come from no file (``"<memory>"``, ``"<DataFrame>"``)."""
+    return "" if source.startswith("<") else f"{source}: "
+
+
 @dataclass
 class Runs:
     """Validated runs as numpy arrays (plain runs have ``n_rec = 0``, ``num_recurrences = 1``)."""
@@ -59,6 +65,11 @@ class Runs:
 
     def __len__(self) -> int:
         return int(self.loss.shape[0])
+
+    @property
+    def where(self) -> str:
+        """How an error about these runs begins (:func:`error_prefix` of ``source``)."""
+        return error_prefix(self.source)
 
     @property
     def params(self) -> np.ndarray:
@@ -272,7 +283,7 @@ def load_runs(source: Any, *, variant: str | None = None) -> Runs:
     if isinstance(source, Runs):
         return source
     records, labels, src = _records_from(source)
-    where = "" if src.startswith("<") else f"{src}: "
+    where = error_prefix(src)
     notes: list[str] = []
 
     # 1. failed runs: dropped, with a note (they carry no usable loss).

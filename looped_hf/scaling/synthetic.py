@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .law import effective_params
+from .law import effective_params, natural_loss
 
 #: Ground truth of the default study sweep: Chinchilla's refit (Besiroglu et al. 2024) and the
 #: study's phi.
@@ -173,8 +173,7 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (STUDY, TINY_V0)}
 
 def true_loss(params: dict[str, float], n_once: float, n_rec: float, r: float, tokens: float) -> float:
     """``E + A (n_once + r^phi n_rec)^-alpha + B tokens^-beta``."""
-    n_eff = effective_params(n_once, n_rec, r, params["phi"])
-    return params["E"] + params["A"] * n_eff ** -params["alpha"] + params["B"] * tokens ** -params["beta"]
+    return natural_loss(params, effective_params(n_once, n_rec, r, params["phi"]), tokens)
 
 
 def sample_truth(design: Design, rng: np.random.Generator) -> dict[str, float]:

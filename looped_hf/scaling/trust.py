@@ -64,13 +64,15 @@ class Trust(Generic[Answer]):
     """What the trusted interval answers, which one that is, and in words why.
 
     ``trusted`` is ``"both"`` when the two intervals give the same answer, else the name of the
-    one followed. ``disagree`` is the sentence a report prints when they differ (else ``None``).
+    one followed. ``suspect`` is why the bootstrap is suspect (rule 2): ``"dropped"`` (too many
+    failed resample fits), ``"flat"`` (it reaches far beyond the profile interval), else ``None``.
+    ``disagree`` is the sentence a report prints when they differ (else ``None``).
     """
 
     answer: Answer
     trusted: Literal["both", "profile", "bootstrap", "none"]
     why: str
-    bootstrap_suspect: bool
+    suspect: Literal["dropped", "flat"] | None
     disagree: str | None
 
 
@@ -82,28 +84,29 @@ def trusted_interval(
     n_resamples: int | None = None,
     n_dropped: int | None = None,
     describe: Callable[[Answer], str] = str,
-    spec: str = ".3g",
 ) -> Trust[Answer | None]:
     """Ask ``ask`` of the interval the rule trusts (module docstring), and say how the other one
     answers. ``describe`` words an answer for the disagreement sentence."""
+    suspect: Literal["dropped", "flat"] | None = None
     suspect_why = ""
     if bootstrap is not None and too_many_dropped(n_resamples, n_dropped):
         share = 100 * (n_dropped or 0) / max(1, n_resamples or 1)
-        suspect_why = f"the bootstrap dropped {share:.0f}% of its resamples as failed fits"
+        suspect, suspect_why = "dropped", f"the bootstrap dropped {share:.0f}% of its resamples as failed fits"
     elif bootstrap is not None and profile is not None and _reaches_beyond(bootstrap, profile):
+        suspect = "flat"
         suspect_why = "the bootstrap reaches far beyond the profile interval (resamples in a flat direction)"
     if profile is None and bootstrap is None:
-        return Trust(None, "none", "no interval", False, None)
+        return Trust(None, "none", "no interval", None, None)
     if profile is None and suspect_why:
-        return Trust(None, "none", f"no profile interval, and {suspect_why}", True, None)
+        return Trust(None, "none", f"no profile interval, and {suspect_why}", suspect, None)
     if profile is None or bootstrap is None:
         name: Literal["profile", "bootstrap"] = "profile" if bootstrap is None else "bootstrap"
         only = profile if bootstrap is None else bootstrap
         assert only is not None
-        return Trust(ask(only), name, f"{name} only", bool(suspect_why), None)
+        return Trust(ask(only), name, f"{name} only", suspect, None)
     a_prof, a_boot = ask(profile), ask(bootstrap)
     if a_prof == a_boot:
-        return Trust(a_prof, "both", "the two intervals agree", bool(suspect_why), None)
+        return Trust(a_prof, "both", "the two intervals agree", suspect, None)
     if suspect_why:
         trusted, answer = "profile", a_prof
         why = f"the profile interval is trusted: {suspect_why}"
@@ -111,9 +114,9 @@ def trusted_interval(
         trusted, answer = "bootstrap", a_boot
         why = ("the bootstrap is trusted: its resample fits passed the checks and it keeps the correlation "
                "of runs in one (budget, r) cell, which the profile's LR scale does not")  # fmt: skip
-    disagree = (f"the intervals disagree (profile {interval(profile, spec)}: {describe(a_prof)}; "
-                f"bootstrap {interval(bootstrap, spec)}: {describe(a_boot)}); {why}")  # fmt: skip
-    return Trust(answer, trusted, f"the intervals disagree; {why}", bool(suspect_why), disagree)
+    disagree = (f"the intervals disagree (profile {interval(profile)}: {describe(a_prof)}; "
+                f"bootstrap {interval(bootstrap)}: {describe(a_boot)}); {why}")  # fmt: skip
+    return Trust(answer, trusted, f"the intervals disagree; {why}", suspect, disagree)
 
 
 def phi_measured(iv: Interval) -> bool:
