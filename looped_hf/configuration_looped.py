@@ -22,14 +22,16 @@ the key was written by 0.1.0 and loads as format 1.
 This file is shipped with every checkpoint as remote code: it imports only transformers.
 """
 
-from __future__ import annotations
-
 import math
 import operator
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_origin
 
+from huggingface_hub.dataclasses import strict, validated_field
+from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 
 INPUT_INJECTIONS = ("linear", "add", "none", "hyperconnection")
@@ -39,6 +41,7 @@ QK_NORMS = ("after_rope", "learnable_before_rope", "none")
 # "hf": transformers' normal(0, initializer_range); "study": nanochat/gpt.py init_weights.
 INIT_SCHEMES = ("hf", "study")
 LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module docstring
+LOOPED_FORMATS = (1, LOOPED_FORMAT)
 # The most recurrences a call may run, as a multiple of the trained r, unless ``max_recurrences``
 # says otherwise: far past any test-time extrapolation that helps (the study and Huginn stay
 # within a few x), and each recurrence costs K layer applications per token, so a typo such as
@@ -74,6 +77,99 @@ AUTO_CLASSES = {
     "AutoModelForTokenClassification": "LoopedForTokenClassification",
     "AutoModelForQuestionAnswering": "LoopedForQuestionAnswering",
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Field rules, declared on the fields (transformers 5's ``@strict`` configs, as ``LlamaConfig``)
+# ---------------------------------------------------------------------------------------------
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A field's range, as a ``@strict`` validator: ``None`` passes (the type says whether it may
+    be None); NaN and infinities never do. Readable by tools (``describe()``, ``low`` / ``high``)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    integer: bool = False
+    why: str = ""
+
+    def __call__(self, value: Any) -> None:
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return  # the type check names a wrong type
+        # NaN fails every comparison, so each test says what is inside, never what is outside.
+        inside = math.isfinite(value) and (self.low is None or (value > self.low if self.low_open else value >= self.low))
+        if not (inside and (self.high is None or value <= self.high)):
+            raise ValueError(f"must be {self.describe()}")
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        if self.low is not None and self.high is not None:
+            text = f"{kind} in [{self.low}, {self.high}]"
+        elif self.low is not None:
+            text = f"{kind} {'>' if self.low_open else '>='} {self.low}"
+        else:
+            text = kind
+        return f"{text} ({self.why})" if self.why else text
+
+
+def interval(low: float | None, high: float | None, *, low_open: bool = False, why: str = "") -> Callable[..., Any]:
+    """``interval(0, 1)(default=0.0)``: a field whose value lies in [low, high]."""
+    rule = Interval(low, high, low_open=low_open, why=why)
+    return lambda default: validated_field(rule, default=default)
+
+
+def at_least(low: int, *, why: str = "") -> Callable[..., Any]:
+    """``at_least(1)(default=4)``: an integer field >= low."""
+    rule = Interval(low, None, integer=True, why=why)
+    return lambda default: validated_field(rule, default=default)
+
+
+def field_choices(annotation: Any) -> tuple[Any, ...]:
+    """The values a ``Literal[...]`` field (or ``Literal[...] | None``) takes; () for other types."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    return tuple(c for arg in get_args(annotation) for c in field_choices(arg))
+
+
+class LoopedConfigError(StrictDataclassError, ValueError):
+    """A config value that cannot work, in one line naming the field and the value. Both a
+    ``ValueError`` (as before ``@strict``) and huggingface_hub's ``StrictDataclassError``."""
+
+
+_TYPE_ERROR = re.compile(r"^Field '[^']*' (expected .*?)(?: \(value: .*\))?$")
+
+
+def _one_line_errors(cls: type) -> type:
+    """Re-raise ``@strict``'s two-line errors ("Validation error for field 'x':\n  ValueError: ...")
+    as one line, "LoopedConfig.x=value: why", which a CLI can print as it is."""
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+    choices = {name: field_choices(annotation) for name, annotation in cls.__annotations__.items()}
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassError as err:
+            cause = err.__cause__
+            why = str(cause) if cause is not None else str(err)
+            if choices.get(name) and isinstance(cause, TypeError):
+                why = f"must be one of {tuple(c for c in choices[name] if c is not None)}"
+            elif (match := _TYPE_ERROR.match(why)) is not None:
+                why = match.group(1)
+            raise LoopedConfigError(f"{cls.__name__}.{name}={value!r}: {why}") from None
+
+    def validate(self: Any) -> None:
+        try:
+            strict_validate(self)
+        except StrictDataclassError as err:
+            raise LoopedConfigError(str(err.__cause__ or err)) from None
+
+    cls.__setattr__, cls.validate = __setattr__, validate
+    validate.__is_defined_by_strict_decorator__ = True  # a subclass's @strict may redefine it
+    return cls
 
 
 def tensor_parallel_plan(
@@ -154,6 +250,8 @@ class KVSlotPlan:
             yield "coda", 0, j, self.coda(j)
 
 
+@_one_line_errors
+@strict
 class LoopedConfig(PreTrainedConfig):
     r"""Configuration for [`LoopedForCausalLM`].
 
@@ -266,16 +364,19 @@ class LoopedConfig(PreTrainedConfig):
         # constructing a tied config; the plan is derived on every read, so nothing is stored.
         return None
 
-    vocab_size: int = 8192
-    hidden_size: int = 256
-    intermediate_size: int | None = None
-    num_attention_heads: int = 4
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "relu2"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
+    # Each field declares its type (checked by ``@strict``) and, where it has one, its range or its
+    # choices (``at_least`` / ``interval`` / a ``Literal``): the one place a value's rule is written.
+    # Rules that tie fields together are the ``validate_*`` methods below.
+    vocab_size: int = at_least(1)(default=8192)
+    hidden_size: int = at_least(1)(default=256)
+    intermediate_size: int | None = at_least(1)(default=None)
+    num_attention_heads: int = at_least(1)(default=4)
+    num_key_value_heads: int | None = at_least(1)(default=None)
+    head_dim: int | None = at_least(1)(default=None)
+    hidden_act: Literal[HIDDEN_ACTS] = "relu2"
+    max_position_embeddings: int = at_least(1)(default=2048)
+    initializer_range: int | float = interval(0, None, why="a standard deviation")(default=0.02)
+    rms_norm_eps: int | float = interval(0, None, low_open=True, why="a norm divides by sqrt(mean + eps)")(default=1e-6)
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -283,31 +384,32 @@ class LoopedConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: dict | None = None
     attention_bias: bool = False
-    attention_dropout: float = 0.0
+    attention_dropout: int | float = interval(0, 1, why="a probability")(default=0.0)
     mlp_bias: bool = False
-    qk_norm: str | bool | None = "after_rope"
-    init_scheme: str = "hf"
-    logit_softcap: float | None = 15.0
+    # True / False / None are read as "after_rope" / "none" (format 1: True was the learnable form).
+    qk_norm: Literal[QK_NORMS] | bool | None = "after_rope"
+    init_scheme: Literal[INIT_SCHEMES] = "hf"
+    logit_softcap: int | float | None = interval(0, None, low_open=True)(default=15.0)
     embedding_norm: bool = True
-    pad_vocab_size_to_multiple_of: int = 1
-    rope_table_dtype: str | None = None
-    num_prelude_layers: int = 2
-    num_recurrent_layers: int = 4
-    num_coda_layers: int = 2
-    num_recurrences: int = 4
-    input_injection: str = "linear"
-    num_hyperconnection_lanes: int = 2
-    state_init: str | None = None
-    state_init_std: float = 1.0
-    backprop_recurrences: int | None = None
+    pad_vocab_size_to_multiple_of: int = at_least(1, why="1: no padding")(default=1)
+    rope_table_dtype: Literal[ROPE_TABLE_DTYPES] | None = None
+    num_prelude_layers: int = at_least(0)(default=2)
+    num_recurrent_layers: int = at_least(0)(default=4)
+    num_coda_layers: int = at_least(0)(default=2)
+    num_recurrences: int = at_least(1)(default=4)
+    input_injection: Literal[INPUT_INJECTIONS] = "linear"
+    num_hyperconnection_lanes: int = at_least(1)(default=2)
+    state_init: Literal[STATE_INITS] | None = None
+    state_init_std: int | float = interval(0, None, why="a standard deviation")(default=1.0)
+    backprop_recurrences: int | None = at_least(1, why="None: full backprop")(default=None)
     recurrence_norm: bool = True
-    kv_budget: int | None = None
-    max_recurrences: int | None = None
-    exit_criterion: str | None = None
-    exit_threshold: float | None = None
-    min_recurrences: int = 1
+    kv_budget: int | None = at_least(1, why="None: every recurrence keeps its KV cache")(default=None)
+    max_recurrences: int | None = at_least(1)(default=None)
+    exit_criterion: Literal[EXIT_CRITERIA + ("none",)] | None = None
+    exit_threshold: int | float | None = None
+    min_recurrences: int = at_least(1)(default=1)
     num_hidden_layers: int | None = None
-    looped_format: int = LOOPED_FORMAT
+    looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT
 
     def __post_init__(self, **kwargs):
         if self.qk_norm is True:
@@ -316,7 +418,7 @@ class LoopedConfig(PreTrainedConfig):
             self.qk_norm = "none"
         if self.state_init is None:
             self.state_init = "zeros" if self.input_injection == "add" else "prelude"
-        if self.head_dim is None and self.num_attention_heads:
+        if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -327,120 +429,63 @@ class LoopedConfig(PreTrainedConfig):
             self.intermediate_size = 4 * d if self.hidden_act == "relu2" else 64 * math.ceil(8 * d / 3 / 64)
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-        self.validate_loop()
         self.num_hidden_layers = self.effective_num_layers
         super().__post_init__(**kwargs)
 
-    # --- validation -------------------------------------------------------------------------
-    def validate_loop(self) -> None:
-        """Raise ``ValueError`` naming the field and the value for any inconsistent setting."""
+    # --- validation: the rules that tie fields together (``@strict`` runs every ``validate_*``
+    # after ``__init__``, and ``validate()`` before ``save_pretrained``) ----------------------
+    def _bad(self, field: str, why: str) -> ValueError:
+        return ValueError(f"LoopedConfig.{field}={getattr(self, field)!r}: {why}")
 
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"LoopedConfig.{field}={getattr(self, field)!r}: {why}")
-
-        for field in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "intermediate_size", "max_position_embeddings"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(field, "must be a positive integer")
-        for field in ("num_prelude_layers", "num_recurrent_layers", "num_coda_layers"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise bad(field, "must be an integer >= 0")
-        if self.num_prelude_layers + self.num_recurrent_layers + self.num_coda_layers == 0:
-            raise bad("num_recurrent_layers", "the model has no layers at all")
-        if not isinstance(self.num_recurrences, int) or isinstance(self.num_recurrences, bool) or self.num_recurrences < 1:
-            raise bad("num_recurrences", "must be an integer >= 1")
+    def validate_architecture(self) -> None:
+        """Layers exist; heads split the width; RoPE rotates pairs."""
+        if self.num_unique_layers == 0:
+            raise self._bad("num_recurrent_layers", "the model has no layers at all")
         if self.hidden_size % self.num_attention_heads != 0 and self.head_dim * self.num_attention_heads != self.hidden_size:
             # An explicit head_dim may decouple the two (as in Llama), but then it must be given.
-            raise bad("num_attention_heads", f"does not divide hidden_size={self.hidden_size}")
+            raise self._bad("num_attention_heads", f"does not divide hidden_size={self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
+            raise self._bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2 != 0:
-            raise bad("head_dim", "must be even for rotary embeddings")
-        if self.input_injection not in INPUT_INJECTIONS:
-            raise bad("input_injection", f"must be one of {INPUT_INJECTIONS}")
-        if self.state_init not in STATE_INITS:
-            raise bad("state_init", f"must be one of {STATE_INITS}")
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise bad("hidden_act", f"must be one of {HIDDEN_ACTS}")
-        if self.qk_norm not in QK_NORMS:
-            raise bad("qk_norm", f"must be one of {QK_NORMS} (or true / false)")
-        if self.init_scheme not in INIT_SCHEMES:
-            raise bad("init_scheme", f"must be one of {INIT_SCHEMES}")
-        if self.looped_format not in (1, LOOPED_FORMAT):
-            raise bad("looped_format", f"must be 1 (looped_hf 0.1.0) or {LOOPED_FORMAT}; a newer looped_hf wrote it")
+            raise self._bad("head_dim", "must be even for rotary embeddings")
+        theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        if theta is not None and not (_is_real(theta) and theta > 0):
+            raise self._bad("rope_parameters", "rope_theta must be a finite number > 0")
+
+    def validate_loop(self) -> None:
+        """The loop's settings against r: truncation, the hyperconnection lock, exit, the ceiling."""
+        r = self.num_recurrences
         k = self.backprop_recurrences
-        if k is not None:
-            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-                raise bad("backprop_recurrences", "must be None (full backprop) or an integer >= 1")
-            if k > self.num_recurrences:
-                raise bad("backprop_recurrences", f"exceeds num_recurrences={self.num_recurrences}")
-        if self.input_injection == "hyperconnection":
-            lanes = self.num_hyperconnection_lanes
-            if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-                raise bad("num_hyperconnection_lanes", "must be an integer >= 1")
-            if k is not None and k < self.num_recurrences:
-                # The study's GPTConfig refuses this too: the per-step gains of the detached steps
-                # would never receive a gradient.
-                raise bad(
-                    "backprop_recurrences",
-                    f"hyperconnections need full backprop (None or {self.num_recurrences}): the per-step "
-                    "lane parameters of the detached recurrences would never train",
-                )
-        budget = self.kv_budget
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-            # Hyperconnection models are accepted: the budget only chooses which recurrence's KV
-            # the past tokens offer (the study's engine applies it to hyperconnect runs too); the
-            # lane parameters, and so the r the model is locked to, are untouched.
-            raise bad("kv_budget", "must be None (every recurrence keeps its KV cache) or an integer >= 1")
+        if k is not None and k > r:
+            raise self._bad("backprop_recurrences", f"exceeds num_recurrences={r}")
+        if self.input_injection == "hyperconnection" and k is not None and k < r:
+            # The study's GPTConfig refuses this too: the per-step gains of the detached steps
+            # would never receive a gradient. (A kv_budget is accepted: it only chooses which
+            # recurrence's KV the past tokens offer; the lane parameters are untouched.)
+            raise self._bad(
+                "backprop_recurrences",
+                f"hyperconnections need full backprop (None or {r}): the per-step "
+                "lane parameters of the detached recurrences would never train",
+            )
         try:
             rule = self.exit_settings()
         except ValueError as err:
             raise ValueError(f"LoopedConfig.{err}") from None
-        if rule is not None and rule[2] > self.num_recurrences:
-            raise bad("min_recurrences", f"exceeds num_recurrences={self.num_recurrences}, the cap on recurrences per token")
-        multiple = self.pad_vocab_size_to_multiple_of
-        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
-            raise bad("pad_vocab_size_to_multiple_of", "must be an integer >= 1 (1: no padding)")
-        if self.rope_table_dtype is not None and self.rope_table_dtype not in ROPE_TABLE_DTYPES:
-            raise bad("rope_table_dtype", f"must be None (full precision) or one of {ROPE_TABLE_DTYPES}")
-        # Real-valued fields, each with the range the forward can use. NaN fails every comparison,
-        # so each test says what is inside the range, never what is outside.
-        def real(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if rule is not None and rule[2] > r:
+            raise self._bad("min_recurrences", f"exceeds num_recurrences={r}, the cap on recurrences per token")
+        if self.max_recurrences is not None and self.max_recurrences < r:
+            raise self._bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
+                                               f"integer >= num_recurrences={r}")  # fmt: skip
 
-        theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
-        for field, value, ok, why in (
-            ("rms_norm_eps", self.rms_norm_eps, lambda v: real(v) and v > 0,
-             "must be a finite number > 0 (a norm divides by sqrt(mean + eps))"),
-            ("initializer_range", self.initializer_range, lambda v: real(v) and v >= 0,
-             "must be a finite standard deviation >= 0"),
-            ("state_init_std", self.state_init_std, lambda v: real(v) and v >= 0,
-             "must be a finite standard deviation >= 0"),
-            ("attention_dropout", self.attention_dropout, lambda v: real(v) and 0 <= v <= 1,
-             "must be a probability in [0, 1]"),
-            ("logit_softcap", self.logit_softcap, lambda v: v is None or (real(v) and v > 0),
-             "must be None or a finite number > 0"),
-            ("rope_parameters", theta, lambda v: v is None or (real(v) and v > 0),
-             "rope_theta must be a finite number > 0"),
-        ):  # fmt: skip
-            if not ok(value):
-                raise bad(field, why)
+    def validate_token_ids(self) -> None:
+        # Stricter than transformers' (which only warns): a special token outside the vocabulary
+        # has no embedding row (pad: its padding row), and generation could never emit or stop on it.
         for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            # A special token outside the vocabulary: the embedding has no row for it (pad: its
-            # padding row), and generation could never emit or stop on it.
             value = getattr(self, field)
             ids = value if isinstance(value, (list, tuple)) else [value]
             if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size)
                    for i in ids):  # fmt: skip
-                raise bad(field, f"must be None or a token id in [0, vocab_size={self.vocab_size})")
-        ceiling = self.max_recurrences
-        if ceiling is not None and (
-            isinstance(ceiling, bool) or not isinstance(ceiling, int) or ceiling < self.num_recurrences
-        ):
-            raise bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
-                                         f"integer >= num_recurrences={self.num_recurrences}")  # fmt: skip
+                raise self._bad(field, f"must be None or a token id in [0, vocab_size={self.vocab_size})")
 
     # --- versioning ---------------------------------------------------------------------------
     @classmethod
@@ -462,7 +507,7 @@ class LoopedConfig(PreTrainedConfig):
         return super().from_dict(config_dict, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> LoopedConfig:
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> "LoopedConfig":
         # The same refusal, naming the folder (or repository) it came from.
         try:
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
