@@ -39,10 +39,10 @@ from .interface_looped import (
     CACHE_RENAMED,
     KEEPS_UNWRITTEN_SLOTS,
     cache_output_alias,
-    check_positions,
     create_causal_mask,
     crop_slot,
     slot_croppable,
+    warn_past_positions,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -478,12 +478,11 @@ class LoopedGenerationMixin(GenerationMixin):
     def _validate_generated_length(self, generation_config: GenerationConfig, input_ids_length: int,
                                    has_default_max_length: bool) -> None:  # fmt: skip
         # Hook: generate() calls it once the final max_length (prompt + new tokens) is known, before
-        # the prefill; a run that would outgrow the positions is refused here, not at the step that
-        # runs out. (transformers caps a default max_length at the positions itself.)
+        # the prefill. A run past the positions goes on as Llama's does (RoPE computes any
+        # position); it is said once here, since the steps pass position_ids, which forward does
+        # not read back from the device. (transformers caps a default max_length at the positions.)
         super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
-        new = generation_config.max_length - input_ids_length
-        check_positions(self.config, generation_config.max_length, 0,
-                        detail=f" (a prompt of {input_ids_length} tokens + up to {new} new: max_new_tokens)")  # fmt: skip
+        warn_past_positions(self.config, generation_config.max_length, 0)
 
     @torch.no_grad()
     def greedy_gaps(self, sequences: torch.Tensor, prompt_length: int, **forward_kwargs) -> torch.Tensor:

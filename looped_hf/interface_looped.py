@@ -54,7 +54,7 @@ logger = get_logger(__name__)
 # is feature-detected from the output dataclass, never from the version string.
 # The transformers versions these shims are written and tested for: pyproject.toml declares the
 # same range (a test keeps the two equal), and checkpoint cards quote it for remote code.
-SUPPORTED_TRANSFORMERS = ">=5.16.1,<5.25"
+SUPPORTED_TRANSFORMERS = ">=5.16.1,<5.26"
 CACHE_KEYWORD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 CACHE_RENAMED = CACHE_KEYWORD == "cache"
 
@@ -239,26 +239,24 @@ def _checked_kwargs(owner: nn.Module, kwargs: dict, accepted: frozenset[str] = _
 # ---------------------------------------------------------------------------------------------
 
 
-def check_positions(
-    config: PreTrainedConfig, num_new: int, past: int | None, what: str = "input_ids", detail: str = ""
-) -> None:
-    """``ValueError`` naming ``what`` when ``past`` cached + ``num_new`` tokens need more positions
-    than ``config.max_position_embeddings``. Only Python ints are compared, so it is free: with
-    ``past=None`` (the caller gave position ids, whose values would have to be read from the
-    device) or a tensor (a static cache's length under ``torch.compile``) only the new tokens'
-    count is checked. Not with ``rope_type="dynamic"``, which exists to run past that length."""
+def warn_past_positions(config: PreTrainedConfig, num_new: int, past: int | None, what: str = "input_ids") -> None:
+    """Warn once when ``past`` cached + ``num_new`` tokens reach past ``config.max_position_embeddings``.
+
+    Not an error: RoPE computes any position, so such inputs run as they do on Llama (rope
+    scaling exists for exactly this), only the model was not trained there. Only Python ints are
+    compared, so it is free: with ``past=None`` (the caller gave position ids, whose values would
+    have to be read from the device; packed rows restart them, so the token count says nothing)
+    or a tensor (a static cache's length under ``torch.compile``) nothing is checked. Silent with
+    ``rope_type="dynamic"``, which rescales itself past that length. The message carries no
+    count, so a decoding loop warns once, not once per step."""
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "dynamic":
+    if past is None or not isinstance(past, int) or rope.get("rope_type") == "dynamic":
         return
-    if not isinstance(past, int):
-        past = 0
     limit = config.max_position_embeddings
-    total = num_new + past
-    if total > limit:
-        cached = f" ({past} in the cache + {num_new} new)" if past else ""
-        raise ValueError(
-            f"{what}: {total} positions{cached}{detail} exceed max_position_embeddings={limit}, the positions "
-            "this model was built for"
+    if num_new + past > limit:
+        logger.warning_once(
+            f"{what}: positions past max_position_embeddings={limit}, the positions this model was trained "
+            "for; they run (RoPE computes any position), but the model was not trained there"
         )
 
 
@@ -352,7 +350,9 @@ def causal_attention_mask(
     positions are one sequence per row, never packed) and the backend masks causally by itself,
     the answer is ``None`` — in eager mode and compiled alike. Everything else (padding, decode
     steps and chunked prefill over a cache, static caches, packed ``position_ids``, eager / flex
-    attention, which need their mask) goes to ``create_causal_mask`` unchanged.
+    attention, which need their mask) goes to ``create_causal_mask``, which gives packed rows
+    (``position_ids`` restarting per document, no ``attention_mask``) a block-diagonal mask, as
+    for Llama; here also when the call brings an empty cache.
     """
     builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(config._attn_implementation)
     if (
@@ -361,6 +361,15 @@ def causal_attention_mask(
         and _plain_causal(attention_mask, cache, inputs_embeds.shape[1])
     ):
         return None
+    if (
+        position_ids is not None and attention_mask is None and cache is not None
+        and not is_tracing(position_ids) and _plain_causal(None, cache, inputs_embeds.shape[1])
+    ):
+        # transformers reads packed documents (position_ids that restart) only without a cache,
+        # but ``use_cache`` defaults to True, so a plain forward of packed rows brings an empty
+        # one; left in, every document would attend to the ones before it in the row. An empty
+        # dynamic cache adds no keys, so without it the mask is the same one, packing included.
+        cache = None
     return create_causal_mask(
         config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
         position_ids=position_ids,

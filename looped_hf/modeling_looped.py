@@ -61,8 +61,8 @@ from .interface_looped import (
     _select_hidden_states_at_r,
     accepts_past_key_values,
     causal_attention_mask,
-    check_positions,
     check_token_ids,
+    warn_past_positions,
 )
 from .recurrent_block_looped import LoopedRecurrentBlock
 
@@ -494,8 +494,8 @@ class LoopedModel(LoopedPreTrainedModel):
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        what = "input_ids" if input_ids is not None else "inputs_embeds"
-        check_positions(config, inputs_embeds.shape[1], past_seen_tokens, what)
+        warn_past_positions(config, inputs_embeds.shape[1], past_seen_tokens,
+                            "input_ids" if input_ids is not None else "inputs_embeds")  # fmt: skip
         causal_mask = causal_attention_mask(
             config, inputs_embeds, attention_mask, cache, position_ids if positions_given else None
         )

@@ -164,3 +164,51 @@ def test_eager_attention_still_gets_its_causal_mask() -> None:
         prefix = model(input_ids=ids[:, :5], use_cache=False).logits
     torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(eager[:, :5], prefix, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "config_default_cache"])
+@pytest.mark.parametrize("r", [1, 3])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_three_packed_sequences_equal_the_padded_batch(attn, r, use_cache):
+    """What DataCollatorWithFlattening (and TRL's padding-free packing) hands the model: one row,
+    no attention_mask, position_ids restarting for each sequence. Its logits equal the right-padded
+    batch's at every real token, through every recurrence. The row is longer than
+    max_position_embeddings (its largest position is not): positions are read, not tokens counted.
+    With ``use_cache`` left to the config (True) the forward brings an empty cache, which must not
+    hide the packing (transformers reads it only without a cache)."""
+    model = tiny_looped_model(max_position_embeddings=16, num_recurrences=r)
+    model.set_attn_implementation(attn)
+    lengths = (7, 12, 9)
+    docs = [_ids(batch=1, length=n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    padded = torch.zeros(len(docs), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for i, doc in enumerate(docs):
+        padded[i, : len(doc)], mask[i, : len(doc)] = doc, 1
+    packed = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert packed.shape[1] > model.config.max_position_embeddings > int(positions.max())
+    with torch.no_grad():
+        reference = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[mask.bool()]
+        out = model(input_ids=packed, position_ids=positions, use_cache=use_cache).logits[0]
+        # The base model's hidden states too (the heads read them), and the rows one by one.
+        alone = torch.cat([model(input_ids=doc[None], use_cache=False).logits[0] for doc in docs])
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+    # The packing matters: the same row read as one sequence gives other logits after the first.
+    with torch.no_grad():
+        unpacked = model(input_ids=packed, use_cache=False).logits[0]
+    assert not torch.allclose(unpacked[lengths[0]:], reference[lengths[0]:], atol=1e-3)
+
+
+def test_packed_position_ids_with_padding_keep_the_callers_mask() -> None:
+    """A 2-D attention_mask beside position_ids is the caller's (generate's left padding, whose
+    position_ids start after the pads): transformers does not re-read packing then, and neither
+    does the looped model. Left-padded generation still equals the prompts one by one."""
+    model = tiny_looped_model()
+    ids = _ids(batch=2, length=8, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        one = model.generate(ids[1:, 3:], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(batch[1:, 3:], one)

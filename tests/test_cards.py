@@ -131,7 +131,7 @@ def test_checkpoint_card_metadata_parses_back_as_the_hub_reads_it(tmp_path: Path
     assert "phi" not in looped  # no fit given
     body = card.text
     assert "trust_remote_code=True" in body and "num_recurrences=4" in body
-    assert "transformers >=5.16.1,<5.25" in body  # the range the remote code supports
+    assert "transformers >=5.16.1,<5.26" in body  # the range the remote code supports
     assert "repeat r = 2" in body and "2604.21106" in body and "Limitations" in body
     assert "/tmp/x" not in body  # machine-local recipe paths stay out of the card
 

@@ -1,6 +1,7 @@
 """The model side of "every bad input refused": values a LoopedConfig cannot work with, a folder of another model
-type, inputs beyond the positions or the vocabulary, and a recurrence count past the ceiling are
-refused with a ValueError naming the field (or ``input_ids``) and the value."""
+type, token ids outside the vocabulary, and a recurrence count past the ceiling are refused with a
+ValueError naming the field (or ``input_ids``) and the value. What can work is not refused: inputs
+past max_position_embeddings run as on Llama (RoPE computes any position), with one warning."""
 
 from __future__ import annotations
 
@@ -96,27 +97,59 @@ def _model(**overrides) -> LoopedForCausalLM:
     return tiny_looped_model(max_position_embeddings=16, **overrides)
 
 
-def test_more_tokens_than_positions_is_refused_naming_input_ids():
+def _past_positions_warnings(caplog) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records if "past max_position_embeddings" in rec.getMessage()]
+
+
+def test_more_tokens_than_positions_run_as_on_llama_and_warn_once(caplog):
+    """RoPE computes any position: 1.5 x max_position_embeddings runs (Llama runs it too), with one
+    warning naming the argument and the limit, not one per call."""
+    from looped_hf.interface_looped import logger
+
+    logger.warning_once.cache_clear()  # warn-once is process-wide; another test may have warned
     model = _model()
-    with pytest.raises(ValueError, match=r"^input_ids: 17 positions exceed max_position_embeddings=16"):
-        model(torch.zeros(1, 17, dtype=torch.long))
-    embeds = model.model.embed_tokens(torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"^inputs_embeds: 17 positions exceed"):
-        model(inputs_embeds=embeds)
-    assert model(torch.zeros(1, 16, dtype=torch.long)).logits.shape == (1, 16, TINY_VOCAB)  # the edge runs
+    ids = torch.randint(3, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING"):
+        logits = model(ids).logits
+        model(ids)
+    assert logits.shape == (2, 24, TINY_VOCAB) and torch.isfinite(logits).all()
+    assert _past_positions_warnings(caplog) == [
+        "input_ids: positions past max_position_embeddings=16, the positions this model was trained for; "
+        "they run (RoPE computes any position), but the model was not trained there"
+    ]
+    # Causal: the first 16 positions are the ones a 16-token input gets.
+    torch.testing.assert_close(logits[:, :16], model(ids[:, :16]).logits, rtol=1e-5, atol=1e-5)
+    embeds = model.model.embed_tokens(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds).logits, logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_cache_counts_towards_the_positions():
+def test_a_cache_may_grow_past_the_positions():
     model = _model()
-    out = model(torch.zeros(1, 10, dtype=torch.long), use_cache=True)
-    with pytest.raises(ValueError, match=r"input_ids: 17 positions \(10 in the cache \+ 7 new\) exceed"):
-        model(torch.zeros(1, 7, dtype=torch.long), cache=out.cache)
-    assert model(torch.zeros(1, 6, dtype=torch.long), cache=out.cache).logits.shape[1] == 6
+    ids = torch.randint(3, TINY_VOCAB, (1, 17), generator=torch.Generator().manual_seed(1))
+    out = model(ids[:, :10], use_cache=True)
+    step = model(ids[:, 10:], cache=out.cache).logits
+    torch.testing.assert_close(step, model(ids).logits[:, 10:], rtol=1e-5, atol=1e-5)
 
 
-def test_dynamic_rope_may_run_past_the_positions():
-    model = _model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    assert model(torch.zeros(1, 24, dtype=torch.long)).logits.shape[1] == 24
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])
+def test_rope_scaling_from_config_runs_past_the_positions(rope_type):
+    """transformers' test_model_rope_scaling_from_config, on the looped model: a short input and
+    one of 1.5 x max_position_embeddings through the unscaled and the scaled model. Dynamic
+    scaling leaves the short input alone (it rescales only past the positions); linear and yarn
+    change both."""
+    ids = torch.randint(3, TINY_VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
+    short = ids[:, :10]
+    original = _model()
+    scaled = _model(rope_parameters={"rope_type": rope_type, "factor": 10.0, "rope_theta": 10000.0})
+    assert scaled.model.rotary_emb.rope_type == rope_type
+    short_a, long_a = original(short).logits, original(ids).logits
+    short_b, long_b = scaled(short).logits, scaled(ids).logits
+    assert long_a.shape == long_b.shape == (1, 24, TINY_VOCAB) and torch.isfinite(long_b).all()
+    if rope_type == "dynamic":
+        torch.testing.assert_close(short_a, short_b, rtol=1e-5, atol=1e-5)
+    else:
+        assert not torch.allclose(short_a, short_b, atol=1e-5)
+    assert not torch.allclose(long_a, long_b, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [TINY_VOCAB, TINY_VOCAB + 30, -1])
@@ -129,18 +162,22 @@ def test_a_token_id_outside_the_vocabulary_is_refused_naming_input_ids(bad, trai
         model(ids, labels=ids)
 
 
-def test_generate_refuses_a_run_that_would_outgrow_the_positions_before_any_forward():
+def test_generate_may_run_past_the_positions_with_one_warning(caplog):
+    from looped_hf.interface_looped import logger
+
+    logger.warning_once.cache_clear()
     model = _model()
-    calls = []
-    model.register_forward_pre_hook(lambda *a: calls.append(1))
     prompt = torch.full((1, 10), 3)
-    with pytest.raises(ValueError, match=r"input_ids: 20 positions \(a prompt of 10 tokens \+ up to 10 new"):
-        model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert calls == []
+    with caplog.at_level("WARNING"):
+        out = model.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert out.shape == (1, 24) and len(_past_positions_warnings(caplog)) == 1
+    # The cached decode equals greedy over full forwards (no cache) past the positions too.
+    ids = prompt
+    for _ in range(14):
+        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ids)
     with pytest.raises(ValueError, match=r"input_ids: token id 97 is outside"):
         model.generate(torch.tensor([[3, 97]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
-    out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert out.shape == (1, 16)
 
 
 # --------------------------------------------------------------------------------------------

@@ -142,3 +142,25 @@ def test_a_value_the_recipe_writes_is_never_replaced_by_the_studys(tmp_path, wri
 def test_adam_fields_left_unset_take_the_optimizers_defaults(tmp_path):
     _, _, adamw = parse_recipe(yaml.safe_load(_tiny_text()) | {"output_dir": str(tmp_path / "run")})
     assert (adamw.adam_beta1, adamw.adam_beta2, adamw.adam_epsilon) == (0.9, 0.999, 1e-8)
+
+
+# --------------------------------------------------------------------------------------------
+# Model inputs: refuse only what cannot work
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_model_refuses_token_ids_outside_the_vocabulary_but_runs_packed_and_long_rows():
+    """A token id past the vocabulary cannot be embedded: one line naming input_ids and the id.
+    Packed rows (position_ids restarting per sequence, longer than max_position_embeddings in
+    tokens) and inputs past max_position_embeddings can work, as on Llama, so they run."""
+    import torch
+    from conftest import TINY_VOCAB, tiny_looped_model
+
+    model = tiny_looped_model(max_position_embeddings=8)
+    with pytest.raises(ValueError, match=rf"^input_ids: token id {TINY_VOCAB} is outside the vocabulary"):
+        model(torch.tensor([[3, TINY_VOCAB]]))
+    packed = torch.full((1, 12), 5)
+    positions = torch.cat([torch.arange(6), torch.arange(6)])[None]
+    logits = model(packed, position_ids=positions).logits
+    torch.testing.assert_close(logits[:, 6:], logits[:, :6])  # two equal documents, attended apart
+    assert model(torch.full((1, 12), 5)).logits.shape == (1, 12, TINY_VOCAB)
