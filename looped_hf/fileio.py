@@ -471,8 +471,8 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     name = _named(flag, path)
     try:
         kind = "directory" if path.is_dir() else "file" if path.exists() else None
-    except OSError as err:  # a name too long for the file system
-        raise OutputPathError(f"{name}: cannot be written ({err.strerror or first_line(err)})") from None
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+        raise OutputPathError(f"{name}: cannot be written ({getattr(err, 'strerror', None) or first_line(err)})") from None
     if kind == "file" and directory:
         raise OutputPathError(f"{name}: is a file, not a folder")
     if kind == "directory" and not directory:
@@ -492,6 +492,8 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=target)
         os.close(fd)
         os.unlink(probe)
+    except ValueError as err:  # a NUL byte in the name
+        raise OutputPathError(f"{name}: cannot be written ({first_line(err)})") from None
     except OSError as err:
         why = f"{existing} is not writable" if isinstance(err, PermissionError) else err.strerror or first_line(err)
         raise OutputPathError(f"{name}: cannot be written ({why})") from None
