@@ -228,8 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the network
     from looped_hf.arguments import RecipeError
+    from looped_hf.fileio import OutputPathError, check_output_path
     from looped_hf.publish import PublishError
 
+    try:  # the outputs before the sweep: a card folder that cannot be written must not cost the training
+        for flag, value in (("--out", args.out), ("--card-dir", args.card_dir)):
+            if value is not None:
+                check_output_path(value, flag, directory=True)
+    except OutputPathError as err:
+        print(f"looped-hf demo: error: {err}", file=sys.stderr)
+        return 2
     try:
         run_demo(args.recipe, args.out, args.card_dir, bootstrap=args.bootstrap, seed=args.seed,
                  repo_id=args.repo_id, executor=args.executor, verify=not args.no_verify, jobs=args.jobs,
