@@ -53,6 +53,7 @@ from looped_hf.fileio import (
     RECORD_NAME,
     append_jsonl,
     check_output_path,
+    current_umask,
     first_line,
     write_json_atomic,
     write_yaml_atomic,
@@ -598,6 +599,9 @@ def train(
         # Trainer turns the cache off for training; the published model should generate with it.
         model.config.use_cache = True
         trainer.save_model(str(run_dir))
+        if is_main:  # safetensors writes 0600; the run's weights are for whoever may read the run
+            for weights in run_dir.glob("model*.safetensors"):
+                weights.chmod(0o666 & ~current_umask())
     except Exception as err:  # noqa: BLE001 - a failed run is data for the sweep, not a crash
         if isinstance(err, RecipeError):
             raise
