@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from looped_hf.cli import positive_int
-from looped_hf.fileio import check_finished_run, check_output_path
+from looped_hf.fileio import check_checkpoint_dir, check_finished_run, check_output_path
 
 PathLike = str | os.PathLike[str]
 
@@ -388,10 +388,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 ok, 2 a run directory or option that cannot be measured."""
     args = _parser().parse_args(argv)
-    try:  # every output path before any curve is measured, not after
+    try:  # every run and output path before any curve is measured, not after the first
         for run_dir in args.run_dirs:
-            if Path(run_dir).is_dir():  # a missing folder is named by the run check
-                check_output_path(run_dir, "RUN_DIR", directory=True)
+            _read_record(Path(run_dir))  # a finished run (a missing folder is named here too)
+            check_checkpoint_dir(run_dir)  # looped, weights not truncated
+            check_output_path(run_dir, "RUN_DIR", directory=True)
         if args.compare is not None:
             check_output_path(args.compare, "--compare")
     except ValueError as err:

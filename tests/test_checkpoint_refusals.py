@@ -290,3 +290,13 @@ def test_eval_refuses_an_r_above_the_models_ceiling_before_scoring_any(run_dir, 
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "num_recurrences=8" in lines[0] and "ceiling of 4" in lines[0]
     assert not scored
+
+
+def test_test_time_checks_every_run_before_measuring_the_first(run_dir, tmp_path, capsys):
+    failed = make_run_dir(tmp_path / "failed-run", status="failed", loss=float("nan"))
+    good = _copy(run_dir, tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert looped_hf(["test-time", str(good), str(failed)]) == 2
+    line = _one_line(capsys)
+    assert "failed-run/run_record.json: status='failed'" in line and "only finished runs" in line
+    assert not (good / "test_time_scaling.json").exists()
