@@ -457,6 +457,26 @@ def _named(flag: str, path: Path) -> str:
     return f"{flag} {path}" if flag.startswith("-") else f"{flag}={str(path)!r}"
 
 
+def _probe(target: Path, name: str) -> None:
+    """Make the missing folders up to ``target`` and a file in it, then remove all of them again."""
+    made: list[Path] = []
+    try:
+        for folder in reversed([target, *target.parents]):
+            if not folder.exists():
+                try:
+                    folder.mkdir()
+                except FileExistsError:  # made meanwhile by another process: not ours to remove
+                    continue
+                made.append(folder)
+        fd, probe = tempfile.mkstemp(prefix=f".{name}.probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    finally:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
     """Refuse an output path that cannot be written, before any work is done; returns it as a Path.
 
@@ -483,24 +503,21 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         raise OutputPathError(f"{name}: cannot be written ({existing} is a file, not a folder)")
-    made: list[Path] = []
-    try:
-        for folder in reversed([target, *target.parents]):
-            if not folder.exists():
-                folder.mkdir()
-                made.append(folder)
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=target)
-        os.close(fd)
-        os.unlink(probe)
-    except ValueError as err:  # a NUL byte in the name
-        raise OutputPathError(f"{name}: cannot be written ({first_line(err)})") from None
-    except OSError as err:
-        why = f"{existing} is not writable" if isinstance(err, PermissionError) else err.strerror or first_line(err)
-        raise OutputPathError(f"{name}: cannot be written ({why})") from None
-    finally:
-        for folder in reversed(made):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+    for attempt in range(3):
+        try:
+            _probe(target, path.name)
+            break
+        except FileNotFoundError as err:
+            # Another process probing the same new folder (each rank of a distributed run checks
+            # its recipe) may remove it between our mkdir and our probe file: try again, and
+            # only a place where the folder cannot be made at all (/proc) fails every time.
+            if attempt == 2:
+                raise OutputPathError(f"{name}: cannot be written ({err.strerror or first_line(err)})") from None
+        except ValueError as err:  # a NUL byte in the name
+            raise OutputPathError(f"{name}: cannot be written ({first_line(err)})") from None
+        except OSError as err:
+            why = f"{existing} is not writable" if isinstance(err, PermissionError) else err.strerror or first_line(err)
+            raise OutputPathError(f"{name}: cannot be written ({why})") from None
     return path
 
 
