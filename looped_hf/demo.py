@@ -128,14 +128,14 @@ def run_demo(
     once (None: the sweep runner's default); ``verbose``: print every run's log as well.
     """
     from looped_hf.cards import best_run, write_sweep_card
-    from looped_hf.publish import build_folder
+    from looped_hf.publish import PLACEHOLDER_OWNER, build_folder
 
     started = time.time()
     recipe_path = resolve_recipe(recipe)
     name = recipe_path.stem
     sweep_dir = Path(out) if out is not None else Path("runs") / name
     card_path = Path(card_dir) if card_dir is not None else Path("model_cards") / name
-    repo_id = repo_id or f"your-name/looped-{name.replace('_', '-')}"
+    repo_id = repo_id or f"{PLACEHOLDER_OWNER}/looped-{name.replace('_', '-')}"
 
     _stage(1, f"training the sweep {recipe_path} into {sweep_dir} (interrupt and rerun to resume)")
     records = train_sweep(recipe_path, sweep_dir, executor, jobs=jobs, verbose=verbose)

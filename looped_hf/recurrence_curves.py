@@ -424,6 +424,7 @@ __all__ = [
     "CURVE_MD",
     "CURVE_PNG",
     "TestTimeError",
+    "check_curve_recurrences",
     "evaluate_recurrences",
     "decoding_heldout_loss",
     "heldout_curve",
