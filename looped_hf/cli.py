@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # never imported torch does not import it here either.
 EXPECTED_ERRORS: dict[str, tuple[str, ...]] = {
     "looped_hf.field_checks": ("RecipeError",),
-    "looped_hf.fileio": ("CheckpointError",),
+    "looped_hf.fileio": ("CheckpointError", "OutputPathError", "RunDirError"),
     "looped_hf.evaluation.scoring": ("EvalError",),
     "looped_hf.evaluation.bundle": ("BundleError",),
     "looped_hf.publish": ("PublishError",),

@@ -128,14 +128,14 @@ def run_demo(
     once (None: the sweep runner's default); ``verbose``: print every run's log as well.
     """
     from looped_hf.cards import best_run, write_sweep_card
-    from looped_hf.publish import build_folder
+    from looped_hf.publish import PLACEHOLDER_OWNER, build_folder
 
     started = time.time()
     recipe_path = resolve_recipe(recipe)
     name = recipe_path.stem
     sweep_dir = Path(out) if out is not None else Path("runs") / name
     card_path = Path(card_dir) if card_dir is not None else Path("model_cards") / name
-    repo_id = repo_id or f"your-name/looped-{name.replace('_', '-')}"
+    repo_id = repo_id or f"{PLACEHOLDER_OWNER}/looped-{name.replace('_', '-')}"
 
     _stage(1, f"training the sweep {recipe_path} into {sweep_dir} (interrupt and rerun to resume)")
     records = train_sweep(recipe_path, sweep_dir, executor, jobs=jobs, verbose=verbose)
@@ -228,8 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the network
     from looped_hf.arguments import RecipeError
+    from looped_hf.fileio import OutputPathError, check_output_path
     from looped_hf.publish import PublishError
 
+    try:  # the outputs before the sweep: a card folder that cannot be written must not cost the training
+        for flag, value in (("--out", args.out), ("--card-dir", args.card_dir)):
+            if value is not None:
+                check_output_path(value, flag, directory=True)
+    except OutputPathError as err:
+        print(f"looped-hf demo: error: {err}", file=sys.stderr)
+        return 2
     try:
         run_demo(args.recipe, args.out, args.card_dir, bootstrap=args.bootstrap, seed=args.seed,
                  repo_id=args.repo_id, executor=args.executor, verify=not args.no_verify, jobs=args.jobs,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -406,3 +407,150 @@ def check_checkpoint_dir(folder: str | os.PathLike, model_type: str = "looped") 
     if weights.is_file():
         check_safetensors(weights)
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# A finished run: the one reading of a run record's status
+# ---------------------------------------------------------------------------------------------
+class RunDirError(ValueError):
+    """A folder that is not a finished run: the message names the file and the value."""
+
+
+def is_finished(record: dict[str, Any] | None) -> bool:
+    """Whether a run record is a finished, successful run (``status: ok``): only those have weights
+    and a held-out loss. A sweep's failed, diverged or stopped runs have another status."""
+    return isinstance(record, dict) and record.get("status") == "ok"
+
+
+def check_finished_run(run_dir: str | os.PathLike, *, required: bool = True) -> dict[str, Any] | None:
+    """The run record of a finished run directory, the one check of "only finished runs".
+
+    A record that is not a JSON object, or whose ``status`` is not ``ok``, is a `RunDirError`
+    naming the file and the status. A folder without a record is refused when ``required``, else
+    None (a published folder or a converted checkpoint has weights but no record)."""
+    path = Path(run_dir) / RECORD_NAME
+    try:
+        record = read_run_record(run_dir)
+    except ValueError as err:
+        raise RunDirError(str(err)) from None
+    if record is None:
+        if required:
+            raise RunDirError(f"{run_dir}: not a finished run directory (no {RECORD_NAME})")
+        return None
+    if not is_finished(record):
+        error = f" (error: {record.get('error')!r})" if record.get("error") else ""
+        raise RunDirError(
+            f"{path}: status={record.get('status')!r}{error}; only finished runs (status 'ok') have a checkpoint"
+        )
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# An output path, checked before the work whose results it receives
+# ---------------------------------------------------------------------------------------------
+class OutputPathError(ValueError):
+    """An output path that cannot be written: the message names the option and the path."""
+
+
+def _named(flag: str, path: Path) -> str:
+    """``--out PATH`` for a command-line flag, ``field='PATH'`` for a recipe field."""
+    return f"{flag} {path}" if flag.startswith("-") else f"{flag}={str(path)!r}"
+
+
+def _probe(target: Path, name: str) -> None:
+    """Make the missing folders up to ``target`` and a file in it, then remove all of them again."""
+    made: list[Path] = []
+    try:
+        for folder in reversed([target, *target.parents]):
+            if not folder.exists():
+                try:
+                    folder.mkdir()
+                except FileExistsError:  # made meanwhile by another process: not ours to remove
+                    continue
+                made.append(folder)
+        fd, probe = tempfile.mkstemp(prefix=f".{name}.probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    finally:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
+    """Refuse an output path that cannot be written, before any work is done; returns it as a Path.
+
+    ``directory``: the path is a folder the command writes into (else a file it writes). Refused,
+    as an `OutputPathError` naming ``flag`` and the path: a file where a folder is meant or the
+    reverse, a parent that is a file, and a place where nothing can be made. The last is found by
+    trying: the missing folders are made and a probe file written in the folder that will receive
+    the output, then both are removed again, so the check writes nothing and believes neither
+    ``os.access`` (root passes it everywhere) nor the permission bits (``/proc``, a read-only mount,
+    a full disk refuse anyway)."""
+    path = Path(path)
+    name = _named(flag, path)
+    try:
+        kind = "directory" if path.is_dir() else "file" if path.exists() else None
+    except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+        raise OutputPathError(f"{name}: cannot be written ({getattr(err, 'strerror', None) or first_line(err)})") from None
+    if kind == "file" and directory:
+        raise OutputPathError(f"{name}: is a file, not a folder")
+    if kind == "directory" and not directory:
+        raise OutputPathError(f"{name}: is a directory; give a file path")
+    target = path if directory else path.parent  # the folder the output lands in
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise OutputPathError(f"{name}: cannot be written ({existing} is a file, not a folder)")
+    for attempt in range(3):
+        try:
+            _probe(target, path.name)
+            break
+        except FileNotFoundError as err:
+            # Another process probing the same new folder (each rank of a distributed run checks
+            # its recipe) may remove it between our mkdir and our probe file: try again, and
+            # only a place where the folder cannot be made at all (/proc) fails every time.
+            if attempt == 2:
+                raise OutputPathError(f"{name}: cannot be written ({err.strerror or first_line(err)})") from None
+        except ValueError as err:  # a NUL byte in the name
+            raise OutputPathError(f"{name}: cannot be written ({first_line(err)})") from None
+        except OSError as err:
+            why = f"{existing} is not writable" if isinstance(err, PermissionError) else err.strerror or first_line(err)
+            raise OutputPathError(f"{name}: cannot be written ({why})") from None
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders built aside and moved into place, with the user's umask
+# ---------------------------------------------------------------------------------------------
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: the only portable way)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_temp_dir(out: str | os.PathLike) -> Path:
+    """A temporary folder beside ``out`` (same file system, so `replace_dir` is a rename), with
+    the mode an ordinary ``mkdir`` gives under the user's umask: ``tempfile.mkdtemp`` makes it
+    0700, which the folder would keep once renamed into place (a shared card folder nobody else
+    can read)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o777 & ~current_umask())
+    return tmp
+
+
+def follow_umask(folder: str | os.PathLike) -> None:
+    """Give ``folder`` and everything under it the modes of an ordinary folder and file under the
+    user's umask: safetensors writes its files 0600 and ``mkdtemp`` its folders 0700, and a run,
+    a card or a published model is meant to be read by whoever may read the user's files."""
+    mask = current_umask()
+    root = Path(folder)
+    root.chmod(0o777 & ~mask)
+    for item in root.rglob("*"):
+        if item.is_symlink():
+            continue
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)

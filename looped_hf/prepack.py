@@ -331,11 +331,12 @@ def packing_tokenizer(spec: str | None) -> tuple[Any, int, int]:
     from tokenizers import Tokenizer
 
     from looped_hf.data import add_study_special_tokens, load_tokenizer, split_tokenizer_spec
+    from looped_hf.data.tokenizer import is_builtin_tokenizer
 
     wrapped = load_tokenizer(spec)
     name, extra = split_tokenizer_spec(spec)
     raw = None
-    if name is not None and not os.path.exists(name) and name not in ("embedded", "bytes"):
+    if not is_builtin_tokenizer(name) and not os.path.exists(name):
         from huggingface_hub import hf_hub_download  # the Hub boundary: the study's exact file
 
         raw = Tokenizer.from_file(hf_hub_download(name, "tokenizer.json"))
@@ -629,7 +630,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="local file/directory, Hub dataset name, or 'embedded' (DataArguments.dataset)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--tokenizer", default=None,
-                   help="as DataArguments.tokenizer, e.g. 'NousResearch/Llama-2-7b-hf+<|assistant_end|>' (the study's)")
+                   help="as DataArguments.tokenizer: 'embedded' (default), 'bytes', a path or a Hub id, e.g. "
+                   "'NousResearch/Llama-2-7b-hf+<|assistant_end|>' (the study's)")
     p.add_argument("--seq-len", type=int, default=2048, help="T; rows hold T + 1 tokens (default 2048)")
     p.add_argument("--buffer-size", type=int, default=1000, help="documents in the best-fit buffer (default 1000)")
     p.add_argument("--rows-per-shard", type=int, default=15_000)
@@ -650,7 +652,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``looped-hf prepare-data``: see ``--help``."""
     args = _parser().parse_args(argv)
+    from looped_hf.fileio import check_output_path
+
     try:
+        check_output_path(args.output_dir, "--output-dir", directory=True)
         prepare_data(
             args.source, args.output_dir, tokenizer=args.tokenizer, seq_len=args.seq_len,
             buffer_size=args.buffer_size, rows_per_shard=args.rows_per_shard, max_rows=args.max_rows,

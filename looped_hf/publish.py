@@ -1,6 +1,7 @@
 """Publish one run: a complete, Hub-ready repository folder, and optionally upload it.
 
-    looped-hf publish runs/iso_depth_tiny/loop2-w128-b2 --repo-id me/looped-tiny               # folder only
+    looped-hf publish runs/iso_depth_tiny/loop2-w128-b2                                        # folder only
+    looped-hf publish runs/iso_depth_tiny/loop2-w128-b2 --repo-id me/looped-tiny               # card names it
     looped-hf publish runs/iso_depth_tiny/loop2-w128-b2 --repo-id me/looped-tiny --push        # + upload
     looped-hf publish RUN_DIR --repo-id me/looped-tiny --fit runs/iso_depth_tiny/fit.json       # card with phi
 
@@ -28,15 +29,24 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir, read_run_record
+from looped_hf.fileio import (
+    RECORD_NAME,
+    CheckpointError,
+    check_checkpoint_dir,
+    check_finished_run,
+    check_output_path,
+    follow_umask,
+    make_temp_dir,
+)
 
 PathLike = str | os.PathLike[str]
 
+#: The folder written inside the run directory when ``--out`` is not given.
+DEFAULT_OUT = "publish"
 WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: Files every published folder has (plus README.md and at least one tokenizer file).
@@ -47,6 +57,9 @@ REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py"
 # A Hub user access token: "hf_" + 30+ letters/digits. Checked before any upload.
 _TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+#: The owner of the repository id a card names when none is given (nothing is uploaded then); the
+#: demo's card uses it too.
+PLACEHOLDER_OWNER = "your-name"
 
 
 class PublishError(ValueError):
@@ -76,6 +89,13 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
+def default_repo_id(run_dir: PathLike) -> str:
+    """The id a card names when ``--repo-id`` is not given: ``your-name/<run folder name>``, a
+    placeholder the user replaces (``--repo-id`` or ``--push``, which needs a real one)."""
+    name = re.sub(r"[^\w.-]+", "-", Path(run_dir).resolve().name).strip("-._")[:96] or "looped-model"
+    return f"{PLACEHOLDER_OWNER}/{name}"
+
+
 def check_run_dir(run_dir: PathLike) -> RunDir:
     """Check that ``run_dir`` is a finished, successful run; raise ``PublishError`` naming what is missing.
 
@@ -100,13 +120,9 @@ def check_run_dir(run_dir: PathLike) -> RunDir:
             "Publish a run after `looped-hf train` / `looped-hf sweep` has finished it."
         )
     try:
-        record = read_run_record(path) or {}
+        record = check_finished_run(path) or {}
     except ValueError as err:
         raise PublishError(str(err)) from None
-    if record.get("status") != "ok":
-        raise PublishError(
-            f"{path / RECORD_NAME}: status={record.get('status')!r} (error: {record.get('error')!r}); only ok runs are published"
-        )
     from looped_hf.cards import heldout_metrics
 
     try:
@@ -146,20 +162,13 @@ def _save_model_and_tokenizer(run: RunDir, dest: Path) -> Any:
     return model
 
 
-def _make_readable(folder: Path) -> None:
-    """mkdtemp makes the folder 0700 and safetensors writes 0600: a published folder is meant to
-    be shared, so give it the permissions of an ordinary folder under the user's umask."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-    for file in folder.iterdir():
-        if file.is_file():
-            file.chmod(0o666 & ~mask)
+#: `looped-hf convert` builds its folder the same way.
+_make_readable = follow_umask
 
 
 def build_folder(
     run_dir: PathLike,
-    repo_id: str,
+    repo_id: str | None = None,
     out: PathLike | None = None,
     *,
     fit: Any = None,
@@ -171,7 +180,8 @@ def build_folder(
 
     Args:
         run_dir: a finished run directory (see :func:`check_run_dir`).
-        repo_id: ``ORG/NAME``, used in the card's loading code.
+        repo_id: ``ORG/NAME``, used in the card's loading code (default: `default_repo_id`, a
+            placeholder for a folder that is not uploaded).
         out: destination folder (default ``run_dir/publish``).
         fit: a :class:`~looped_hf.scaling.ScalingLawFit` or path to ``fit.json``: the card then
             shows phi and this model's effective parameter count.
@@ -184,24 +194,25 @@ def build_folder(
         PublishError: incomplete run directory, failed run, bad repo id, ``out`` exists, or
             (``verify``) the published model does not reproduce the recorded loss.
     """
-    check_repo_id(repo_id)
     run = check_run_dir(run_dir)
-    dest = Path(out) if out is not None else run.path / "publish"
+    repo_id = check_repo_id(repo_id) if repo_id is not None else default_repo_id(run.path)
+    dest = Path(out) if out is not None else run.path / DEFAULT_OUT
     if run.path.resolve().is_relative_to(dest.resolve()):  # --overwrite would delete the run itself
         raise PublishError(
             f"--out {dest} is (or contains) the run directory {run.path}; choose another folder"
         )
-    if dest.exists() and not dest.is_dir():
-        raise PublishError(f"--out {dest}: is a file, not a folder; --overwrite replaces only a published folder")
+    try:  # before any model is loaded
+        check_output_path(dest, "--out", directory=True)
+    except ValueError as err:
+        raise PublishError(str(err)) from None
     if dest.exists() and not overwrite:
         raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
     fit_obj = _load_fit(fit)
     from looped_hf.cards import CARD_NAME, render_checkpoint_card
     from looped_hf.fileio import replace_dir
 
-    try:  # the output is checked (by making the temp folder beside it) before any model is loaded
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        tmp = make_temp_dir(dest)
     except OSError as err:
         raise PublishError(f"--out {dest}: cannot be written ({err.strerror or err})") from None
     try:
@@ -226,7 +237,7 @@ def build_folder(
             metrics = verify_folder(tmp, run.record)
             print(f"[publish] verified: the folder's model scores {metrics['loss']:.6f} nats/token on the held-out "
                   f"blocks ({metrics['num_tokens']} tokens), as recorded", flush=True)  # fmt: skip
-        _make_readable(tmp)
+        follow_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would be kept once renamed into place
         replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -352,11 +363,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--repo-id",
-        required=True,
+        default=None,
         metavar="ORG/NAME",
-        help="Hub repository id (used in the card; --push target)",
+        help="Hub repository id: named in the card, and the --push target (needed with --push; without it "
+        f"the card names the placeholder {PLACEHOLDER_OWNER}/<run folder name>)",
     )
-    p.add_argument("--out", default=None, metavar="DIR", help="folder to write (default: RUN_DIR/publish)")
+    p.add_argument("--out", default=None, metavar="DIR", help=f"folder to write (default: RUN_DIR/{DEFAULT_OUT})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument(
         "--fit", default=None, metavar="FIT_JSON", help="the sweep's fit: the card shows phi and N_eff"
@@ -382,7 +394,7 @@ def _parser() -> argparse.ArgumentParser:
 def _folder_for(args: argparse.Namespace) -> Path:
     """Build the folder, or, for ``--push`` onto an existing complete folder without
     ``--overwrite``, reuse it as it is: you upload exactly the folder you inspected."""
-    dest = Path(args.out) if args.out is not None else Path(args.run_dir) / "publish"
+    dest = Path(args.out) if args.out is not None else Path(args.run_dir) / DEFAULT_OUT
     if args.push and dest.is_dir() and not args.overwrite:
         _check_output(dest)
         print(f"[publish] pushing the existing folder {dest} as it is (pass --overwrite to rebuild it first)")
@@ -404,19 +416,25 @@ def main(argv: list[str] | None = None) -> int:
     """``looped-hf publish``; returns 0, 2 on bad input (nothing written) or 1 if the upload failed."""
     args = _parser().parse_args(argv)
     try:
-        check_repo_id(args.repo_id)
+        if args.repo_id is not None:
+            check_repo_id(args.repo_id)
+        elif args.push:
+            raise PublishError("--push needs --repo-id ORG/NAME: the Hub repository to upload to")
         folder = _folder_for(args)
     except (PublishError, CheckpointError, FileNotFoundError) as err:
         print(f"looped-hf publish: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a disk that fills or turns read-only midway: name the folder
-        print(f"looped-hf publish: error: --out {args.out or Path(args.run_dir) / 'publish'}: cannot be written "
+        print(f"looped-hf publish: error: --out {args.out or Path(args.run_dir) / DEFAULT_OUT}: cannot be written "
               f"({err.strerror or err})", file=sys.stderr)  # fmt: skip
         return 2
     if not args.push:
-        print(
-            f"[publish] upload it with: looped-hf publish {args.run_dir} --repo-id {args.repo_id} --out {folder} --push"
-        )
+        if args.repo_id is None:  # the card names a placeholder: rebuild it with the real id on upload
+            print(f"[publish] upload it with: looped-hf publish {args.run_dir} --repo-id ORG/NAME --out {folder} "
+                  "--overwrite --push")  # fmt: skip
+        else:
+            print(f"[publish] upload it with: looped-hf publish {args.run_dir} --repo-id {args.repo_id} --out {folder} "
+                  "--push")  # fmt: skip
         return 0
     try:
         url = push_folder(folder, args.repo_id, private=args.private, commit_message=args.commit_message)
@@ -437,6 +455,7 @@ __all__ = [
     "build_folder",
     "check_repo_id",
     "check_run_dir",
+    "default_repo_id",
     "main",
     "push_folder",
     "scan_for_tokens",

@@ -23,7 +23,8 @@ through a cache), for the settings that act only there: a KV budget and adaptive
 
 The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
 next to the checkpoint. Models whose parameters are indexed by recurrence step (hyperconnections)
-run only at their trained r and are refused.
+run only at their trained r and are refused (`LoopedConfig.resolve_num_recurrences` owns every r
+rule, the ceiling included).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.cli import bounded_int, positive_int
-from looped_hf.fileio import RECORD_NAME, read_run_record
+from looped_hf.cli import positive_int
+from looped_hf.fileio import check_checkpoint_dir, check_finished_run, check_output_path
 
 PathLike = str | os.PathLike[str]
 
@@ -67,29 +68,24 @@ def recurrence_grid(trained_r: int, max_factor: int = DEFAULT_MAX_FACTOR) -> lis
 
 
 def _read_record(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / RECORD_NAME
     try:
-        record = read_run_record(run_dir)
+        return check_finished_run(run_dir) or {}
     except ValueError as err:
         raise TestTimeError(str(err)) from None
-    if record is None:
-        raise TestTimeError(f"{run_dir} is not a finished run directory: no {RECORD_NAME}")
-    if record.get("status") != "ok":
-        raise TestTimeError(
-            f"{path}: status={record.get('status')!r}; only finished (ok) runs have a checkpoint"
-        )
-    return record
 
 
-def _check_r_free(config: Any) -> None:
-    """Refuse models whose r cannot change: hyperconnections (r-locked) and models without a loop."""
-    if getattr(config, "is_recurrence_locked", False):
-        raise TestTimeError(
-            f"input_injection={config.input_injection!r}: this model's parameters are indexed by recurrence step, "
-            f"so it runs only at its trained num_recurrences={config.num_recurrences}; it has no test-time curve"
-        )
+def check_curve_recurrences(config: Any, recurrences: Sequence[int]) -> list[int]:
+    """The r values of a curve (sorted, deduplicated), each checked by the model's config before any
+    is measured (`LoopedConfig.resolve_num_recurrences`: >= 1, the ceiling, a recurrence-locked
+    model); a model without a loop is refused too, as r changes nothing there."""
     if config.num_recurrent_layers == 0:
         raise TestTimeError("num_recurrent_layers=0: the model has no loop, r changes nothing")
+    if not recurrences:
+        raise TestTimeError("recurrences=[]: need at least one r")
+    try:
+        return sorted({config.resolve_num_recurrences(r) for r in recurrences})
+    except ValueError as err:
+        raise TestTimeError(str(err)) from None
 
 
 def heldout_curve(
@@ -106,7 +102,7 @@ def heldout_curve(
 
     from looped_hf.train import heldout_loss
 
-    _check_r_free(model.config)
+    check_curve_recurrences(model.config, recurrences)
     seq_len = len(dataset[0]["input_ids"])
     rows = []
     for r in recurrences:
@@ -202,14 +198,15 @@ def evaluate_recurrences(
     path = Path(run_dir)
     model, _, heldout, record = load_run(path)
     config = model.config
-    _check_r_free(config)
     trained = int(config.num_recurrences)
     if recurrences is None:
-        grid = recurrence_grid(trained, max_factor)
-    else:
-        grid = sorted({int(r) for r in recurrences})
-        if not grid or grid[0] < 1:
-            raise TestTimeError(f"recurrences={list(recurrences)!r}: need at least one r, each >= 1")
+        try:  # the largest r first: a --max-factor past the ceiling is refused before its grid is built
+            check_curve_recurrences(config, [max_factor * trained])
+        except TestTimeError as err:
+            raise TestTimeError(f"max_factor={max_factor}: {err}") from None
+    grid = check_curve_recurrences(
+        config, recurrence_grid(trained, max_factor) if recurrences is None else recurrences
+    )
     recipe = record.get("recipe") or {}
     batch = int(batch_size or recipe.get("per_device_eval_batch_size") or 8)
     if batch < 1:
@@ -366,11 +363,6 @@ def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> d
     return curve
 
 
-#: The largest --max-factor (docs/validation.md): the curve measures every r up to max_factor x the
-#: trained r, so its cost grows with the square of the factor; past this a typo runs for days.
-MAX_FACTOR_CEILING = 64
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="looped-hf test-time",
@@ -379,9 +371,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories")
     p.add_argument(
-        "--max-factor", default=DEFAULT_MAX_FACTOR,
-        type=bounded_int("--max-factor", MAX_FACTOR_CEILING, "every r up to factor x the trained r is measured"),
-        help=f"largest r = this x trained r (4; at most {MAX_FACTOR_CEILING})",
+        "--max-factor", default=DEFAULT_MAX_FACTOR, type=positive_int("--max-factor"),
+        help="largest r = this x trained r (4); every r up to it must be within the model's ceiling "
+        "(config.max_recurrences, else 64x the trained r)",
     )  # fmt: skip
     p.add_argument(
         "--batch-size", type=positive_int("--batch-size"), default=None,
@@ -396,11 +388,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 ok, 2 a run directory or option that cannot be measured."""
     args = _parser().parse_args(argv)
-    if args.compare is not None:  # checked before any curve is measured, not after
-        compare = Path(args.compare)
-        if compare.is_dir() or not compare.parent.is_dir() or not os.access(compare.parent, os.W_OK):
-            print(f"looped-hf test-time: --compare {compare}: not a writable file path", file=sys.stderr)
-            return 2
+    try:  # every run and output path before any curve is measured, not after the first
+        for run_dir in args.run_dirs:
+            _read_record(Path(run_dir))  # a finished run (a missing folder is named here too)
+            check_checkpoint_dir(run_dir)  # looped, weights not truncated
+            check_output_path(run_dir, "RUN_DIR", directory=True)
+        if args.compare is not None:
+            check_output_path(args.compare, "--compare")
+    except ValueError as err:
+        print(f"looped-hf test-time: {err}", file=sys.stderr)
+        return 2
     curves = []
     try:
         for run_dir in args.run_dirs:
@@ -410,11 +407,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"
             )
             curves.append(curve)
+        if args.compare:
+            print(f"-> {plot_test_time_scaling(curves, args.compare)}")
     except (TestTimeError, FileNotFoundError) as err:
         print(f"looped-hf test-time: {err}", file=sys.stderr)
         return 2
-    if args.compare:
-        print(f"-> {plot_test_time_scaling(curves, args.compare)}")
+    except OSError as err:  # checked before measuring, but a disk can fill or a folder vanish meanwhile
+        print(f"looped-hf test-time: cannot be written: {err.filename or ''} ({err.strerror or err})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 
@@ -423,6 +424,7 @@ __all__ = [
     "CURVE_MD",
     "CURVE_PNG",
     "TestTimeError",
+    "check_curve_recurrences",
     "evaluate_recurrences",
     "decoding_heldout_loss",
     "heldout_curve",

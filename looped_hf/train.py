@@ -49,7 +49,15 @@ from looped_hf.arguments import (
     tokens_per_step,
 )
 from looped_hf.attention_backends import apply_attention_backend
-from looped_hf.fileio import RECORD_NAME, append_jsonl, first_line, write_json_atomic, write_yaml_atomic
+from looped_hf.fileio import (
+    RECORD_NAME,
+    append_jsonl,
+    check_output_path,
+    current_umask,
+    first_line,
+    write_json_atomic,
+    write_yaml_atomic,
+)
 
 RECIPE_NAME = "recipe.yaml"
 CHECKPOINTS_DIR = "checkpoints"
@@ -306,13 +314,10 @@ def resolve_run(
     from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups
 
     seq_len = data_args.seq_len
-    output = Path(training_args.output_dir)
-    try:
-        taken = output.exists() and not output.is_dir()
-    except OSError as err:  # a name too long for the file system
-        raise RecipeError(f"LoopedTrainingArguments.output_dir={str(output)[:80]!r}: {err.strerror}") from None
-    if taken:
-        raise RecipeError(f"LoopedTrainingArguments.output_dir={str(output)!r}: is an existing file, not a folder")
+    try:  # a file there, a parent that is a file, a place nothing can be made, a name too long
+        check_output_path(training_args.output_dir, "LoopedTrainingArguments.output_dir", directory=True)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
     try:
         source = describe_source(data_args)
         bound = token_upper_bound(data_args)
@@ -594,6 +599,9 @@ def train(
         # Trainer turns the cache off for training; the published model should generate with it.
         model.config.use_cache = True
         trainer.save_model(str(run_dir))
+        if is_main:  # safetensors writes 0600; the run's weights are for whoever may read the run
+            for weights in run_dir.glob("model*.safetensors"):
+                weights.chmod(0o666 & ~current_umask())
     except Exception as err:  # noqa: BLE001 - a failed run is data for the sweep, not a crash
         if isinstance(err, RecipeError):
             raise

@@ -96,7 +96,7 @@ def test_publish_onto_a_file_is_refused_and_overwrite_leaves_no_old_copy(run_dir
     assert looped_hf(["publish", str(run_dir), "--repo-id", "me/x", "--out", str(target), "--overwrite"]) == 2
     assert "is a file" in _one_line(capsys) and target.read_text() == "a file"
     assert looped_hf(["publish", str(run_dir), "--repo-id", "me/x", "--out", str(target / "sub")]) == 2
-    assert "cannot be written" in _one_line(capsys)
+    assert f"cannot be written ({target} is a file, not a folder)" in _one_line(capsys)
     folder = tmp_path / "folder"
     for _ in range(2):
         assert looped_hf(["publish", str(run_dir), "--repo-id", "me/x", "--out", str(folder), "--overwrite"]) == 0
@@ -132,7 +132,6 @@ def test_read_only_filesystem_error_is_one_line(run_dir, tmp_path, capsys, monke
     [
         (["--batch-tokens", "0"], "--batch-tokens='0'"),
         (["--batch-tokens", "-5"], "--batch-tokens='-5'"),
-        (["--recurrences", "10000"], "--recurrences 10000: above the ceiling"),
         (["--recurrences", "0"], "--recurrences='0'"),
         (["--max-per-task", "0"], "--max-per-task='0'"),
     ],
@@ -155,7 +154,7 @@ def test_eval_device_and_out_are_checked_before_loading(run_dir, tmp_path, capsy
     taken = tmp_path / "taken.json"
     taken.write_text("{}")
     assert _eval(str(run_dir), "--bundle", str(FIXTURE), "--device", "cpu", "--out", str(taken)) == 2
-    assert "is an existing file" in _one_line(capsys) and taken.read_text() == "{}"
+    assert f"--out {taken}: is a file, not a folder" in _one_line(capsys) and taken.read_text() == "{}"
 
 
 def test_unknown_lm_eval_task_is_refused_before_loading(run_dir, tmp_path, capsys, monkeypatch):
@@ -239,18 +238,38 @@ def test_recurrences_far_past_the_trained_r_warn_with_their_cost(capsys):
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--max-factor", "0"], "--max-factor='0'"), (["--max-factor", "10000"], "--max-factor 10000: above the ceiling"),
-     (["--batch-size", "-5"], "--batch-size='-5'")],
+    [(["--max-factor", "0"], "--max-factor='0'"), (["--batch-size", "-5"], "--batch-size='-5'")],
 )  # fmt: skip
-def test_test_time_counts_and_ceiling_exit_2(run_dir, capsys, flags, named):
+def test_test_time_counts_exit_2(run_dir, capsys, flags, named):
     with pytest.raises(SystemExit) as exit_info:
         looped_hf(["test-time", str(run_dir), *flags])
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
+def _last_line(capsys: pytest.CaptureFixture[str], prefix: str) -> str:
+    """The one line of ``prefix`` on stderr (transformers' weight-loading bar shares it)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_test_time_max_factor_past_the_models_ceiling_is_refused_before_measuring(run_dir, capsys):
+    """The one r ceiling is the config's (64 x the trained r = 2 here): a --max-factor past it is
+    refused before its grid is built or any r measured."""
+    assert looped_hf(["test-time", str(run_dir), "--max-factor", "10000"]) == 2
+    line = _last_line(capsys, "looped-hf test-time:")
+    assert "max_factor=10000" in line and "num_recurrences=20000" in line and "ceiling of 128" in line
+    assert not (run_dir / "test_time_scaling.json").exists()
+
+
 def test_test_time_compare_path_is_checked_before_measuring(run_dir, tmp_path, capsys):
-    assert looped_hf(["test-time", str(run_dir), "--compare", str(tmp_path / "no" / "such" / "c.png")]) == 2
-    assert "--compare" in _one_line(capsys) and not (run_dir / "test_time_scaling.json").exists()
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert looped_hf(["test-time", str(run_dir), "--compare", str(taken / "c.png")]) == 2
+    line = _one_line(capsys)
+    assert f"--compare {taken / 'c.png'}: cannot be written ({taken} is a file" in line
+    assert not (run_dir / "test_time_scaling.json").exists()
 
 
 def test_eval_refuses_an_r_above_the_models_ceiling_before_scoring_any(run_dir, tmp_path, capsys, monkeypatch):
@@ -271,3 +290,13 @@ def test_eval_refuses_an_r_above_the_models_ceiling_before_scoring_any(run_dir, 
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "num_recurrences=8" in lines[0] and "ceiling of 4" in lines[0]
     assert not scored
+
+
+def test_test_time_checks_every_run_before_measuring_the_first(run_dir, tmp_path, capsys):
+    failed = make_run_dir(tmp_path / "failed-run", status="failed", loss=float("nan"))
+    good = _copy(run_dir, tmp_path)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert looped_hf(["test-time", str(good), str(failed)]) == 2
+    line = _one_line(capsys)
+    assert "failed-run/run_record.json: status='failed'" in line and "only finished runs" in line
+    assert not (good / "test_time_scaling.json").exists()

@@ -117,3 +117,24 @@ def test_micro_demo_end_to_end(small_corpus: Path, data_cache: Path, tmp_path: P
     assert (card_dir / "README.md").is_file() and (card_dir / "plots" / "loss_vs_flops.png").is_file()
     assert {p.name for p in (out / demo.BEST_DIR).iterdir()} == HUB_FILES
     assert "[publish] verified:" in result.stdout  # the folder reproduces the recorded held-out loss
+
+
+def test_folders_the_demo_writes_keep_the_users_umask(tmp_path: Path):
+    """The user's report: `make demo` left model_cards/iso_depth_tiny/ at mode 0700 (mkdtemp's mode,
+    kept when the finished folder was renamed into place), and safetensors writes its files 0600."""
+    import os
+    import stat
+
+    sweep_dir = tmp_path / "runs" / "micro_sweep"
+    fake_finished_sweep(sweep_dir)
+    card_dir = tmp_path / "model_cards" / "micro_sweep"
+    old = os.umask(0o027)  # a mask no default gives: each mode must come from it
+    try:
+        result = demo.run_demo(MICRO, sweep_dir, card_dir, bootstrap=6, repo_id="me/looped-micro", verify=False)
+    finally:
+        os.umask(old)
+    checkpoint = result["checkpoint"]
+    for folder in (card_dir, card_dir / "plots", checkpoint):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750, folder
+    for file in (card_dir / "README.md", checkpoint / "model.safetensors", checkpoint / "README.md"):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o640, file

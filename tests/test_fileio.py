@@ -79,3 +79,44 @@ def test_blank_lines_are_not_corrupt(tmp_path):
     assert append_jsonl(path, {"run_id": "x"})
     assert [r["run_id"] for r in read_jsonl(path)] == ["r1", "r2", "x"]
     assert not corrupt_path(path).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The one finished-run check and the umask of folders built aside
+# ---------------------------------------------------------------------------------------------
+def test_check_finished_run_names_the_file_and_the_status(tmp_path):
+    from looped_hf.fileio import RunDirError, check_finished_run, is_finished
+
+    assert check_finished_run(tmp_path, required=False) is None  # a published folder: no record
+    with pytest.raises(RunDirError, match=r": not a finished run directory \(no run_record.json\)$"):
+        check_finished_run(tmp_path)
+    (tmp_path / "run_record.json").write_text(json.dumps({"status": "failed", "error": "boom"}))
+    with pytest.raises(RunDirError, match=r"run_record.json: status='failed' \(error: 'boom'\); only finished runs"):
+        check_finished_run(tmp_path, required=False)
+    (tmp_path / "run_record.json").write_text("[1]")
+    with pytest.raises(RunDirError, match="expected a JSON object, got list"):
+        check_finished_run(tmp_path)
+    (tmp_path / "run_record.json").write_text(json.dumps({"status": "ok", "loss": 3.0}))
+    assert check_finished_run(tmp_path) == {"status": "ok", "loss": 3.0}
+    assert is_finished({"status": "ok"}) and not is_finished({"status": "diverged"}) and not is_finished(None)
+
+
+def test_a_folder_built_aside_gets_the_umask_not_mkdtemps_0700(tmp_path):
+    import os
+    import stat
+
+    from looped_hf.fileio import follow_umask, make_temp_dir
+
+    old = os.umask(0o027)
+    try:
+        tmp = make_temp_dir(tmp_path / "card")
+        assert tmp.parent == tmp_path and tmp.name.startswith(".card.tmp-")
+        assert stat.S_IMODE(tmp.stat().st_mode) == 0o750
+        (tmp / "sub").mkdir(mode=0o700)
+        (tmp / "sub" / "w.safetensors").write_bytes(b"x")
+        (tmp / "sub" / "w.safetensors").chmod(0o600)
+        follow_umask(tmp)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp / "sub").stat().st_mode) == 0o750
+    assert stat.S_IMODE((tmp / "sub" / "w.safetensors").stat().st_mode) == 0o640

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
     taken = tmp_path / "taken"
     taken.write_text("x")
     recipe = yaml.safe_load(_tiny_text()) | {"output_dir": str(taken)}
-    with pytest.raises(RecipeError, match=r"output_dir='.*taken': is an existing file"):
+    with pytest.raises(RecipeError, match=r"output_dir='.*taken': is a file, not a folder"):
         check_recipe(recipe)
 
 
@@ -164,3 +165,150 @@ def test_the_model_refuses_token_ids_outside_the_vocabulary_but_runs_packed_and_
     logits = model(packed, position_ids=positions).logits
     torch.testing.assert_close(logits[:, 6:], logits[:, :6])  # two equal documents, attended apart
     assert model(torch.full((1, 12), 5)).logits.shape == (1, 12, TINY_VOCAB)
+# ---------------------------------------------------------------------------------------------
+# Output paths: one check (looped_hf.fileio.check_output_path) for every command
+# ---------------------------------------------------------------------------------------------
+def _one_error_line(capsys: pytest.CaptureFixture[str], prefix: str) -> str:
+    """The one line of ``prefix`` on stderr, and no traceback (transformers' loading bar may share it)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_fit_out_under_proc_is_one_line_exit_2(tmp_path, capsys):
+    """The user's report: a FileNotFoundError traceback, where every other command refused in one line
+    (root passes os.access everywhere, so the check tries to make the folder and a file in it)."""
+    from looped_hf.cli import main as looped_hf
+
+    assert looped_hf(["fit", str(tmp_path / "results.jsonl"), "--out", "/proc/nope/f.json"]) == 2
+    line = _one_error_line(capsys, "looped-hf fit:")
+    assert "--out /proc/nope/f.json: cannot be written" in line
+    assert not Path("/proc/nope").exists()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_publish import make_run_dir
+
+    return make_run_dir(tmp_path_factory.mktemp("runs") / "loop2-w32-b0")
+
+
+def _commands(run: Path, tmp: Path, bad: Path) -> dict[str, list[str]]:
+    """Each command with one output path under ``bad`` (a file, so nothing can be made there)."""
+    return {
+        "fit --out": ["fit", str(tmp / "results.jsonl"), "--out", str(bad / "fit.json")],
+        "fit --plots": ["fit", str(tmp / "results.jsonl"), "--plots", str(bad / "plots")],
+        "eval --out": ["eval", str(run), "--bundle", "builtin", "--device", "cpu", "--out", str(bad / "ev")],
+        "test-time --compare": ["test-time", str(run), "--compare", str(bad / "c.png")],
+        "publish --out": ["publish", str(run), "--out", str(bad / "pub")],
+        "card --out": ["card", str(tmp), "--out", str(bad / "card")],
+        "sweep --output": ["sweep", str(RECIPES / "iso_depth_tiny.yaml"), "--output", str(bad / "sweep")],
+        "prepare-data --output-dir": ["prepare-data", "embedded", "--val-docs", "2", "--output-dir", str(bad / "p")],
+        "demo --card-dir": ["demo", "--card-dir", str(bad / "card"), "--out", str(tmp / "demo")],
+    }
+
+
+@pytest.mark.parametrize("command", list(_commands(Path("r"), Path("t"), Path("b"))))
+def test_every_commands_output_path_goes_through_the_one_check(finished_run, tmp_path, capsys, command):
+    from looped_hf.cli import main as looped_hf
+
+    bad = tmp_path / "a-file"
+    bad.write_text("x")
+    argv = _commands(finished_run, tmp_path, bad)[command]
+    assert looped_hf(argv) == 2
+    line = _one_error_line(capsys, f"looped-hf {argv[0]}")
+    assert f"{command.split()[1]} {bad}/" in line and f"cannot be written ({bad} is a file, not a folder)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written, not even a folder
+
+
+def test_the_output_check_makes_and_removes_what_it_probes(tmp_path):
+    from looped_hf.fileio import OutputPathError, check_output_path
+
+    assert check_output_path(tmp_path / "a" / "b" / "fit.json", "--out") == tmp_path / "a" / "b" / "fit.json"
+    assert list(tmp_path.iterdir()) == []  # the folders it made to try are gone again
+    with pytest.raises(OutputPathError, match=r"^--out .*: is a directory; give a file path$"):
+        check_output_path(tmp_path, "--out")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputPathError, match=r"^output_dir='.*/f': is a file, not a folder$"):
+        check_output_path(tmp_path / "f", "output_dir", directory=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# publish without --repo-id, --tokenizer bytes, truncated weights
+# ---------------------------------------------------------------------------------------------
+def test_publish_without_repo_id_writes_the_folder_and_says_where(finished_run, tmp_path, capsys):
+    import shutil
+
+    from looped_hf.cli import main as looped_hf
+
+    run = tmp_path / finished_run.name
+    shutil.copytree(finished_run, run)
+    assert looped_hf(["publish", str(run)]) == 0
+    out = capsys.readouterr().out
+    folder = run / "publish"  # the default, as --help says
+    assert f"[publish] wrote {folder}:" in out and "--repo-id ORG/NAME" in out
+    assert (folder / "model.safetensors").is_file()
+    assert f'from_pretrained("your-name/{run.name}"' in (folder / "README.md").read_text()
+    # Uploading still needs the repository: one line, nothing uploaded.
+    assert looped_hf(["publish", str(run), "--push"]) == 2
+    assert "--push needs --repo-id" in _one_error_line(capsys, "looped-hf publish:")
+
+
+def test_publish_help_names_the_default_folder(capsys):
+    from looped_hf.publish import main as publish_main
+
+    with pytest.raises(SystemExit):
+        publish_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: RUN_DIR/publish" in text and "needed with --push" in text
+
+
+def test_tokenizer_bytes_is_the_builtin_one_wherever_a_tokenizer_is_asked_for(monkeypatch):
+    """`bytes` (and `embedded`) name the built-in tokenizers, never a Hub id: the packer and the
+    recipes both resolve through looped_hf.data.load_tokenizer and never ask the Hub for them."""
+    import huggingface_hub
+
+    from looped_hf.data import load_tokenizer
+    from looped_hf.data.tokenizer import is_builtin_tokenizer
+    from looped_hf.prepack import packing_tokenizer
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a built-in tokenizer was looked up on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", no_hub)
+    assert is_builtin_tokenizer("bytes") and is_builtin_tokenizer("embedded") and not is_builtin_tokenizer("gpt2")
+    assert len(load_tokenizer("bytes")) == 258
+    raw, bos, vocab = packing_tokenizer("bytes")
+    assert vocab == 258 and raw.encode("A").ids == [65]
+
+
+def test_prepare_data_accepts_tokenizer_bytes(tmp_path, capsys):
+    from looped_hf.cli import main as looped_hf
+
+    out = tmp_path / "packed"
+    argv = ["prepare-data", "embedded", "--output-dir", str(out), "--tokenizer", "bytes", "--seq-len", "32",
+            "--val-docs", "2", "--max-rows", "4", "--rows-per-shard", "4"]  # fmt: skip
+    assert looped_hf(argv) == 0, capsys.readouterr().err
+    meta = json.loads((out / "meta_train.json").read_text())
+    assert meta["vocab_size"] == 258 and meta["bos_token_id"] == 256  # the byte tokenizer's EOS-as-BOS
+
+
+@pytest.mark.parametrize("command", ["eval", "test-time", "publish"])
+def test_truncated_safetensors_is_refused_in_one_line(finished_run, tmp_path, capsys, command):
+    import shutil
+
+    from looped_hf.cli import main as looped_hf
+
+    run = tmp_path / finished_run.name
+    shutil.copytree(finished_run, run)
+    weights = run / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 100])
+    argv = {"eval": ["eval", str(run), "--bundle", "builtin", "--device", "cpu", "--out", str(tmp_path / "ev")],
+            "test-time": ["test-time", str(run)], "publish": ["publish", str(run)]}[command]  # fmt: skip
+    assert looped_hf(argv) == 2
+    line = _one_error_line(capsys, f"looped-hf {command}:")
+    assert f"{weights}: truncated" in line
+    assert not (run / "publish").exists() and not (tmp_path / "ev").exists()

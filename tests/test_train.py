@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -24,7 +26,11 @@ def _run(recipe: dict, *argv: str, callbacks=None) -> dict:
 
 
 def test_run_record_is_complete_and_run_dir_is_publishable(tiny_recipe, tmp_path):
-    record = _run(tiny_recipe)
+    old_umask = os.umask(0o027)  # the weights follow it (safetensors alone writes them 0600)
+    try:
+        record = _run(tiny_recipe)
+    finally:
+        os.umask(old_umask)
     assert record["status"] == "ok", record.get("traceback")
     assert set(RECORD_KEYS) <= set(record)
     steps, batch, seq = (
@@ -48,6 +54,7 @@ def test_run_record_is_complete_and_run_dir_is_publishable(tiny_recipe, tmp_path
     for name in ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
                  "generation_config.json", "tokenizer.json", "run_record.json", "recipe.yaml"):  # fmt: skip
         assert (run_dir / name).exists(), name
+    assert stat.S_IMODE((run_dir / "model.safetensors").stat().st_mode) == 0o640
     config = json.loads((run_dir / "config.json").read_text())
     assert "AutoModelForCausalLM" in config["auto_map"] and config["use_cache"] is True
     assert json.loads((run_dir / "run_record.json").read_text())["loss"] == record["loss"]

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from looped_hf.fileio import check_output_path
+
 from .common import FIT_NAME, PLOTS_DIR, _ci
 from .sweep import ISOFLOP_STYLES, best_run, write_sweep_card
 
@@ -70,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     from looped_hf.sweep import RESULTS_NAME, read_jsonl
 
     sweep = Path(args.sweep_dir)
+    out = Path(args.out) if args.out else sweep / "card"
     try:
+        if sweep.is_dir():  # else the results check below names the missing sweep
+            check_output_path(out, "--out", directory=True)  # before a fit of minutes, not after
         if args.fit is not None:
             if not Path(args.fit).is_file():
                 raise FileNotFoundError(f"--fit {args.fit}: no such file")
@@ -81,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             fit = fit_scaling_law(sweep / RESULTS_NAME, bootstrap=args.bootstrap, seed=args.seed)
-        out = Path(args.out) if args.out else sweep / "card"
         best = best_run(read_jsonl(sweep / RESULTS_NAME))
         where = (f"Publish it with `looped-hf publish {sweep / str(best['run_id'])} --repo-id ORG/NAME`."
                  if best is not None else "")  # fmt: skip
@@ -91,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                                 isoflop_style=style, compare=compare or None)  # fmt: skip
     except (FileNotFoundError, ValueError) as err:
         print(f"looped-hf card: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # checked before the fit, but a disk can fill or a folder vanish meanwhile
+        print(f"looped-hf card: error: --out {out}: cannot be written ({err.strerror or err})", file=sys.stderr)
         return 2
     print(f"[card] wrote {path} (+ {PLOTS_DIR}/, {FIT_NAME})")
     phi = fit.params.get("phi")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from looped_hf.fileio import replace_dir
+from looped_hf.fileio import make_temp_dir, replace_dir
 from looped_hf.scaling.diagnose import OPTIMAL_VS_WIDTHS
 from looped_hf.scaling.formatting import flop_budget, interval
 
@@ -452,8 +451,7 @@ def write_sweep_card(
     if not (sweep / RESULTS_NAME).is_file():
         raise FileNotFoundError(f"{sweep / RESULTS_NAME} not found: is {sweep} a sweep directory?")
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = make_temp_dir(out)  # with the user's umask: mkdtemp's 0700 would stay once renamed into place
     try:
         plots = _plots(fit, tmp / PLOTS_DIR, isoflop_style, compare)
         from looped_hf.sweep import RECIPE_COPY

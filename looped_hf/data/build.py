@@ -13,6 +13,8 @@ from typing import Any
 from datasets import Dataset, IterableDataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
+from looped_hf.fileio import current_umask
+
 from .cache import DATA_PIPELINE_VERSION, _cache_key, _publish, _remove_stale_builds
 from .data_arguments import DataArguments
 from .heldout import _build_map_style, _streaming_parts
@@ -61,6 +63,7 @@ def build_datasets(
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(root)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key}-"))
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would stay once the build is renamed into the cache
     started = time.perf_counter()
     try:
         work = tmp / "work"

@@ -17,6 +17,14 @@ from .corpus import EMBEDDED, embedded_tokenizer_path
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 BYTES = "bytes"
+#: The names of the tokenizers shipped with looped_hf: never a Hub id or a path, wherever a
+#: tokenizer is asked for (`load_tokenizer` is the one resolver of a tokenizer name).
+BUILTIN_TOKENIZERS = (EMBEDDED, BYTES)
+
+
+def is_builtin_tokenizer(name: str | None) -> bool:
+    """Whether ``name`` (without ``+TOKEN`` parts) names a built-in tokenizer (None: the embedded one)."""
+    return name is None or name in BUILTIN_TOKENIZERS
 
 
 def _bytes_to_unicode() -> dict[int, str]:

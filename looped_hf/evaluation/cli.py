@@ -12,22 +12,18 @@ the checkpoint's directory; for a Hub id ``eval/<owner>__<name>``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from looped_hf.cli import bounded_int, positive_int
-from looped_hf.fileio import first_line
+from looped_hf.cli import positive_int
+from looped_hf.fileio import check_output_path, first_line
 
 from .builtin import BUILTIN_NAME, DEFAULT_EXAMPLES, write_builtin_bundle
 from .bundle import BundleError, load_bundle
 from .scoring import DEFAULT_BATCH_TOKENS, EvalError
 
-#: The largest r `eval` runs (docs/validation.md). Cost grows linearly in r: each r is that many
-#: passes of the recurrent block per token, for every item of every task; past this a typo
-#: (--recurrences 10000) would run for days without a word.
-MAX_EVAL_RECURRENCES = 512
-#: Past this many times the trained r, eval warns with the cost before it starts.
+#: Past this many times the trained r, eval warns with the cost before it starts. The ceiling is the
+#: model's own (`LoopedConfig.recurrence_ceiling`), checked for every r before the first is scored.
 WARN_RECURRENCE_FACTOR = 16
 
 
@@ -43,10 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a bundle directory (or its YAML); '{BUILTIN_NAME}' generates the built-in reasoning primitives. "
         "Repeatable.",
     )  # fmt: skip
-    r_cost = "each r costs r passes of the recurrent block per token"
-    p.add_argument("--recurrences", type=bounded_int("--recurrences", MAX_EVAL_RECURRENCES, r_cost),
-                   nargs="+", default=None, metavar="R",
-                   help="the r values (default: 1, 2, 4, ... up to 2x the trained r, and the trained r)")  # fmt: skip
+    p.add_argument("--recurrences", type=positive_int("--recurrences"), nargs="+", default=None, metavar="R",
+                   help="the r values (default: 1, 2, 4, ... up to 2x the trained r, and the trained r); at most "
+                   "the model's ceiling (config.max_recurrences, else 64x the trained r)")  # fmt: skip
     p.add_argument("--tasks", nargs="+", default=None, metavar="LABEL", help="only these bundle tasks")
     p.add_argument("--max-per-task", type=positive_int("--max-per-task"), default=None, metavar="N",
                    help="at most N items per task (the study's seeded shuffle, then the first N)")  # fmt: skip
@@ -79,19 +74,6 @@ def _check_device(device: str) -> str:
     except (RuntimeError, AssertionError, ValueError) as err:  # unknown type, no such index, not compiled
         raise EvalError(f"--device {device!r}: not usable here ({first_line(err)})") from None
     return device
-
-
-def _check_out(out: Path) -> Path:
-    """The output folder exists or can be made, before any scoring (its results would be lost)."""
-    if out.exists() and not out.is_dir():
-        raise EvalError(f"--out {out}: is an existing file; eval writes a folder of results")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise EvalError(f"--out {out}: cannot be created ({err.strerror or err})") from None
-    if not os.access(out, os.W_OK):
-        raise EvalError(f"--out {out}: not writable")
-    return out
 
 
 def _warn_cost(recurrences: list[int], trained: int) -> None:
@@ -131,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         # Everything that can be checked is checked before the model is loaded or a task scored.
         device = _check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         local = Path(args.checkpoint).is_dir()
-        out = _check_out(Path(args.out) if args.out else (
+        out = check_output_path(Path(args.out) if args.out else (
             Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
-        ))  # fmt: skip
+        ), "--out", directory=True)  # fmt: skip
         manager = check_lm_eval_tasks(lm_eval_tasks, args.lm_eval_include) if lm_eval_tasks else None
         model, tokenizer, info = load_checkpoint(args.checkpoint)
         model.to(device)
@@ -158,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         trained = int(model.config.num_recurrences)
         recurrences = args.recurrences or default_recurrences(trained)
-        # Every r (the model's own ceiling, config.max_recurrences, included) before any is scored.
-        _warn_cost(check_recurrences(model, recurrences), trained)
+        # Every r and the KV budget, through the model's config, before any r is scored.
+        _warn_cost(check_recurrences(model, recurrences, args.kv_budget), trained)
         results = evaluate_model(
             model, tokenizer, bundles, recurrences,
             max_per_task=args.max_per_task, batch_tokens=args.batch_tokens, settings=settings,
@@ -170,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"looped-hf eval: {err}", file=sys.stderr)
         return 2
     results = {**info, **results, "device": device}
-    paths = write_results(results, out)
+    try:  # checked before the scoring, but a disk can fill or a folder vanish meanwhile
+        paths = write_results(results, out)
+    except OSError as err:
+        print(f"looped-hf eval: --out {out}: cannot be written ({err.strerror or err})", file=sys.stderr)
+        return 2
     print(f"[eval] {summary_line(results)}\n-> {', '.join(map(str, paths))}")
     return 0
 

@@ -164,14 +164,14 @@ def collect_sweep_results(sweep_dir: PathLike) -> list[dict[str, Any]]:
     """The evaluation results of a sweep's runs: one entry per finished run whose directory
     (``<sweep>/<run_id>``) holds ``eval_results.json`` measured on its current weights, with the
     run's ``run_id``, ``train_flops``, trained ``num_recurrences`` and ``results``."""
-    from looped_hf.fileio import read_jsonl, weights_sha256
+    from looped_hf.fileio import is_finished, read_jsonl, weights_sha256
 
     sweep = Path(sweep_dir)
     records = read_jsonl(sweep / "results.jsonl") if (sweep / "results.jsonl").is_file() else []
     out = []
     for record in records:
         run_dir = sweep / str(record.get("run_id"))
-        if record.get("status") != "ok" or not (run_dir / RESULTS_JSON).is_file():
+        if not is_finished(record) or not (run_dir / RESULTS_JSON).is_file():
             continue
         results = load_results(run_dir, weights_sha256(run_dir))
         if results is None or not record.get("train_flops"):

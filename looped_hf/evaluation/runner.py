@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir, first_line, read_run_record
+from looped_hf.fileio import CheckpointError, check_checkpoint_dir, check_finished_run, first_line
 
 from .bundle import Bundle
 from .scoring import (
@@ -80,12 +80,10 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
         raise EvalError(
             f"checkpoint={str(checkpoint)!r}: not a directory (a run directory, a published folder or a Hub id)"
         )
-    try:
-        record: dict[str, Any] = (read_run_record(path) if local else None) or {}
+    try:  # a published or converted folder has no run record; a run directory must be finished
+        record: dict[str, Any] = (check_finished_run(path, required=False) if local else None) or {}
     except ValueError as err:
         raise EvalError(str(err)) from None
-    if record.get("status") not in (None, "ok"):
-        raise EvalError(f"{path / RECORD_NAME}: status={record.get('status')!r}; only finished runs have weights")
     model, tokenizer = load_pretrained(checkpoint)
     info = {
         "checkpoint": str(checkpoint),
@@ -99,25 +97,20 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
     return model, tokenizer, info
 
 
-def check_recurrences(model: Any, recurrences: Sequence[int]) -> list[int]:
-    """The r values to score (sorted, deduplicated), each checked before the first is scored: at
-    least one, each >= 1, only the trained r for a recurrence-locked model, and none above the
-    model's own ceiling (`LoopedConfig.resolve_num_recurrences`: config.max_recurrences)."""
-    grid = sorted({int(r) for r in recurrences})
-    if not grid or grid[0] < 1:
-        raise EvalError(f"recurrences={list(recurrences)!r}: need at least one r, each >= 1")
+def check_recurrences(model: Any, recurrences: Sequence[int], kv_budget: int | None = None) -> list[int]:
+    """The r values to score (sorted, deduplicated), each checked before the first is scored, by
+    the model's config, the one owner of the r rules (`LoopedConfig.resolve_num_recurrences`: an
+    integer >= 1, at most the ceiling, only the trained r for a recurrence-locked model) and of the
+    KV budget (`LoopedConfig.slot_plan`). A refusal is an `EvalError` naming the field and value."""
+    if not recurrences:
+        raise EvalError("recurrences=[]: need at least one r")
     config = model.config
-    # Before the ceiling: resolve_num_recurrences would name a locked model's r in its own words.
-    if getattr(config, "is_recurrence_locked", False) and grid != [config.num_recurrences]:
-        raise EvalError(
-            f"recurrences={grid}: input_injection={config.input_injection!r} indexes parameters by recurrence step, "
-            f"so this model runs only at its trained num_recurrences={config.num_recurrences}"
-        )
-    for r in grid if hasattr(config, "resolve_num_recurrences") else ():
-        try:
-            config.resolve_num_recurrences(r)
-        except ValueError as err:
-            raise EvalError(str(err)) from None
+    try:
+        grid = sorted({config.resolve_num_recurrences(r) for r in recurrences})
+        for r in grid:
+            config.slot_plan(r, kv_budget)
+    except ValueError as err:
+        raise EvalError(str(err)) from None
     return grid
 
 
@@ -176,7 +169,7 @@ def evaluate_model(
     if unknown:
         raise EvalError(f"settings {unknown}: unknown; one of {list(CALL_SETTINGS)}")
     settings = {k: (settings or {}).get(k) for k in CALL_SETTINGS}
-    grid = check_recurrences(model, recurrences)
+    grid = check_recurrences(model, recurrences, settings["kv_budget"])
     say = progress or (lambda _line: None)
     started = time.time()
     max_length = getattr(model.config, "max_position_embeddings", None)

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from ..fileio import write_text_atomic
+from ..fileio import check_output_path, write_text_atomic
 from .compare import compare_fits
 from .fit import fit_scaling_law
 
@@ -52,22 +51,6 @@ def _parser() -> argparse.ArgumentParser:
         help="resample (budget, r) cells, runs, or residuals on the fixed design (default cell)",
     )
     return p
-
-
-def check_output_path(path: Path, flag: str, *, directory: bool = False) -> None:
-    """Refuse an output path that cannot be written, before any work is done: a file where a
-    folder is meant (or the reverse), a parent that is a file, or a folder without write access.
-    A ValueError naming the flag and the path."""
-    if path.exists() and path.is_dir() != directory:
-        raise ValueError(f"{flag} {path}: is {'a file' if directory else 'a directory'}; "
-                         f"give {'a folder' if directory else 'a file path'}")  # fmt: skip
-    parent = path if directory and path.exists() else path.parent
-    while not parent.exists():  # the folders still to be made: the nearest existing one decides
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {parent} is not writable")
 
 
 def main(argv: list[str]) -> int:
@@ -108,20 +91,29 @@ def main(argv: list[str]) -> int:
     if comparison is not None:
         print(f"\ncomparison with {args.compare}:")
         print(comparison.report())
-    if args.plots is not None:
-        from looped_hf.plotting import plot_fit  # matplotlib only when plots are asked for
+    # Both were checked before the fit, but a disk can fill or a folder vanish meanwhile.
+    flag = "--plots"
+    try:
+        if args.plots is not None:
+            from looped_hf.plotting import plot_fit  # matplotlib only when plots are asked for
 
-        for path in plot_fit(fit, args.plots):
-            print(f"wrote {path}")
+            for path in plot_fit(fit, args.plots):
+                print(f"wrote {path}")
+        if args.out is not None:
+            flag = "--out"
+            obj = fit.to_dict()
+            if comparison is not None:
+                obj["comparison"] = {
+                    "probe_results": str(args.compare),
+                    **comparison.to_dict(),
+                    "probe": comparison.probe.to_dict(),
+                }
+            write_text_atomic(args.out, json.dumps(obj, indent=2))
+    except OSError as err:
+        where = args.plots if flag == "--plots" else args.out
+        print(f"looped-hf fit: error: {flag} {where}: cannot be written ({err.strerror or err})", file=sys.stderr)
+        return 2
     if args.out is not None:
-        obj = fit.to_dict()
-        if comparison is not None:
-            obj["comparison"] = {
-                "probe_results": str(args.compare),
-                **comparison.to_dict(),
-                "probe": comparison.probe.to_dict(),
-            }
-        write_text_atomic(args.out, json.dumps(obj, indent=2))
         print(f"wrote {args.out}")
     return 0
 

@@ -7,6 +7,7 @@ import sys
 
 from looped_hf.arguments import RecipeError
 from looped_hf.cli import positive_int
+from looped_hf.fileio import OutputPathError, check_output_path
 
 from .plan import EXECUTORS, make_plan
 from .runner import available_cores, default_jobs, run_sweep
@@ -42,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
             print(plan.table())
             print(f"default --jobs here: {default_jobs(plan)} (available cores {available_cores()})")
             return 0
+        if args.output is not None:  # a sweep dir from the recipe is checked with the recipe's output_dir
+            check_output_path(args.output, "--output", directory=True)
         records = run_sweep(args.recipe, args.output, executor=args.executor, max_runs=args.max_runs,
                             jobs=args.jobs, verbose=args.verbose)  # fmt: skip
-    except RecipeError as err:
+    except (RecipeError, OutputPathError) as err:
         print(f"looped-hf sweep: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
