@@ -444,3 +444,83 @@ def test_server_completions_equal_offline_vllm_and_generate_and_chat_works(tmp_p
 def _post_get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
+
+
+# --- the whole path, as a user walks it -------------------------------------------------------------
+def _looped_hf(*argv: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "looped_hf", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, f"looped-hf {' '.join(argv)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@needs_vllm
+def test_train_publish_serve_and_query_with_the_openai_client_and_lm_eval(tmp_path, small_corpus, data_cache) -> None:
+    """train (the tiny recipe, a few steps) -> publish -> serve on loopback with serve's own KV cache
+    sizing -> the openai client's completions (greedy tokens equal generate()'s; a request for
+    another r is a 400) -> lm-eval's local-completions -> stop."""
+    import openai
+    import yaml
+    from conftest import subprocess_env
+    from serving_helpers import greedy_references_via, reference_python, vllm_env
+    from test_eval_lm_eval import _local_task
+
+    run = tmp_path / "run"
+    # head_dim 32: vLLM's CPU attention runs it. 30 steps make greedy choices well separated.
+    recipe = dict(hidden_size=64, head_dim=32, num_prelude_layers=1, num_recurrent_layers=1, num_coda_layers=1,
+                  num_recurrences=2, dataset=str(small_corpus), tokenizer="bytes", seq_len=32, eval_blocks=8,
+                  data_cache_dir=str(data_cache), output_dir=str(run), per_device_train_batch_size=4,
+                  per_device_eval_batch_size=8, max_steps=30, logging_steps=10, save_strategy="no", report_to="none",
+                  disable_tqdm=True, learning_rate=3e-3, seed=0, dataloader_num_workers=0, torch_num_threads=1)  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = subprocess_env()
+    _looped_hf("train", str(tmp_path / "recipe.yaml"), env=env)
+    _looped_hf("publish", str(run), "--repo-id", "local/looped-tiny", "--out", str(run / "publish"), env=env)
+
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvs-"))  # short IPC socket paths, as above
+    served_env = {**env, **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    served_env.pop("VLLM_CPU_KVCACHE_SPACE")  # serve sizes it, as for a user who never heard of it
+    port = _free_port()
+    serve = [sys.executable, "-m", "looped_hf", "serve", str(run), "--port", str(port),
+             "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]  # fmt: skip
+    prompts = ["To be, or not to be", "Once upon a time", "The"]
+    log = tmp_path / "server.log"
+    with contextlib.ExitStack() as cleanup, _running(serve, served_env, log) as proc:
+        cleanup.callback(shutil.rmtree, vllm_root, ignore_errors=True)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, log, timeout_s=480)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        [model] = [m.id for m in client.models.list().data]
+        assert model == str(run / "publish")  # the run's published folder is what is served
+        done = client.completions.create(model=model, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                     "num_recurrences": 2})  # fmt: skip
+        choices = sorted(done.choices, key=lambda c: c.index)
+        served = [(c.prompt_token_ids, c.token_ids) for c in choices]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model, prompt=prompts[0], max_tokens=2,
+                                      extra_body={"num_recurrences": 3})  # fmt: skip
+        assert "num_recurrences=3: this engine serves num_recurrences=2" in str(refused.value)
+
+        tasks = tmp_path / "tasks"
+        tasks.mkdir()
+        _local_task(tasks)
+        lm_eval = subprocess.run(
+            [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "looped_toy_qa",
+             "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path / "lm_eval"),
+             "--model_args", f"model={model},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+                             f"tokenizer={model},num_concurrent=1,max_retries=1"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert lm_eval.returncode == 0, lm_eval.stderr[-4000:]
+        assert "looped_toy_qa" in lm_eval.stdout and "acc" in lm_eval.stdout, lm_eval.stdout[-2000:]
+    assert proc.returncode is not None  # stopped
+    text = log.read_text()
+    assert "[serve] VLLM_CPU_KVCACHE_SPACE=1 (GiB) for vLLM's KV cache" in text
+    assert all(len(tokens) == NEW_TOKENS for _, tokens in served)
+    python = reference_python()
+    if python is None:
+        pytest.skip("served checked; no interpreter here runs generate() for the reference")
+    job = dict(checkpoint=run / "publish", prompts=[ids for ids, _ in served], n=NEW_TOKENS, kwargs={})
+    [reference] = greedy_references_via(python, [job])
+    assert [tokens for tokens, _ in reference] == [tokens for _, tokens in served]
