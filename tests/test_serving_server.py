@@ -243,6 +243,35 @@ def test_a_server_that_exits_cleanly_adds_nothing(capfd) -> None:
     assert "looped-hf serve" not in out + err
 
 
+@needs_vllm
+def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
+    """vLLM's engine cannot get the KV cache asked for: the last line is the worker's ValueError,
+    not the server's "Engine core initialization failed. See root cause above"."""
+    from serving_helpers import save_serving_checkpoint, vllm_env
+
+    from looped_hf.data import load_tokenizer
+
+    tok = load_tokenizer("bytes")
+    folder = save_serving_checkpoint(tmp_path / "ckpt", vocab_size=len(tok))
+    tok.save_pretrained(folder)
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvs-"))
+    try:
+        env = {**_env(), **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "100000"}  # GiB: more than any machine here has  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "looped_hf", "serve", str(folder), "--port", str(_free_port()),
+             "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"],
+            env=env, capture_output=True, text=True, timeout=480,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(vllm_root, ignore_errors=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Engine core initialization failed" in done.stderr  # vLLM's own words, passed through
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("looped-hf serve: vLLM's engine failed to start: ValueError: Available memory"), last
+    assert "VLLM_CPU_KVCACHE_SPACE" in last
+
+
 # --- a request that asks for another r ---------------------------------------------------------------
 @pytest.mark.parametrize(
     ("body", "refused"),
