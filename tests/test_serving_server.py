@@ -243,6 +243,37 @@ def test_a_server_that_exits_cleanly_adds_nothing(capfd) -> None:
     assert "looped-hf serve" not in out + err
 
 
+def test_a_sigterm_to_serve_alone_is_passed_on_to_the_server(tmp_path, capfd) -> None:
+    """A supervisor that stops serve's process only: the server is stopped too, and a stop asked for
+    is not reported as a failure."""
+    import threading
+
+    from looped_hf.serving.launch import run_server
+
+    ready = tmp_path / "ready"
+    script = (
+        "import pathlib, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    print('Traceback (most recent call last):'); print('KeyboardInterrupt: stopping'); sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(120)\n"
+    )
+
+    def stop_serve() -> None:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_serve, daemon=True).start()
+    started = time.monotonic()
+    code = run_server([sys.executable, "-c", script], dict(os.environ))
+    out, err = capfd.readouterr()
+    assert code == 3 and time.monotonic() - started < 60
+    assert "KeyboardInterrupt: stopping" in out and "looped-hf serve" not in out + err
+
+
 @needs_vllm
 def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
     """vLLM's engine cannot get the KV cache asked for: the last line is the worker's ValueError,

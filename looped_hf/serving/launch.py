@@ -72,9 +72,14 @@ def _pump(source: BinaryIO, sink: BinaryIO, stream: str, reader: RootCause) -> N
     feed each complete line to ``reader``."""
     partial = b""
     fd = source.fileno()
+    writable = True
     while chunk := os.read(fd, 65536):
-        sink.write(chunk)
-        sink.flush()
+        if writable:
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except OSError:  # our reader went away (`| head`): keep draining, or vLLM blocks on a full pipe
+                writable = False
         *lines, partial = (partial + chunk).split(b"\n")
         for line in lines:
             reader.feed(stream, line.decode("utf-8", "replace"))
