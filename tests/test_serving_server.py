@@ -35,13 +35,17 @@ CHAT_TEMPLATE = (
 )
 
 
+# A safetensors file with no tensors: an 8-byte header length, then the header "{}".
+EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def _config_folder(path: Path, **overrides) -> Path:
-    """A looped config, the byte tokenizer and a weights file that is never read: enough for every
-    check ``looped-hf serve`` makes before it starts vLLM."""
+    """A looped config, the byte tokenizer and a well-formed but empty weights file: enough for
+    every check ``looped-hf serve`` makes before it starts vLLM."""
     from looped_hf import LoopedConfig
     from looped_hf.data import load_tokenizer
 
@@ -49,7 +53,7 @@ def _config_folder(path: Path, **overrides) -> Path:
                   num_recurrent_layers=1, num_coda_layers=1, num_recurrences=3)  # fmt: skip
     LoopedConfig(**{**kwargs, **overrides}).save_pretrained(path)
     load_tokenizer("bytes").save_pretrained(path)
-    (path / "model.safetensors").write_bytes(b"")
+    (path / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     return path
 
 
@@ -94,28 +98,32 @@ def test_a_run_directory_serves_its_publish_folder_when_there_is_one(tmp_path, c
 
 
 @pytest.mark.parametrize(
-    ("argv", "needle"),
+    ("argv", "needles"),
     [
-        (["{missing}"], "CKPT="),
-        (["{folder}", "--num-recurrences", "0"], "--num-recurrences 0: must be an integer >= 1"),
-        (["{folder}", "--kv-budget", "0"], "--kv-budget 0: must be an integer >= 1"),
-        (["{folder}", "-r", "100000"], "--num-recurrences 100000: above this model's ceiling"),
-        (["{folder}", "--port", "70000"], "--port 70000"),
-        (["{folder}", "--", "--hf-overrides", "{{}}"], "--hf-overrides after --"),
-        (["{folder}", "--", "--model=x"], "--model after --"),
-        (["{llama}"], "model_type='llama', not a looped_hf checkpoint"),
-        (["{noise}"], "state_init='noise'"),
-        (["{head16}"], "head_dim=16"),
-        (["{hyper}", "-r", "4"], "--num-recurrences 4: input_injection='hyperconnection'"),
-        (["{no_tokenizer}"], "no tokenizer"),
+        (["{missing}"], ["CKPT="]),
+        # r and kv_budget are checked by LoopedConfig's own rules, in its words.
+        (["{folder}", "--num-recurrences", "0"], ["num_recurrences=0"]),
+        (["{folder}", "--kv-budget", "0"], ["kv_budget=0"]),
+        (["{folder}", "-r", "100000"], ["num_recurrences=100000", "ceiling"]),
+        (["{folder}", "--port", "70000"], ["--port 70000"]),
+        (["{folder}", "--", "--hf-overrides", "{{}}"], ["--hf-overrides after --"]),
+        (["{folder}", "--", "--model=x"], ["--model after --"]),
+        (["{llama}"], ["model_type='llama'"]),
+        (["{truncated}"], ["model.safetensors", "truncated"]),
+        (["{noise}"], ["state_init='noise'"]),
+        (["{head16}"], ["head_dim=16"]),
+        (["{hyper}", "-r", "4"], ["num_recurrences=4", "hyperconnection"]),
+        (["{no_tokenizer}"], ["no tokenizer"]),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path, folder, capsys, monkeypatch, argv, needle) -> None:
+def test_bad_input_is_one_line_and_exit_2(tmp_path, folder, capsys, monkeypatch, argv, needles) -> None:
     monkeypatch.setattr(serve_cli, "_on_cpu", lambda: True)
     paths = {"missing": tmp_path / "nope", "folder": folder}
     paths["llama"] = tmp_path / "llama"
     paths["llama"].mkdir()
     (paths["llama"] / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    paths["truncated"] = _config_folder(tmp_path / "truncated")
+    (paths["truncated"] / "model.safetensors").write_bytes(EMPTY_SAFETENSORS[:5])
     paths["noise"] = _config_folder(tmp_path / "noise", state_init="noise")
     paths["head16"] = _config_folder(tmp_path / "head16", hidden_size=32)
     paths["hyper"] = _config_folder(tmp_path / "hyper", input_injection="hyperconnection")
@@ -124,7 +132,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, folder, capsys, monkeypatch,
         (paths["no_tokenizer"] / name).unlink()
     code, out, err = _serve([a.format(**paths) for a in argv], capsys)
     assert code == 2
-    assert needle in err
+    assert all(needle in err for needle in needles), err
     assert err.startswith("looped-hf serve: ") and err.count("\n") == 1, err
     assert "Traceback" not in err and out == ""
 
@@ -142,6 +150,233 @@ def test_the_cli_imports_neither_vllm_nor_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# --- the KV cache space on CPU -------------------------------------------------------------------
+GIB = 1024**3
+
+
+def test_on_cpu_the_kv_cache_gets_what_the_model_can_use_and_says_so(folder, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(serve_cli, "available_memory", lambda: 20 * GIB)
+    code, out, err = _serve([str(folder), "--dry-run"], capsys)
+    assert code == 0, err
+    # hidden 64 with 2 heads, r 3 with one block layer: 5 KV caches of 2 x 2 x 32 float32 per token,
+    # 128 sequences of 2048 tokens = 0.31 GiB, so 1 GiB (the variable's unit), far below half of 20.
+    [line] = [x for x in out.splitlines() if "VLLM_CPU_KVCACHE_SPACE" in x]
+    assert line.startswith("[serve] VLLM_CPU_KVCACHE_SPACE=1 (GiB)"), line
+    assert "128 sequences of 2048 tokens at num_recurrences=3 (5 KV caches)" in line
+    assert "set VLLM_CPU_KVCACHE_SPACE to choose" in line
+
+
+def test_kv_cache_space_is_what_the_model_needs_within_half_the_free_memory(folder) -> None:
+    config = serve_cli.read_looped_config(folder)  # 5 KV caches x 2 x 2 heads x 32 x 4 bytes = 2560 B/token
+    per_token = 2560
+    many = ["--max-num-seqs", "4096", "--max-model-len=4096"]  # 40 GiB at most
+    assert per_token * 4096 * 4096 == 40 * GIB
+    assert serve_cli.kv_cache_space(config, many, 100 * GIB)[0] == 40
+    assert serve_cli.kv_cache_space(config, many, 24 * GIB)[0] == 12  # half of the free memory
+    assert serve_cli.kv_cache_space(config, [*many, "-tp", "2"], 24 * GIB)[0] == 6  # each worker its own
+    assert serve_cli.kv_cache_space(config, many, GIB)[0] == 1  # never below the unit
+    assert serve_cli.kv_cache_space(config, [], 24 * GIB)[0] == 1
+    # The user sized it among vLLM's flags, or the free memory is unknown: vLLM decides.
+    assert serve_cli.kv_cache_space(config, ["--kv-cache-memory-bytes", "1000000"], 24 * GIB) is None
+    assert serve_cli.kv_cache_space(config, ["--gpu-memory-utilization=0.3"], 24 * GIB) is None
+    assert serve_cli.kv_cache_space(config, [], None) is None
+
+
+def test_a_users_kv_cache_space_is_left_alone(folder, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    code, out, err = _serve([str(folder), "--dry-run"], capsys)
+    assert code == 0 and "VLLM_CPU_KVCACHE_SPACE" not in out, out + err
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    code, out, err = _serve([str(folder), "--dry-run"], capsys)  # a GPU: vLLM's memory fraction rules
+    assert code == 0 and "VLLM_CPU_KVCACHE_SPACE" not in out, out + err
+
+
+# --- a failed start: its root cause last ------------------------------------------------------------
+# What vLLM's server and its engine print when the worker cannot get its KV cache (shortened from a
+# real run of vllm-cpu 0.32.0): the cause in the worker, wrapped by the engine core, then the server.
+FAILING_SERVER = r"""
+import sys
+out, err = sys.stdout, sys.stderr
+print("(APIServer pid=1) INFO 12-06 02:32:21 [api_utils.py:286] non-default args: {}", file=out)
+for who in ("Worker pid=3", "EngineCore pid=2"):
+    print(f"({who}) ERROR 12-06 02:33:42 [core.py:1510] Traceback (most recent call last):", file=out)
+    print(f'({who}) ERROR 12-06 02:33:42 [core.py:1510]   File "core.py", line 157, in __init__', file=out)
+    print(f"({who}) INFO 12-06 02:33:42 [other.py:1] another process's line in between", file=out)
+    print(f"({who}) ERROR 12-06 02:33:42 [core.py:1510]     raise ValueError(", file=out)
+    cause = "ValueError: Available memory on node 0 (1.00/23.54 GiB) is less than requested memory for kv"
+    if who.startswith("EngineCore"):
+        cause = f"RuntimeError: Worker failed with error '{cause}', please check the stack trace above for the root cause"
+    print(f"({who}) ERROR 12-06 02:33:42 [core.py:1510] {cause}", file=out)
+out.flush()
+print("Traceback (most recent call last):", file=err)
+print('  File "utils.py", line 1431, in wait_for_engine_startup', file=err)
+print("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", file=err)
+sys.exit(1)
+"""
+
+
+def test_a_failed_start_ends_with_its_root_cause(capfd) -> None:
+    from looped_hf.serving.launch import run_server
+
+    code = run_server([sys.executable, "-c", FAILING_SERVER], dict(os.environ))
+    out, err = capfd.readouterr()
+    assert code == 1
+    assert "(APIServer pid=1) INFO" in out and "Engine core initialization failed" in err  # passed through
+    assert err.splitlines()[-1] == (
+        "looped-hf serve: vLLM's engine failed to start: ValueError: Available memory on node 0 "
+        "(1.00/23.54 GiB) is less than requested memory for kv"
+    )
+
+
+def test_a_server_that_exits_cleanly_adds_nothing(capfd) -> None:
+    from looped_hf.serving.launch import run_server
+
+    script = "print('Traceback (most recent call last):'); print('ValueError: handled and logged')"
+    assert run_server([sys.executable, "-c", script], dict(os.environ)) == 0
+    out, err = capfd.readouterr()
+    assert "looped-hf serve" not in out + err
+
+
+def test_a_sigterm_to_serve_alone_is_passed_on_to_the_server(tmp_path, capfd) -> None:
+    """A supervisor that stops serve's process only: the server is stopped too, and a stop asked for
+    is not reported as a failure."""
+    import threading
+
+    from looped_hf.serving.launch import run_server
+
+    ready = tmp_path / "ready"
+    script = (
+        "import pathlib, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    print('Traceback (most recent call last):'); print('KeyboardInterrupt: stopping'); sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(120)\n"
+    )
+
+    def stop_serve() -> None:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_serve, daemon=True).start()
+    started = time.monotonic()
+    code = run_server([sys.executable, "-c", script], dict(os.environ))
+    out, err = capfd.readouterr()
+    assert code == 3 and time.monotonic() - started < 60
+    assert "KeyboardInterrupt: stopping" in out and "looped-hf serve" not in out + err
+
+
+@needs_vllm
+def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
+    """vLLM's engine cannot get the KV cache asked for: the last line is the worker's ValueError,
+    not the server's "Engine core initialization failed. See root cause above"."""
+    from serving_helpers import save_serving_checkpoint, vllm_env
+
+    from looped_hf.data import load_tokenizer
+
+    tok = load_tokenizer("bytes")
+    folder = save_serving_checkpoint(tmp_path / "ckpt", vocab_size=len(tok))
+    tok.save_pretrained(folder)
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvs-"))
+    try:
+        env = {**_env(), **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "100000"}  # GiB: more than any machine here has  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "looped_hf", "serve", str(folder), "--port", str(_free_port()),
+             "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"],
+            env=env, capture_output=True, text=True, timeout=480,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(vllm_root, ignore_errors=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Engine core initialization failed" in done.stderr  # vLLM's own words, passed through
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("looped-hf serve: vLLM's engine failed to start: ValueError: Available memory"), last
+    assert "VLLM_CPU_KVCACHE_SPACE" in last
+
+
+# --- a request that asks for another r ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ({"prompt": "x", "num_recurrences": 8}, "num_recurrences=8"),  # the OpenAI client's extra_body
+        ({"prompt": "x", "vllm_xargs": {"kv_budget": 1}}, "vllm_xargs.kv_budget=1"),
+        ({"prompt": "x", "extra_body": {"num_recurrences": 3}}, "extra_body.num_recurrences=3"),
+        ({"prompt": "x", "sampling_params": {"extra_args": {"num_recurrences": "4"}}},
+         "sampling_params.extra_args.num_recurrences='4'"),  # fmt: skip
+        ({"prompt": "x", "num_recurrences": True}, "num_recurrences=True"),
+        ({"prompt": "x", "num_recurrences": 4, "kv_budget": None}, None),  # the engine's own: served
+        ({"prompt": "x", "max_tokens": 2}, None),
+        # Keys in the user's data are not options: a JSON schema's property, a message.
+        ({"messages": [{"role": "user", "content": "hi", "num_recurrences": 9}],
+          "response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": {
+              "num_recurrences": {"type": "integer"}}}}}}, None),  # fmt: skip
+    ],
+)
+def test_a_request_body_naming_another_r_or_budget_is_refused(body, refused) -> None:
+    from looped_hf.serving.plugin import body_refusal
+
+    found = body_refusal(json.dumps(body).encode(), 4, None)
+    if refused is None:
+        assert found is None
+    else:
+        field, why = found
+        assert why.startswith(refused + ": this engine serves num_recurrences=4, kv_budget=None"), why
+        assert field == refused.split("=")[0]
+
+
+def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from looped_hf.serving.plugin import RequestGuard
+
+    seen = []
+
+    async def vllm_app(scope, receive, send) -> None:
+        while not seen or seen[-1].get("more_body"):
+            seen.append(await receive())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    hf_config = SimpleNamespace(num_recurrences=2, kv_budget=1)
+    app = SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(
+        hf_config=hf_config))))  # fmt: skip
+
+    def call(body: dict) -> tuple[int, bytes]:
+        raw = json.dumps(body).encode()
+        chunks = [{"type": "http.request", "body": raw[:5], "more_body": True},
+                  {"type": "http.request", "body": raw[5:], "more_body": False}]  # fmt: skip
+        sent = []
+
+        async def receive() -> dict:
+            return chunks.pop(0)
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app}
+        asyncio.run(RequestGuard(vllm_app)(scope, receive, send))
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    status, body = call({"prompt": "x", "num_recurrences": 8})
+    assert status == 400 and not seen
+    error = json.loads(body)["error"]
+    assert error["code"] == 400 and error["param"] == "num_recurrences"
+    assert error["message"].startswith("num_recurrences=8: this engine serves num_recurrences=2, kv_budget=1")
+    status, body = call({"prompt": "x", "num_recurrences": 2, "vllm_xargs": {"kv_budget": 1}})
+    assert status == 200 and body == b"ok"
+    # vLLM got the whole body, as the client sent it.
+    assert b"".join(m["body"] for m in seen) == json.dumps({"prompt": "x", "num_recurrences": 2,
+                                                             "vllm_xargs": {"kv_budget": 1}}).encode()  # fmt: skip
 
 
 # --- a real server ----------------------------------------------------------------------------
@@ -269,3 +504,83 @@ def test_server_completions_equal_offline_vllm_and_generate_and_chat_works(tmp_p
 def _post_get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
+
+
+# --- the whole path, as a user walks it -------------------------------------------------------------
+def _looped_hf(*argv: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "looped_hf", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, f"looped-hf {' '.join(argv)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@needs_vllm
+def test_train_publish_serve_and_query_with_the_openai_client_and_lm_eval(tmp_path, small_corpus, data_cache) -> None:
+    """train (the tiny recipe, a few steps) -> publish -> serve on loopback with serve's own KV cache
+    sizing -> the openai client's completions (greedy tokens equal generate()'s; a request for
+    another r is a 400) -> lm-eval's local-completions -> stop."""
+    import openai
+    import yaml
+    from conftest import subprocess_env
+    from serving_helpers import greedy_references_via, reference_python, vllm_env
+    from test_eval_lm_eval import _local_task
+
+    run = tmp_path / "run"
+    # head_dim 32: vLLM's CPU attention runs it. 30 steps make greedy choices well separated.
+    recipe = dict(hidden_size=64, head_dim=32, num_prelude_layers=1, num_recurrent_layers=1, num_coda_layers=1,
+                  num_recurrences=2, dataset=str(small_corpus), tokenizer="bytes", seq_len=32, eval_blocks=8,
+                  data_cache_dir=str(data_cache), output_dir=str(run), per_device_train_batch_size=4,
+                  per_device_eval_batch_size=8, max_steps=30, logging_steps=10, save_strategy="no", report_to="none",
+                  disable_tqdm=True, learning_rate=3e-3, seed=0, dataloader_num_workers=0, torch_num_threads=1)  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = subprocess_env()
+    _looped_hf("train", str(tmp_path / "recipe.yaml"), env=env)
+    _looped_hf("publish", str(run), "--repo-id", "local/looped-tiny", "--out", str(run / "publish"), env=env)
+
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvs-"))  # short IPC socket paths, as above
+    served_env = {**env, **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    served_env.pop("VLLM_CPU_KVCACHE_SPACE")  # serve sizes it, as for a user who never heard of it
+    port = _free_port()
+    serve = [sys.executable, "-m", "looped_hf", "serve", str(run), "--port", str(port),
+             "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]  # fmt: skip
+    prompts = ["To be, or not to be", "Once upon a time", "The"]
+    log = tmp_path / "server.log"
+    with contextlib.ExitStack() as cleanup, _running(serve, served_env, log) as proc:
+        cleanup.callback(shutil.rmtree, vllm_root, ignore_errors=True)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, log, timeout_s=480)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        [model] = [m.id for m in client.models.list().data]
+        assert model == str(run / "publish")  # the run's published folder is what is served
+        done = client.completions.create(model=model, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                     "num_recurrences": 2})  # fmt: skip
+        choices = sorted(done.choices, key=lambda c: c.index)
+        served = [(c.prompt_token_ids, c.token_ids) for c in choices]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model, prompt=prompts[0], max_tokens=2,
+                                      extra_body={"num_recurrences": 3})  # fmt: skip
+        assert "num_recurrences=3: this engine serves num_recurrences=2" in str(refused.value)
+
+        tasks = tmp_path / "tasks"
+        tasks.mkdir()
+        _local_task(tasks)
+        lm_eval = subprocess.run(
+            [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "looped_toy_qa",
+             "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path / "lm_eval"),
+             "--model_args", f"model={model},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+                             f"tokenizer={model},num_concurrent=1,max_retries=1"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert lm_eval.returncode == 0, lm_eval.stderr[-4000:]
+        assert "looped_toy_qa" in lm_eval.stdout and "acc" in lm_eval.stdout, lm_eval.stdout[-2000:]
+    assert proc.returncode is not None  # stopped
+    text = log.read_text()
+    assert "[serve] VLLM_CPU_KVCACHE_SPACE=1 (GiB) for vLLM's KV cache" in text
+    assert all(len(tokens) == NEW_TOKENS for _, tokens in served)
+    python = reference_python()
+    if python is None:
+        pytest.skip("served checked; no interpreter here runs generate() for the reference")
+    job = dict(checkpoint=run / "publish", prompts=[ids for ids, _ in served], n=NEW_TOKENS, kwargs={})
+    [reference] = greedy_references_via(python, [job])
+    assert [tokens for tokens, _ in reference] == [tokens for _, tokens in served]

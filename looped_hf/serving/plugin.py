@@ -14,21 +14,33 @@ It makes three things known to vLLM:
   calls differently from ``generate()`` (see ``vllm_model``'s docstring): prefix caching and
   chunked prefill. It also adds the engine's request guard (below) to its logits processors.
 
-r and kv_budget are per engine. The one per-request channel that reaches vLLM's admission check is
-``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI request body): the CPU model runner never
-hands it to the model's forward, so a request cannot change r. A request that names
-``num_recurrences`` or ``kv_budget`` there is checked against the engine's by a logits processor
-whose ``validate_params`` runs at admission, and refused (HTTP 400 from the server) when they differ;
-its ``apply`` changes nothing. The engine's values are in the guard's name
-(``RecurrenceGuard_r3_k2``; k 0: no budget), made on demand by this module's ``__getattr__``, so
-vLLM can load it by name in every process.
+r and kv_budget are per engine, and a request that asks for another is refused, never served at the
+engine's r in silence. Two guards do it:
+
+- ``RequestGuard``, an ASGI middleware that ``looped-hf serve`` adds to vLLM's server
+  (``--middleware looped_hf.serving.plugin.RequestGuard``): it reads each POST body before vLLM
+  does and answers HTTP 400 when ``num_recurrences`` or ``kv_budget`` appears anywhere in it (the
+  top level, where the OpenAI client's ``extra_body`` lands and vLLM would ignore it; ``vllm_xargs``;
+  any nested object) with a value other than the engine's. Keys inside the user's data (prompts,
+  messages, JSON schemas, tool definitions) are not options and are not read.
+- a logits processor whose ``validate_params`` runs at admission, for the one per-request channel
+  that reaches the engine, ``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI body; the
+  offline ``vllm.LLM``): the CPU model runner never hands it to the model's forward, so it cannot
+  change r. Its ``apply`` changes nothing. The engine's values are in the guard's name
+  (``RecurrenceGuard_r3_k2``; k 0: no budget), made on demand by this module's ``__getattr__``, so
+  vLLM can load it by name in every process.
+
+A value equal to the engine's is accepted by both.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
+from collections.abc import Iterator
+from typing import Any
 
 from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
 
@@ -65,17 +77,118 @@ def guard_name(num_recurrences: int, kv_budget: int | None) -> str:
     return f"RecurrenceGuard_r{num_recurrences}_k{kv_budget or 0}"
 
 
+def refusal(field: str, value: Any, num_recurrences: int, kv_budget: int | None) -> str | None:
+    """Why a request that sets ``field`` (where it sits in the request, e.g. ``vllm_xargs.kv_budget``)
+    to ``value`` is refused by an engine at ``num_recurrences`` / ``kv_budget``; None when ``value``
+    is the engine's own (an integer equal to it, or null for an engine without a budget)."""
+    engine = {"num_recurrences": num_recurrences, "kv_budget": kv_budget}[field.rsplit(".", 1)[-1]]
+    same = value is None if engine is None else type(value) is int and value == engine
+    if same:
+        return None
+    return (
+        f"{field}={value!r}: this engine serves num_recurrences={num_recurrences}, kv_budget={kv_budget}; both "
+        "are set per engine (hf_overrides, looped-hf serve --num-recurrences / --kv-budget), not per request"
+    )
+
+
 def check_request(extra_args: dict | None, num_recurrences: int, kv_budget: int | None) -> None:
     """Raise ``ValueError`` when a request's ``extra_args`` ask for an r or kv_budget other than the
     engine's (a value equal to the engine's is accepted)."""
-    engine = {"num_recurrences": num_recurrences, "kv_budget": kv_budget}
     for key in REQUEST_KEYS:
-        if extra_args and key in extra_args and extra_args[key] != engine[key]:
-            raise ValueError(
-                f"{key}={extra_args[key]!r}: this engine serves num_recurrences={num_recurrences}, "
-                f"kv_budget={kv_budget}; both are set per engine (hf_overrides, looped-hf serve "
-                "--num-recurrences / --kv-budget), not per request"
-            )
+        if extra_args and key in extra_args:
+            why = refusal(key, extra_args[key], num_recurrences, kv_budget)
+            if why:
+                raise ValueError(why)
+
+
+# Fields whose keys are the user's data, not options: a JSON schema may well have a property named
+# num_recurrences, and a message's content is text.
+DATA_FIELDS = frozenset(
+    {"prompt", "messages", "input", "suffix", "response_format", "structured_outputs", "guided_json", "tools",
+     "tool_choice", "logit_bias", "chat_template", "documents"}
+)  # fmt: skip
+
+
+def named_settings(body: Any, where: str = "") -> Iterator[tuple[str, Any]]:
+    """Every ``(path, value)`` in a JSON request body whose key is ``num_recurrences`` or
+    ``kv_budget``, at any depth (``vllm_xargs.num_recurrences``, ``extra_body.kv_budget``, ...),
+    outside ``DATA_FIELDS``."""
+    if isinstance(body, dict):
+        for key, value in body.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key in REQUEST_KEYS:
+                yield path, value
+            elif key not in DATA_FIELDS:
+                yield from named_settings(value, path)
+    elif isinstance(body, list):
+        for i, value in enumerate(body):
+            yield from named_settings(value, f"{where}[{i}]")
+
+
+def body_refusal(body: bytes, num_recurrences: int, kv_budget: int | None) -> tuple[str, str] | None:
+    """``(field, why)`` for the first setting in a request body that the engine cannot honour,
+    else None (also for a body that is not JSON: vLLM answers that itself)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    for path, value in named_settings(parsed):
+        why = refusal(path, value, num_recurrences, kv_budget)
+        if why:
+            return path, why
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware for vLLM's OpenAI server (``--middleware looped_hf.serving.plugin.RequestGuard``):
+    a POST whose JSON body names ``num_recurrences`` or ``kv_budget`` with a value other than the
+    engine's is answered HTTP 400 in vLLM's error format, naming the field and the value. vLLM
+    itself drops unknown top-level fields with a debug log line, so without this a request for
+    r = 8 would be served at the engine's r.
+
+    The engine's r and kv_budget are read from the served config (``app.state.vllm_config``, set by
+    vLLM before it serves requests), so the middleware takes no arguments and works under any
+    vLLM server start-up."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def _engine(self, scope: dict) -> tuple[int, int | None] | None:
+        vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+        config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        if config is None or not hasattr(config, "num_recurrences"):
+            return None
+        return config.num_recurrences, config.kv_budget
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        engine = self._engine(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        if engine is None:
+            await self.app(scope, receive, send)
+            return
+        # The whole body is read here, then replayed to vLLM message by message.
+        messages, body = [], b""
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        refused = body_refusal(body, *engine)
+        if refused is not None:
+            field, why = refused
+            payload = json.dumps({"error": {"message": why, "type": "BadRequestError", "param": field, "code": 400}})
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": payload.encode()})
+            return
+        pending = iter(messages)
+
+        async def replay() -> dict:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
 
 
 @functools.cache
