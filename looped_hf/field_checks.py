@@ -141,6 +141,8 @@ def check_value(name: str, value: Any, field: dataclasses.Field, annotation: Any
         raise bad(_why(err)) from None
     if checked is None:
         return None  # "unset": the type says whether a field may be
+    if isinstance(value, bool) and not isinstance(checked, bool):  # lax pydantic reads true as 1
+        raise bad("must not be a boolean")
     if type(value) is int and type(checked) is float and checked == value:
         checked = value  # 0 stays 0 where a number is asked, as TrainingArguments' own defaults
     rule = field.metadata.get("validator")
