@@ -1,30 +1,37 @@
 """Recipes: the dataclasses a training run is made of, and YAML loading with validation.
 
-A recipe is one flat YAML mapping whose keys are the fields of three dataclasses, parsed with
-`transformers.HfArgumentParser` (the same convention as TRL / alignment-handbook recipes):
+A recipe is one flat YAML mapping (the same convention as TRL / alignment-handbook recipes) whose
+keys are the fields of:
 
-- `ModelArguments` (below): the `LoopedConfig` fields a recipe chooses; vocabulary size and
-  special tokens come from the tokenizer; `max_position_embeddings` is at least 2048 (not tied to `seq_len`).
+- `LoopedConfig`: the model. A recipe sets any of its fields but the ones the tokenizer gives
+  (vocabulary size, special tokens) and the ones loading derives; each keeps the config's default
+  when the recipe leaves it out, and the config validates them (`ModelArguments` carries the
+  model section to it). `max_position_embeddings` left out is max(seq_len, 2048), and
+  `num_attention_heads` left out with a `head_dim` given is hidden_size // head_dim.
 - `looped_hf.data.DataArguments`: corpus, tokenizer, `seq_len`, held-out split.
 - `LoopedTrainingArguments` (below): `transformers.TrainingArguments` plus the study's optimizer,
   schedule and a training length in tokens or FLOPs.
 
-Command-line flags (`--num_recurrences 8`) override the file. Every value is checked for its
-field's type, range and choices (`looped_hf.field_checks`: one table) before
-any dataclass is built, then the dataclasses check how fields go together. An unknown key, a
-value of the wrong kind or range, or a budget that cannot buy one optimizer step fails before
-any training with one line that names the recipe field and its value (and the file's line);
-`looped-hf train RECIPE --check` runs every check and trains nothing.
+Command-line flags (`--num_recurrences 8`) override the file. A data or training value is checked
+against its field's declarations (type, ``metadata["validator"]``, ``metadata["choices"]``:
+`looped_hf.field_checks`), a model value by `LoopedConfig` itself; then the dataclasses check how
+fields go together. An unknown key, a value of the wrong kind or range, or a budget that cannot
+buy one optimizer step fails before any training with one line that names the recipe field and
+its value (and the file's line); `looped-hf train RECIPE --check` runs every check and trains
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import functools
 import math
 import os
+import re
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,21 +39,29 @@ from typing import Any
 
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-from looped_hf.configuration_looped import INIT_SCHEMES, QK_NORMS, LoopedConfig
+from looped_hf.configuration_looped import LoopedConfig, field_choices
 from looped_hf.field_checks import (
-    FIELD_LIMITS,
-    TYPE_OVERRIDES,
-    Limit,
+    AT_LEAST_0,
+    AT_LEAST_1,
+    NON_NEGATIVE,
+    POSITIVE,
+    SEED,
+    UNIT,
     RecipeError,
-    _field_types,
-    _from_text,
-    _show,
+    below_one,
     check_declared_fields,
     check_value,
-    declared_choices,
+    declared_fields,
+    names_dir,
+    names_file,
+    non_empty,
+    show,
+    steps_or_unset,
 )
 from looped_hf.fileio import first_line, yaml_load
+from looped_hf.recurrence import RECURRENCE_SAMPLINGS
 
 OPTIMIZERS = ("adamw", "muon", "muonh")
 LR_SCALINGS = ("hyperp", "none")
@@ -63,6 +78,16 @@ LR_SCHEDULES = ("study", "trainer")
 LENGTH_FIELDS = ("max_steps", "train_tokens", "train_flops_budget")
 # How a token target becomes whole optimizer steps (`steps_for_tokens`): up = ceil, nearest = round.
 STEPS_ROUNDINGS = ("up", "nearest")
+# LoopedConfig fields a recipe does not set: the tokenizer gives the vocabulary and the special
+# tokens, loading sets looped_format, num_hidden_layers is derived, and rope_parameters is a
+# mapping the flat recipe format leaves at the config's default.
+NOT_RECIPE_FIELDS = frozenset(
+    {"vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "looped_format", "num_hidden_layers",
+     "rope_parameters"}
+)  # fmt: skip
+# YAML 1.2 floats: PyYAML (YAML 1.1) reads 1e-3 and 1.5e8 (no dot, or no sign in the exponent)
+# as strings; a recipe means the number.
+_YAML12_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)$")
 
 
 def _attention_functions() -> list[str]:
@@ -78,92 +103,53 @@ def _known_attention(name: str) -> bool:
     return name in ("auto", "eager") or name in _attention_functions() or "/" in name.strip("/")
 
 
+ATTN_HELP = (
+    "Attention kernel. None / auto: the study's rule (FlashAttention-3 on Hopper, -2 on Ampere/Ada, -4 on "
+    "Blackwell when installed, else sdpa), logged and kept in the run record; or a transformers name (eager, "
+    "sdpa, flash_attention_2, ...) or a hub kernel (org/repo), used as given."
+)
+
+
+@functools.cache
+def model_fields() -> dict[str, dataclasses.Field]:
+    """The `LoopedConfig` fields a recipe sets: the config's own, less `NOT_RECIPE_FIELDS` and any
+    name a data or training field owns (TrainingArguments' use_cache)."""
+    others = {name for dtype in (_data_arguments_class(), LoopedTrainingArguments) for name in declared_fields(dtype)}
+    own = set(LoopedConfig.__annotations__) - NOT_RECIPE_FIELDS - others
+    return {f.name: f for f in dataclasses.fields(LoopedConfig) if f.name in own}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class ModelArguments:
-    """The model half of a recipe: `LoopedConfig` fields (see that class for their meaning).
+    """The model section of a recipe: the `LoopedConfig` fields it sets (`settings`; every other
+    field keeps the config's default), and the attention kernel, which is not a config field.
 
     `vocab_size`, `bos/eos/pad_token_id` come from the tokenizer, so a recipe cannot contradict
     its own data; `max_position_embeddings` defaults to max(seq_len, 2048).
     """
 
-    hidden_size: int = field(default=64, metadata={"help": "Width d (residual stream)."})
-    num_attention_heads: int | None = field(
-        default=None, metadata={"help": "Query heads; None = hidden_size // head_dim."}
-    )
-    head_dim: int | None = field(
-        default=None, metadata={"help": "Per-head width; None = hidden_size // heads."}
-    )
-    num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads (GQA); None = heads."})
-    intermediate_size: int | None = field(default=None, metadata={"help": "MLP width; None = 4d (relu2)."})
-    hidden_act: str = field(
-        default="relu2", metadata={"help": "relu2 (study), silu, gelu, gelu_pytorch_tanh."}
-    )
-    num_prelude_layers: int = field(default=2, metadata={"help": "P: unique layers before the loop."})
-    num_recurrent_layers: int = field(default=4, metadata={"help": "K: layers of the shared block."})
-    num_coda_layers: int = field(default=2, metadata={"help": "C: unique layers after the loop."})
-    num_recurrences: int = field(default=4, metadata={"help": "r: passes through the block."})
-    input_injection: str = field(default="linear", metadata={"help": "linear, add, none, hyperconnection."})
-    num_hyperconnection_lanes: int = field(default=2, metadata={"help": "Lanes for hyperconnection."})
-    state_init: str | None = field(
-        default=None, metadata={"help": "h_0: prelude, zeros, noise; None = the study's (0 for add, else e)."}
-    )
-    backprop_recurrences: int | None = field(
-        default=None, metadata={"help": "k: backprop through the last k recurrences only; None = all."}
-    )
-    recurrence_norm: bool = field(default=True, metadata={"help": "RMSNorm after every recurrence."})
-    qk_norm: str = field(
-        default="after_rope",
-        metadata={"help": "after_rope (the study: parameter-free RMSNorm of q and k after RoPE), "
-                  "learnable_before_rope (looped_hf 0.1.0's learnable per-head scale), or none. "
-                  "true / false are read as after_rope / none."},
-    )  # fmt: skip
-    init_scheme: str = field(
-        default="hf",
-        metadata={"choices": INIT_SCHEMES, "help": "hf: transformers' normal(0, initializer_range); study: the study's init "
-                  "(embedding N(0,1), lm_head N(0,0.001), uniform 1/sqrt(fan-in) matrices)."},
-    )  # fmt: skip
-    logit_softcap: float | None = field(default=15.0, metadata={"help": "tanh soft-cap of the logits."})
-    embedding_norm: bool = field(default=True, metadata={"help": "RMSNorm after the embedding."})
-    tie_word_embeddings: bool = field(default=False, metadata={"help": "Share embedding and lm_head."})
-    initializer_range: float = field(default=0.02, metadata={"help": "Std of the normal weight init."})
-    max_position_embeddings: int | None = field(
-        default=None, metadata={"help": "None = max(seq_len, 2048), LoopedConfig's default."}
-    )
-    pad_vocab_size_to_multiple_of: int = field(
-        default=1,
-        metadata={"help": "Embedding and head rows: the vocabulary rounded up to this multiple (the study: 64; "
-                  "logits keep vocab_size columns; the padded head rows count in the FLOPs). 1: no padding."},
-    )  # fmt: skip
-    rope_table_dtype: str | None = field(
-        default=None,
-        metadata={
-            "help": "None: full-precision rotary tables; bfloat16: rounded to bf16, as the study's model."
-        },
-    )
-
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "Attention kernel. None / auto: the study's rule (FlashAttention-3 on Hopper, -2 on "
-                  "Ampere/Ada, -4 on Blackwell when installed, else sdpa), logged and kept in the run "
-                  "record; or a transformers name (eager, sdpa, flash_attention_2, ...) or a hub kernel "
-                  "(org/repo), used as given."},
-    )  # fmt: skip
+    settings: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: str | None = None
 
     def __post_init__(self) -> None:
-        if self.attn_implementation is not None and not _known_attention(self.attn_implementation):
+        for name in self.settings:
+            if name not in model_fields():
+                raise RecipeError(f"ModelArguments.settings: {name!r} is not a LoopedConfig field a recipe sets")
+        if self.attn_implementation is not None and not (
+            isinstance(self.attn_implementation, str) and _known_attention(self.attn_implementation)
+        ):
             raise RecipeError(
-                f"ModelArguments.attn_implementation={self.attn_implementation!r}: must be auto, eager, one of "
-                f"transformers' attention functions ({', '.join(_attention_functions())}) or a hub kernel org/repo"
+                f"attn_implementation={self.attn_implementation!r}: must be auto, eager, one of transformers' "
+                f"attention functions ({', '.join(_attention_functions())}) or a hub kernel org/repo"
             )
-        # Recipes written for looped_hf 0.1.0 say `qk_norm: true/false` (YAML booleans, or the
-        # strings a command-line flag gives): read them as the study's form / off.
-        if isinstance(self.qk_norm, bool) or str(self.qk_norm).lower() in ("true", "false"):
-            self.qk_norm = "after_rope" if str(self.qk_norm).lower() == "true" else "none"
-        if self.qk_norm not in QK_NORMS:
-            raise RecipeError(
-                f"ModelArguments.qk_norm={self.qk_norm!r}: must be one of {QK_NORMS} (or true/false)"
-            )
-        check_declared_fields(self)
+
+    def replace(self, **settings: Any) -> ModelArguments:
+        """These arguments with `settings` changed (a sweep's run: its width, r, ...)."""
+        return ModelArguments({**self.settings, **settings}, self.attn_implementation)
 
     def to_config(
         self,
@@ -175,60 +161,41 @@ class ModelArguments:
         pad_token_id: int | None = None,
     ) -> LoopedConfig:
         """Build the `LoopedConfig`; its own validation errors name the offending field."""
-        heads, head_dim = self.num_attention_heads, self.head_dim
-        if heads is None:
-            if head_dim is None:
-                raise RecipeError(
-                    "ModelArguments.num_attention_heads=None: give num_attention_heads or head_dim"
-                )
-            if self.hidden_size % head_dim:
-                raise RecipeError(
-                    f"ModelArguments.head_dim={head_dim}: does not divide hidden_size={self.hidden_size}"
-                )
-            heads = self.hidden_size // head_dim
+        kwargs = dict(self.settings)
+        head_dim = kwargs.get("head_dim")
+        if kwargs.get("num_attention_heads") is None and _is_int(head_dim) and head_dim > 0:
+            hidden = kwargs.get("hidden_size", model_fields()["hidden_size"].default)
+            if _is_int(hidden) and hidden % head_dim:
+                raise RecipeError(f"LoopedConfig.head_dim={head_dim}: does not divide hidden_size={hidden}")
+            if _is_int(hidden):
+                kwargs["num_attention_heads"] = hidden // head_dim
         # Not the training seq_len: RoPE has no learned table, and lm-eval / pipelines truncate every
         # context to max_position_embeddings, so a model trained on 64-token blocks would accept
         # only 64 tokens. LoopedConfig's default (2048) unless the data is longer.
-        max_pos = self.max_position_embeddings or max(seq_len, LoopedConfig.max_position_embeddings)
-        if max_pos < seq_len:
-            raise RecipeError(
-                f"ModelArguments.max_position_embeddings={max_pos}: smaller than seq_len={seq_len}"
-            )
+        max_pos = kwargs.get("max_position_embeddings")
+        if max_pos is None:
+            kwargs["max_position_embeddings"] = max(seq_len, model_fields()["max_position_embeddings"].default)
+        elif _is_int(max_pos) and max_pos < seq_len:
+            raise RecipeError(f"LoopedConfig.max_position_embeddings={max_pos}: smaller than seq_len={seq_len}")
         try:
             return LoopedConfig(
                 vocab_size=vocab_size,
-                hidden_size=self.hidden_size,
-                num_attention_heads=heads,
-                head_dim=head_dim,
-                num_key_value_heads=self.num_key_value_heads,
-                intermediate_size=self.intermediate_size,
-                hidden_act=self.hidden_act,
-                max_position_embeddings=max_pos,
-                num_prelude_layers=self.num_prelude_layers,
-                num_recurrent_layers=self.num_recurrent_layers,
-                num_coda_layers=self.num_coda_layers,
-                num_recurrences=self.num_recurrences,
-                input_injection=self.input_injection,
-                num_hyperconnection_lanes=self.num_hyperconnection_lanes,
-                state_init=self.state_init,
-                backprop_recurrences=self.backprop_recurrences,
-                recurrence_norm=self.recurrence_norm,
-                qk_norm=self.qk_norm,
-                init_scheme=self.init_scheme,
-                logit_softcap=self.logit_softcap,
-                embedding_norm=self.embedding_norm,
-                tie_word_embeddings=self.tie_word_embeddings,
-                initializer_range=self.initializer_range,
-                pad_vocab_size_to_multiple_of=self.pad_vocab_size_to_multiple_of,
-                rope_table_dtype=self.rope_table_dtype,
                 bos_token_id=bos_token_id,
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
+                **kwargs,
             )
-        except ValueError as err:
-            if isinstance(err, RecipeError):
-                raise
-            raise RecipeError(str(err)) from err
+        except (TypeError, ValueError, OverflowError) as err:
+            raise RecipeError(first_line(err)) from err
+
+
+def _declare(name: str, **metadata: Any) -> Any:
+    """A TrainingArguments field declared again with its rule (``validator``, ``choices``): its
+    default and help stay transformers'."""
+    parent = TrainingArguments.__dataclass_fields__[name]
+    if parent.default_factory is not dataclasses.MISSING:
+        return field(default_factory=parent.default_factory, metadata={**parent.metadata, **metadata})
+    return field(default=parent.default, metadata={**parent.metadata, **metadata})
 
 
 @dataclass
@@ -240,17 +207,66 @@ class LoopedTrainingArguments(TrainingArguments):
     Give at most one of `max_steps`, `train_tokens`, `train_flops_budget`.
     """
 
-    output_dir: str | None = field(default="runs/looped", metadata={"help": "The run directory."})
+    # TrainingArguments' fields that a recipe gets wrong most easily, declared again with their
+    # rule (`_declare`: transformers' default and help), so --check and --help read it here.
+    max_steps: int = _declare("max_steps", validator=steps_or_unset)
+    num_train_epochs: float = _declare("num_train_epochs", validator=POSITIVE)
+    per_device_train_batch_size: int = _declare("per_device_train_batch_size", validator=AT_LEAST_1)
+    per_device_eval_batch_size: int = _declare("per_device_eval_batch_size", validator=AT_LEAST_1)
+    gradient_accumulation_steps: int = _declare("gradient_accumulation_steps", validator=AT_LEAST_1)
+    eval_accumulation_steps: int | None = _declare("eval_accumulation_steps", validator=AT_LEAST_1)
+    learning_rate: float = _declare("learning_rate", validator=POSITIVE)
+    weight_decay: float = _declare("weight_decay", validator=NON_NEGATIVE)
+    max_grad_norm: float = _declare("max_grad_norm", validator=NON_NEGATIVE)
+    label_smoothing_factor: float = _declare("label_smoothing_factor", validator=below_one)
+    warmup_steps: float = _declare("warmup_steps", validator=NON_NEGATIVE)
+    neftune_noise_alpha: float | None = _declare("neftune_noise_alpha", validator=POSITIVE)
+    logging_steps: float = _declare("logging_steps", validator=POSITIVE)
+    save_steps: float = _declare("save_steps", validator=POSITIVE)
+    eval_steps: float | None = _declare("eval_steps", validator=POSITIVE)
+    eval_delay: float = _declare("eval_delay", validator=NON_NEGATIVE)
+    save_total_limit: int | None = _declare("save_total_limit", validator=AT_LEAST_0)
+    torch_empty_cache_steps: int | None = _declare("torch_empty_cache_steps", validator=AT_LEAST_1)
+    seed: int = _declare("seed", validator=SEED)
+    data_seed: int | None = _declare("data_seed", validator=SEED)
+    dataloader_num_workers: int = _declare("dataloader_num_workers", validator=AT_LEAST_0)
+    dataloader_prefetch_factor: int | None = _declare("dataloader_prefetch_factor", validator=AT_LEAST_1)
+    ddp_timeout: int = _declare("ddp_timeout", validator=AT_LEAST_1)
+    ddp_bucket_cap_mb: int | None = _declare("ddp_bucket_cap_mb", validator=AT_LEAST_1)
+    run_name: str | None = _declare("run_name", validator=non_empty)
+    resume_from_checkpoint: str | None = _declare("resume_from_checkpoint", validator=names_dir)
+    # A string names a JSON file that transformers opens.
+    accelerator_config: dict | str | None = _declare("accelerator_config", validator=names_file)
+    deepspeed: dict | str | None = _declare("deepspeed", validator=names_file)
+    fsdp_config: dict[str, Any] | str | None = _declare("fsdp_config", validator=names_file)
+    # Choices transformers checks only once training starts; declared, they fail up front.
+    report_to: None | str | list[str] = _declare("report_to", choices=("all", "none", *sorted(INTEGRATION_TO_CALLBACK)))
+    include_num_input_tokens_seen: str | bool = _declare(
+        "include_num_input_tokens_seen", choices=("all", "non_padding", "no")
+    )
+    dataloader_multiprocessing_context: str | None = _declare(
+        "dataloader_multiprocessing_context", choices=("fork", "spawn", "forkserver")
+    )
+    torch_compile_mode: str | None = _declare(
+        "torch_compile_mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    )
+
+    output_dir: str | None = field(
+        default="runs/looped", metadata={"help": "The run directory.", "validator": non_empty}
+    )
     # Unset (None) until __post_init__ knows the optimizer: so a value the recipe writes, even
     # TrainingArguments' own 0.9, is told apart from one it leaves to the optimizer's default.
     adam_beta1: float | None = field(
-        default=None, metadata={"help": "AdamW beta1; unset: 0.9, the study's 0.8 under muonh."}
+        default=None,
+        metadata={"help": "AdamW beta1; unset: 0.9, the study's 0.8 under muonh.", "validator": below_one},
     )
     adam_beta2: float | None = field(
-        default=None, metadata={"help": "AdamW beta2; unset: 0.999, the study's 0.95 under muonh."}
+        default=None,
+        metadata={"help": "AdamW beta2; unset: 0.999, the study's 0.95 under muonh.", "validator": below_one},
     )
     adam_epsilon: float | None = field(
-        default=None, metadata={"help": "AdamW epsilon; unset: 1e-8, the study's 1e-10 under muonh."}
+        default=None,
+        metadata={"help": "AdamW epsilon; unset: 1e-8, the study's 1e-10 under muonh.", "validator": POSITIVE},
     )
     optimizer: str = field(
         default="adamw",
@@ -268,20 +284,20 @@ class LoopedTrainingArguments(TrainingArguments):
     muon_learning_rate: float = field(
         default=0.014,
         metadata={
-            "help": "Matrix lr of muon / muonh (the study's 0.014, scripts/base_train.py --matrix-lr)."
+            "validator": POSITIVE, "help": "Matrix lr of muon / muonh (the study's 0.014, scripts/base_train.py --matrix-lr)."
         },
     )
     embedding_learning_rate: float = field(
-        default=0.3, metadata={"help": "muonh: AdamW lr of the token embedding (the study's 0.3)."}
+        default=0.3, metadata={"validator": POSITIVE, "help": "muonh: AdamW lr of the token embedding (the study's 0.3)."}
     )
     lm_head_learning_rate: float = field(
-        default=0.004, metadata={"help": "muonh: AdamW lr of lm_head (the study's unembedding lr 0.004)."}
+        default=0.004, metadata={"validator": POSITIVE, "help": "muonh: AdamW lr of lm_head (the study's unembedding lr 0.004)."}
     )
     norm_learning_rate: float = field(
-        default=0.005, metadata={"help": "muonh: AdamW lr of every RMSNorm scale (the study's 0.005)."}
+        default=0.005, metadata={"validator": POSITIVE, "help": "muonh: AdamW lr of every RMSNorm scale (the study's 0.005)."}
     )
     hyperconnection_learning_rate: float = field(
-        default=0.01, metadata={"help": "AdamW lr of the hyperconnection mixing parameters (study: 0.01)."}
+        default=0.01, metadata={"validator": POSITIVE, "help": "AdamW lr of the hyperconnection mixing parameters (study: 0.01)."}
     )
     lr_scaling: str | None = field(
         default=None,
@@ -301,14 +317,14 @@ class LoopedTrainingArguments(TrainingArguments):
             "trainer: Trainer's own lr_scheduler_type."
         },
     )
-    final_lr_ratio: float = field(default=0.1, metadata={"help": "Last lr / peak lr for the study schedule."})
+    final_lr_ratio: float = field(default=0.1, metadata={"validator": UNIT, "help": "Last lr / peak lr for the study schedule."})
     train_tokens: int | None = field(
-        default=None, metadata={"help": "Train for ceil(train_tokens / tokens_per_step) optimizer steps."}
+        default=None, metadata={"validator": AT_LEAST_1, "help": "Train for ceil(train_tokens / tokens_per_step) optimizer steps."}
     )
     train_flops_budget: float | None = field(
         default=None,
         metadata={
-            "help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."
+            "validator": POSITIVE, "help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."
         },
     )
     train_steps_rounding: str = field(
@@ -322,28 +338,28 @@ class LoopedTrainingArguments(TrainingArguments):
     torch_num_threads: int | None = field(
         default=None,
         metadata={
-            "help": "CPU threads for torch (None: torch's default). On a small or shared CPU, 1 avoids "
+            "validator": AT_LEAST_1, "help": "CPU threads for torch (None: torch's default). On a small or shared CPU, 1 avoids "
             "OpenMP oversubscription, which slows tiny models several-fold."
         },
     )
     peak_flops: float | None = field(
         default=None,
         metadata={
-            "help": "Dense bf16 peak of one training device in FLOP/s, for the MFU the run logs (e.g. 989e12 for "
+            "validator": POSITIVE, "help": "Dense bf16 peak of one training device in FLOP/s, for the MFU the run logs (e.g. 989e12 for "
             "an H100 SXM). None: looped_hf.hardware's table by device name; a CPU or an unlisted GPU then logs "
             "tokens/s and model FLOPs/s but no MFU."
         },
     )
     run_id: str | None = field(
-        default=None, metadata={"help": "Name of the run (default: output_dir's name)."}
+        default=None, metadata={"validator": non_empty, "help": "Name of the run (default: output_dir's name)."}
     )
     arch: str | None = field(
-        default=None, metadata={"help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."}
+        default=None, metadata={"validator": non_empty, "help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."}
     )
     variant: str = field(
         default="base",
         metadata={
-            "help": "Sweep variant: base, truncated, hyperconnection; a run with a sampled r is 'sampled_r' "
+            "validator": non_empty, "help": "Sweep variant: base, truncated, hyperconnection; a run with a sampled r is 'sampled_r' "
             "(set for it when left at base) or any name containing 'sampled', so a fit never mixes it into "
             "a fixed-r sweep."
         },
@@ -351,6 +367,7 @@ class LoopedTrainingArguments(TrainingArguments):
     recurrence_sampling: str = field(
         default="fixed",
         metadata={
+            "choices": RECURRENCE_SAMPLINGS,
             "help": "fixed: every step runs num_recurrences. poisson_lognormal: Huginn's scheme "
             "(looped_hf.recurrence): each optimizer step runs r = 1 + Poisson(LogNormal(log(num_recurrences - 1) "
             "- 1/8, 1/2)), mean num_recurrences, the same r on every process and micro-batch of the step "
@@ -359,12 +376,12 @@ class LoopedTrainingArguments(TrainingArguments):
         },
     )
     results_file: str | None = field(
-        default=None, metadata={"help": "Also append the run record to this JSONL file (atomic, locked)."}
+        default=None, metadata={"validator": non_empty, "help": "Also append the run record to this JSONL file (atomic, locked)."}
     )
 
     def __post_init__(self):
-        # Types, ranges and choices: the one table (FIELD_LIMITS, field_choices) that recipes are
-        # checked against too; below only how the fields go together.
+        # Types, ranges and choices: the fields' declarations, which recipes are checked against
+        # too; below only how the fields go together.
         check_declared_fields(self)
         self._check_optimizer_fields()
         self._check_recurrence_sampling()
@@ -424,22 +441,6 @@ class LoopedTrainingArguments(TrainingArguments):
             )
 
 
-@functools.cache
-def field_choices() -> dict[str, tuple[str, ...]]:
-    """The strings each choice field of a recipe takes (`field_checks.declared_choices` of the
-    three dataclasses)."""
-    return declared_choices(ModelArguments, _data_arguments_class(), LoopedTrainingArguments)
-
-
-def recipe_field_types() -> dict[str, Any]:
-    """Every field a recipe may set, with its type annotation (model, data, training)."""
-    out: dict[str, Any] = {}
-    for dtype in (ModelArguments, _data_arguments_class(), LoopedTrainingArguments):
-        out.update(_field_types(dtype))
-    out.update(TYPE_OVERRIDES)
-    return out
-
-
 def yaml_key_lines(path: str | os.PathLike, text: str | None = None) -> dict[str, int]:
     """Line (1-based) of each top-level key of a YAML mapping file, for error messages (`text`:
     the file's text, when already read)."""
@@ -459,7 +460,80 @@ def _data_arguments_class() -> type:
     return DataArguments
 
 
+def _flag_value(text: str) -> Any:
+    """A model flag's value as a recipe file would give it (8, true, null, silu, 1e-3): the flag
+    carries it to `LoopedConfig` unchanged, which checks it against the field's type."""
+    try:
+        return _yaml12(yaml.safe_load(text))
+    except yaml.YAMLError:
+        return text
+
+
+def _yaml12(value: Any) -> Any:
+    return float(value) if isinstance(value, str) and _YAML12_FLOAT.match(value.strip()) else value
+
+
+def _describe(rule: Any) -> str:
+    """A declared rule in words: an `Interval`'s description, else its docstring's first line."""
+    rules = rule if isinstance(rule, (list, tuple)) else [rule]
+    return "; ".join(r.describe() if hasattr(r, "describe") else (r.__doc__ or "").strip().splitlines()[0] for r in rules)
+
+
+@functools.cache
+def _config_docs() -> dict[str, str]:
+    """The first sentence of each field's entry in `LoopedConfig`'s docstring ("name[, name]:" then
+    its indented text), for --help."""
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    for line in (LoopedConfig.__doc__ or "").splitlines():
+        head = re.fullmatch(r"    ([a-z_]+(?:\s*[,/]\s*[a-z_]+)*):", line)
+        if head:
+            names = re.split(r"\s*[,/]\s*", head.group(1))
+        elif names and line.startswith("        "):
+            for name in names:
+                docs[name] = f"{docs.get(name, '')} {line.strip().replace('``', '')}".strip()
+        elif line.strip():
+            names = []
+    return {name: text.split(". ")[0].rstrip(".") + "." for name, text in docs.items()}
+
+
+def _model_help(name: str, f: dataclasses.Field, annotation: Any) -> str:
+    """--help of a model flag, from `LoopedConfig`'s declaration: type, range or choices, default."""
+    choices = [c for c in field_choices(annotation) if c is not None]
+    rule = f.metadata.get("validator")
+    kind = f"one of {', '.join(map(str, choices))}" if choices else _describe(rule) if rule else ""
+    default = f.default if f.default is not dataclasses.MISSING else None
+    return " ".join(p for p in (kind and f"{kind};", f"default {default}.", _config_docs().get(name, "")) if p)
+
+
 class _RecipeParser(HfArgumentParser):
+    """`HfArgumentParser` over the data and training dataclasses, plus one flag per `LoopedConfig`
+    field a recipe sets, whose value goes to the config as given (it checks it)."""
+
+    def __init__(self) -> None:
+        super().__init__((_data_arguments_class(), LoopedTrainingArguments))
+        group = self.add_argument_group("model: LoopedConfig's fields (looped_hf.LoopedConfig)")
+        for name, f in model_fields().items():
+            flags = [f"--{name}", *([f"--{name.replace('_', '-')}"] if "_" in name else [])]
+            kwargs: dict[str, Any] = {"type": _flag_value, "default": argparse.SUPPRESS, "metavar": name.upper()}
+            if f.type is bool:
+                kwargs.update(nargs="?", const=True)
+                if f.default is True:  # HfArgumentParser's convention for a boolean that defaults to true
+                    group.add_argument(f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS)
+            group.add_argument(*flags, help=_model_help(name, f, f.type), **kwargs)
+        group.add_argument("--attn_implementation", type=str, default=argparse.SUPPRESS, help=ATTN_HELP)
+
+    @staticmethod
+    def _parse_dataclass_field(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+        # "validator" is huggingface_hub's metadata key, not an argparse keyword: shown in the help.
+        metadata = dict(f.metadata)
+        rule = metadata.pop("validator", None)
+        if rule is not None:
+            metadata["help"] = f"{metadata.get('help', '')} ({_describe(rule)})".strip()
+        clone = copy.copy(f)
+        clone.metadata = types.MappingProxyType(metadata)
+        HfArgumentParser._parse_dataclass_field(parser, clone)
+
     # argparse exits the process on a bad value; a library call should raise instead.
     def error(self, message: str):
         raise RecipeError(message)
@@ -467,7 +541,7 @@ class _RecipeParser(HfArgumentParser):
 
 def recipe_parser() -> HfArgumentParser:
     """The parser of a flat recipe: model, data and training fields (names must not collide)."""
-    return _RecipeParser((ModelArguments, _data_arguments_class(), LoopedTrainingArguments))
+    return _RecipeParser()
 
 
 def _blame(dtype: type, inputs: dict[str, Any], given: list[str], err: Exception) -> str:
@@ -481,20 +555,29 @@ def _blame(dtype: type, inputs: dict[str, Any], given: list[str], err: Exception
     for name in names:
         try:
             dtype(**{name: inputs[name]})
-        except (TypeError, ValueError, ImportError) as alone:
+        except (TypeError, ValueError, ImportError, OverflowError) as alone:
             if str(alone) == str(err):
-                return f"{name}={_show(inputs[name])}: {message}"
+                return f"{name}={show(inputs[name])}: {message}"
     return f"{message} (fields set: {', '.join(names)})"
 
 
 @functools.cache
 def _shared_parser() -> HfArgumentParser:
-    # Building the parser of ~190 fields takes ~25 ms; `parse_recipe` only reads it.
+    # Building the parser of ~230 fields takes ~25 ms; `parse_recipe` only reads it.
     return recipe_parser()
 
 
-def _known_fields(parser: HfArgumentParser) -> set[str]:
-    return {f.name for dtype in parser.dataclass_types for f in dataclasses.fields(dtype) if f.init}
+@functools.cache
+def _declared() -> dict[str, tuple[dataclasses.Field, Any]]:
+    """The data and training fields with their annotations (what `check_value` reads)."""
+    return {**declared_fields(_data_arguments_class()), **declared_fields(LoopedTrainingArguments)}
+
+
+def recipe_field_types() -> dict[str, Any]:
+    """Every field a recipe may set, with its type annotation (model, data, training)."""
+    # LoopedConfig's annotations are objects already (its module has no postponed annotations).
+    return {**{name: f.type for name, f in model_fields().items()}, "attn_implementation": str | None,
+            **{name: annotation for name, (_, annotation) in _declared().items()}}  # fmt: skip
 
 
 def read_recipe_text(path: str | os.PathLike, what: str = "recipe") -> str:
@@ -529,7 +612,7 @@ def load_yaml(path: str | os.PathLike, what: str = "recipe", text: str | None = 
         raise RecipeError(
             f"{what} {str(path)!r}: must be a YAML mapping of field: value, got {type(data).__name__}"
         )
-    return data
+    return {key: _yaml12(value) for key, value in data.items()}
 
 
 def check_fields(data: dict[str, Any], known: set[str], where: str) -> None:
@@ -560,15 +643,17 @@ def parse_recipe(
 ) -> tuple[ModelArguments, Any, LoopedTrainingArguments]:
     """Parse a recipe (YAML path or mapping) with command-line overrides into the three dataclasses.
 
-    Values from the file become the parser's defaults, so flags given in `argv` win. Every value
-    the file or a flag gives is checked for its field's type and range (`check_value`) before any
-    dataclass is built; then the dataclasses check how the fields go together. Raises
-    `RecipeError` with one line naming the field and the value. `where` and `lines` (field ->
-    line) say where a mapping came from, for those messages (a sweep passes its file's).
+    Values from the file become the parser's defaults, so flags given in `argv` win. Every data
+    and training value the file or a flag gives is checked against its field's declarations
+    (`check_value`) before any dataclass is built; the model's values are checked by building a
+    `LoopedConfig`. Raises `RecipeError` with one line naming the field and the value. `where`
+    and `lines` (field -> line) say where a mapping came from, for those messages (a sweep passes
+    its file's).
     """
     argv = list(argv or [])
     parser = _shared_parser()
-    known = _known_fields(parser)
+    declared = _declared()
+    known = {*declared, *model_fields(), "attn_implementation"}
     if recipe is None:
         data, label = {}, "recipe"
     elif isinstance(recipe, dict):
@@ -584,17 +669,20 @@ def parse_recipe(
             "(`looped-hf sweep RECIPE --dry-run` checks it and prints its plan)"
         )
     check_fields(data, known, where)
-    overridden = _flag_names(argv)
+    overridden = _flag_names(argv) & known
     if overridden & set(LENGTH_FIELDS):
         for name in LENGTH_FIELDS:
             if name not in overridden:
                 data.pop(name, None)
-    types_ = recipe_field_types()
+
+    def origin(name: str) -> str:
+        if name in overridden:  # a flag replaces the file's value: only the flag's is checked
+            return f"{where}: flag --{name}" if recipe is not None else f"flag --{name}"
+        return f"{where}, line {lines[name]}" if name in lines else where
+
     for name in list(data):
-        if name not in overridden:  # a flag replaces the file's value: only the flag's is checked
-            origin = f"{where}, line {lines[name]}" if name in lines else where
-            value = _from_text(data[name], types_[name])
-            data[name] = check_value(name, value, types_[name], origin, choices=field_choices())
+        if name in declared and name not in overridden:
+            data[name] = check_value(name, data[name], *declared[name], origin(name))
     try:
         # The file's values, already checked, are the namespace argparse starts from: it fills in
         # the defaults of the fields the file does not set and converts the flags to their types.
@@ -605,11 +693,10 @@ def parse_recipe(
     if rest:
         raise RecipeError(f"{where}: unknown command-line arguments {rest}")
     values = vars(namespace)
-    for name in sorted(overridden & known):
-        origin = f"{where}: flag --{name}" if recipe is not None else f"flag --{name}"
-        values[name] = check_value(name, values[name], types_[name], origin, choices=field_choices())
+    for name in sorted(overridden & set(declared)):
+        values[name] = check_value(name, values[name], *declared[name], origin(name))
     outputs = []
-    given = [*data, *sorted(overridden & known - set(data))]
+    given = [*data, *sorted(overridden - set(data))]
     for dtype in parser.dataclass_types:
         names = {f.name for f in dataclasses.fields(dtype) if f.init}
         inputs = {k: v for k, v in values.items() if k in names}
@@ -617,17 +704,31 @@ def parse_recipe(
             outputs.append(dtype(**inputs))
         except RecipeError:
             raise
-        except (TypeError, ValueError, ImportError) as err:  # ImportError: deepspeed, fsdp, ... not installed
+        except (TypeError, ValueError, ImportError, OverflowError) as err:  # ImportError: deepspeed, ... not installed
             raise RecipeError(f"{where}: {_blame(dtype, inputs, given, err)}") from err
-    model_args, data_args, training_args = outputs
+    data_args, training_args = outputs
+    # The model section goes to LoopedConfig as the recipe gives it: building one now (with the
+    # default vocabulary; the run's comes from the tokenizer) checks every model value.
+    try:
+        model_args = ModelArguments(
+            {k: v for k, v in values.items() if k in model_fields()}, values.get("attn_implementation")
+        )
+        model_args.to_config(LoopedConfig.__dataclass_fields__["vocab_size"].default, data_args.seq_len)
+    except RecipeError as err:
+        named = re.match(r"(?:LoopedConfig\.)?(\w+)=", str(err))
+        raise RecipeError(f"{origin(named.group(1)) if named else where}: {err}") from None
     return model_args, data_args, training_args
 
 
 def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArguments) -> dict[str, Any]:
-    """A flat mapping that `parse_recipe` turns back into the same run: every model and data field,
-    and the training fields that differ from their defaults (TrainingArguments has ~150)."""
-    out: dict[str, Any] = {}
-    for obj in (model_args, data_args):
+    """A flat mapping that `parse_recipe` turns back into the same run: every model field as the
+    built config has it (so a later change of a LoopedConfig default cannot change the rerun),
+    every data field, and the training fields that differ from their defaults (TrainingArguments
+    has ~150)."""
+    config = model_args.to_config(LoopedConfig.__dataclass_fields__["vocab_size"].default, data_args.seq_len)
+    out: dict[str, Any] = {name: _plain(getattr(config, name)) for name in model_fields()}
+    out["attn_implementation"] = model_args.attn_implementation
+    for obj in (data_args,):
         for f in dataclasses.fields(obj):
             if f.init:
                 out[f.name] = _plain(getattr(obj, f.name))
@@ -718,17 +819,14 @@ def steps_for_tokens(
 
 
 __all__ = [
-    "FIELD_LIMITS",
     "LENGTH_FIELDS",
-    "Limit",
     "ModelArguments",
     "LoopedTrainingArguments",
     "RecipeError",
     "check_fields",
     "check_declared_fields",
-    "check_value",
-    "field_choices",
     "load_yaml",
+    "model_fields",
     "read_recipe_text",
     "parse_recipe",
     "recipe_field_types",

@@ -100,6 +100,8 @@ class Interval:
     def __call__(self, value: Any) -> None:
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             return  # the type check names a wrong type
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ValueError("is too large: integers must fit 64 bits (torch sizes, numpy seeds)")
         # NaN fails every comparison, so each test says what is inside, never what is outside.
         inside = math.isfinite(value) and (self.low is None or (value > self.low if self.low_open else value >= self.low))
         if not (inside and (self.high is None or value <= self.high)):
@@ -406,7 +408,7 @@ class LoopedConfig(PreTrainedConfig):
     kv_budget: int | None = at_least(1, why="None: every recurrence keeps its KV cache")(default=None)
     max_recurrences: int | None = at_least(1)(default=None)
     exit_criterion: Literal[EXIT_CRITERIA + ("none",)] | None = None
-    exit_threshold: int | float | None = None
+    exit_threshold: int | float | None = interval(None, None)(default=None)  # its range depends on the criterion
     min_recurrences: int = at_least(1)(default=1)
     num_hidden_layers: int | None = None
     looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT

@@ -362,7 +362,7 @@ def resolve_run(
             )
         if config.num_recurrences < 2:
             raise RecipeError(
-                f"ModelArguments.num_recurrences={config.num_recurrences}: recurrence_sampling={sampling!r} "
+                f"LoopedConfig.num_recurrences={config.num_recurrences}: recurrence_sampling={sampling!r} "
                 "needs a mean r >= 2"
             )
     max_steps, step_tokens = resolve_max_steps(training_args, flops_per_token, seq_len)

@@ -191,7 +191,7 @@ def test_bad_optimizer_settings_are_named(tmp_path):
         LoopedTrainingArguments(output_dir=str(tmp_path), lr_scaling="hyperp")
     with pytest.raises(RecipeError, match=r"embedding_learning_rate=0.1: used only by optimizer 'muonh'"):
         LoopedTrainingArguments(output_dir=str(tmp_path), embedding_learning_rate=0.1)
-    with pytest.raises(RecipeError, match=r"norm_learning_rate=-1: must be > 0"):
+    with pytest.raises(RecipeError, match=r"norm_learning_rate=-1: must be a finite number > 0"):
         _args(tmp_path, norm_learning_rate=-1)
     with pytest.raises(ValueError, match="give tokens_per_step"):
         build_optimizer(_model(), _args(tmp_path))

@@ -49,14 +49,16 @@ def _is_one_clear_line(message: str, field: str) -> bool:
 # The issue's list: each of these, in recipes/tiny.yaml, used to crash, train, or name a field
 # the recipe does not have.
 ISSUE_CASES = [
-    ("hidden_size", [1, 2], "hidden_size=[1, 2]: must be an integer >= 1, got a list"),
-    ("tokenizer", 12, "tokenizer=12: must be a string (or null), got an integer"),
-    ("accelerator_config", 1, "accelerator_config=1: must be a mapping or the path of a JSON file"),
-    ("seq_len", NAN, "seq_len=nan: must be an integer >= 2"),
-    ("learning_rate", -1, "learning_rate=-1: must be > 0"),
-    ("logit_softcap", INF, "logit_softcap=inf: must be a finite number"),
-    ("per_device_train_batch_size", 0, "per_device_train_batch_size=0: must be >= 1"),
-    ("num_recurrences", -1, "num_recurrences=-1: must be >= 1"),
+    # Model fields are LoopedConfig's, which names itself; data and training fields are checked
+    # against their declarations (type, validator, choices).
+    ("hidden_size", [1, 2], "LoopedConfig.hidden_size=[1, 2]: expected int, got list"),
+    ("tokenizer", 12, "tokenizer=12: must be a valid string"),
+    ("accelerator_config", 1, "accelerator_config=1: must be a valid dictionary or a valid string"),
+    ("seq_len", NAN, "seq_len=nan: must be a finite number"),
+    ("learning_rate", -1, "learning_rate=-1: must be a finite number > 0"),
+    ("logit_softcap", INF, "LoopedConfig.logit_softcap=inf: must be a finite number > 0"),
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size=0: must be an integer >= 1"),
+    ("num_recurrences", -1, "LoopedConfig.num_recurrences=-1: must be an integer >= 1"),
 ]
 
 
@@ -85,12 +87,18 @@ def test_a_bad_flag_is_named_as_a_flag(capsys):
 
 
 def test_yaml_strings_for_numbers_are_read_as_numbers(tmp_path):
-    # PyYAML reads 3e-3 and 1.0e5 (no sign in the exponent) as strings.
-    (model, data, training), _ = check_recipe(
-        {**_tiny(tmp_path), "learning_rate": "3e-3", "train_tokens": "1.536e5", "seq_len": "64"}
-    )
-    assert training.learning_rate == 3e-3 and training.train_tokens == 153_600 and data.seq_len == 64
-    with pytest.raises(RecipeError, match=r"seq_len='sixty': must be an integer >= 2, got a string"):
+    # PyYAML (YAML 1.1) reads 3e-3 and 1.536e5 (no dot, no sign in the exponent) as strings; a
+    # recipe file means the numbers (YAML 1.2), for model fields too.
+    path = tmp_path / "r.yaml"
+    text = yaml.safe_dump({k: v for k, v in _tiny(tmp_path).items() if k not in ("learning_rate", "train_tokens")})
+    path.write_text(text + "learning_rate: 3e-3\ntrain_tokens: 1.536e5\ninitializer_range: 2e-2\n")
+    (model, data, training), _ = check_recipe(path)
+    assert training.learning_rate == 3e-3 and training.train_tokens == 153_600
+    assert model.settings["initializer_range"] == 2e-2
+    # A mapping's strings: read as the field's type asks, where they spell one.
+    (_, data, _), _ = check_recipe({**_tiny(tmp_path), "seq_len": "64"})
+    assert data.seq_len == 64
+    with pytest.raises(RecipeError, match=r"seq_len='sixty': must be a valid integer"):
         check_recipe({**_tiny(tmp_path), "seq_len": "sixty"})
 
 
@@ -214,3 +222,34 @@ def test_attn_implementation_takes_auto_a_transformers_name_or_a_hub_kernel_and_
         assert ModelArguments(attn_implementation=name).attn_implementation == name
     with pytest.raises(RecipeError, match=r"attn_implementation='flash3': must be auto, eager, one of"):
         ModelArguments(attn_implementation="flash3")
+
+
+def test_the_model_section_is_loopedconfigs_fields_with_its_defaults():
+    """No mirror: every LoopedConfig field a recipe sets keeps the config's default when left out,
+    and a flag's value reaches the config as a recipe file would give it."""
+    import dataclasses
+
+    from looped_hf.arguments import NOT_RECIPE_FIELDS, model_fields, parse_recipe
+    from looped_hf.configuration_looped import LoopedConfig
+
+    own = set(LoopedConfig.__annotations__) - NOT_RECIPE_FIELDS - {"use_cache"}  # TrainingArguments owns that name
+    assert set(model_fields()) == own and {"hidden_size", "num_recurrences", "qk_norm", "kv_budget"} <= own
+    model, _, _ = parse_recipe({})
+    built, plain = model.to_config(100, 64).to_dict(), LoopedConfig(vocab_size=100).to_dict()
+    assert model.settings == {} and built == plain  # hidden_size 256, LoopedConfig's, not a copy's
+    model, _, _ = parse_recipe({}, ["--qk_norm", "false", "--num_recurrences", "8", "--no_recurrence_norm",
+                                    "--initializer_range", "1e-3", "--logit_softcap", "null"])  # fmt: skip
+    config = model.to_config(100, 64)
+    assert (config.qk_norm, config.num_recurrences, config.recurrence_norm) == ("none", 8, False)
+    assert config.initializer_range == 1e-3 and config.logit_softcap is None
+    defaults = {f.name: f.default for f in dataclasses.fields(LoopedConfig)}
+    assert all(f.default == defaults[name] for name, f in model_fields().items())
+
+
+def test_help_reads_the_declarations(capsys):
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--num_recurrences NUM_RECURRENCES" in out and "an integer >= 1; default 4. r, the default number" in out
+    assert "one of relu2, silu, gelu, gelu_pytorch_tanh; default relu2" in out
+    assert "Tokens per packed block (>= 2). (an integer >= 2)" in out
+    assert "numpy's RandomState takes 0 .. 2**32 - 1" in out  # seed: declared on LoopedTrainingArguments

@@ -151,7 +151,8 @@ def test_paper_recipes_are_the_studys_grid_and_recipe(name):
     assert training_args.dataloader_pin_memory
     for run in plan.runs:
         model_args, _, _ = parse_recipe({k: v for k, v in run.recipe.items() if k not in gpu_only})
-        assert model_args.init_scheme == "study" and model_args.qk_norm == "after_rope"
+        config = model_args.to_config(plan.vocab_size, plan.seq_len)
+        assert config.init_scheme == "study" and config.qk_norm == "after_rope"
         lrs = run.learning_rates
         # HyperP at B = B_REF: AdamW lrs carry only the width factor; the matrix lr the data factor.
         assert lrs["batch_scale"] == 1.0
@@ -188,7 +189,7 @@ def test_learning_rate_by_r_gives_each_architecture_its_lr():
         make_plan(recipe)
     recipe["sweep"]["learning_rate_by_r"] = {1: 0.01, 2: -1}
     with pytest.raises(
-        RecipeError, match=r"sweep.learning_rate_by_r=\{1: 0.01, 2: -1\}: must be > 0 \(contains -1\)"
+        RecipeError, match=r"sweep.learning_rate_by_r=\{1: 0.01, 2: -1\}: must be a finite number > 0 \(contains -1\)"
     ):
         make_plan(recipe)
 

@@ -115,11 +115,9 @@ def test_paper_runs_use_the_studys_padded_vocabulary_and_bf16_rope(plans):
             model_args, _, training_args = parse_recipe(
                 {k: v for k, v in run.recipe.items() if k not in GPU_ONLY}
             )
-            assert (
-                model_args.pad_vocab_size_to_multiple_of == 64 and model_args.rope_table_dtype == "bfloat16"
-            )
             assert training_args.train_steps_rounding == "nearest"
             config = model_args.to_config(plan.vocab_size, plan.seq_len)
+            assert config.pad_vocab_size_to_multiple_of == 64 and config.rope_table_dtype == "bfloat16"
             assert (config.vocab_size, config.padded_vocab_size) == (32001, 32064)
             # Nearest whole step, as the study: |tokens - budget / flops_per_token| <= half a step.
             assert abs(run.tokens - run.budget / run.flops_per_token) <= plan.tokens_per_step / 2

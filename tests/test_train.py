@@ -60,15 +60,15 @@ def test_run_record_is_complete_and_run_dir_is_publishable(tiny_recipe, tmp_path
     assert json.loads((run_dir / "run_record.json").read_text())["loss"] == record["loss"]
     # The resolved recipe reruns the same run.
     model_args, data_args, training_args = parse_recipe(run_dir / "recipe.yaml")
-    assert model_args.num_recurrences == 2 and data_args.seq_len == seq and training_args.max_steps == steps
+    assert model_args.settings["num_recurrences"] == 2 and data_args.seq_len == seq and training_args.max_steps == steps
 
 
 def test_flags_override_the_recipe_file(tiny_recipe, tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(tiny_recipe))
     model_args, data_args, training_args = parse_recipe(path, ["--num_recurrences", "8", "--seq_len", "16"])
-    assert model_args.num_recurrences == 8 and data_args.seq_len == 16
-    assert model_args.hidden_size == tiny_recipe["hidden_size"]
+    assert model_args.settings["num_recurrences"] == 8 and data_args.seq_len == 16
+    assert model_args.settings["hidden_size"] == tiny_recipe["hidden_size"]
     # A length flag replaces the file's length instead of conflicting with it.
     _, _, training_args = parse_recipe(path, ["--train_tokens", "1000"])
     assert training_args.train_tokens == 1000 and training_args.max_steps == -1

@@ -543,10 +543,10 @@ def test_the_saved_tokenizer_pads_on_the_left(tmp_path):
 def test_recipes_do_not_tie_max_position_embeddings_to_seq_len():
     from looped_hf.arguments import ModelArguments
 
-    args = ModelArguments(hidden_size=32, num_attention_heads=4)
+    args = ModelArguments({"hidden_size": 32, "num_attention_heads": 4})
     assert args.to_config(vocab_size=VOCAB, seq_len=64).max_position_embeddings == 2048
     assert args.to_config(vocab_size=VOCAB, seq_len=4096).max_position_embeddings == 4096
-    explicit = ModelArguments(hidden_size=32, num_attention_heads=4, max_position_embeddings=512)
+    explicit = ModelArguments({"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 512})
     assert explicit.to_config(vocab_size=VOCAB, seq_len=64).max_position_embeddings == 512
 
 

@@ -4,6 +4,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # One way only: this module reads the corpus module, which never imports it back.
+from looped_hf.configuration_looped import Interval
+from looped_hf.field_checks import AT_LEAST_0, AT_LEAST_1, SEED, check_declared_fields, non_empty, open_unit
+
 from .corpus import EMBEDDED, default_cache_dir
 
 # DataArguments fields that only shape text -> blocks; prepacked data rejects non-default values.
@@ -17,26 +20,26 @@ class DataArguments:
 
     dataset: str | None = field(
         default=None,
-        metadata={"help": "None or 'embedded': the shipped public-domain classics. Otherwise a Hub dataset "
+        metadata={"validator": non_empty, "help": "None or 'embedded': the shipped public-domain classics. Otherwise a Hub dataset "
                   "name, or a local text/JSON/JSONL/CSV/parquet file or a directory of them."},
     )  # fmt: skip
     dataset_config: str | None = field(
-        default=None, metadata={"help": "Hub dataset configuration name (load_dataset's `name`)."}
+        default=None, metadata={"validator": non_empty, "help": "Hub dataset configuration name (load_dataset's `name`)."}
     )
     dataset_split: str = field(
         default="train",
         metadata={
-            "help": "Hub split to read (local files form one 'train' split); held-out is carved out of it."
+            "validator": non_empty, "help": "Hub split to read (local files form one 'train' split); held-out is carved out of it."
         },
     )
     dataset_revision: str | None = field(
-        default=None, metadata={"help": "Hub dataset revision (commit/tag) to pin; part of the cache key."}
+        default=None, metadata={"validator": non_empty, "help": "Hub dataset revision (commit/tag) to pin; part of the cache key."}
     )
-    text_column: str = field(default="text", metadata={"help": "Column holding the document text."})
+    text_column: str = field(default="text", metadata={"validator": non_empty, "help": "Column holding the document text."})
     text_sample_by: str = field(
         default="paragraph",
         metadata={"choices": ("line", "paragraph", "document"),
-                  "help": "For .txt inputs, what one document is: a line, a paragraph or the whole file."},
+                  "validator": non_empty, "help": "For .txt inputs, what one document is: a line, a paragraph or the whole file."},
     )
     streaming: bool = field(
         default=False,
@@ -45,24 +48,24 @@ class DataArguments:
     )  # fmt: skip
     streaming_eval_fraction: float = field(
         default=0.01,
-        metadata={"help": "Streaming only: fraction of documents (by hash) reserved for the held-out split."},
+        metadata={"validator": open_unit, "help": "Streaming only: fraction of documents (by hash) reserved for the held-out split."},
     )
     shuffle_buffer: int = field(
         default=1000,
-        metadata={"help": "Streaming only: shuffle buffer (in blocks) for the train stream; 0 = off."},
+        metadata={"validator": AT_LEAST_0, "help": "Streaming only: shuffle buffer (in blocks) for the train stream; 0 = off."},
     )
     tokenizer: str | None = field(
         default=None,
-        metadata={"help": "None or 'embedded': the shipped 4096-token BPE; 'bytes': byte-level (258 tokens); "
+        metadata={"validator": non_empty, "help": "None or 'embedded': the shipped 4096-token BPE; 'bytes': byte-level (258 tokens); "
                   "a Hub tokenizer name; a local tokenizer directory or tokenizer.json file."},
     )  # fmt: skip
-    seq_len: int = field(default=256, metadata={"help": "Tokens per packed block (>= 2)."})
+    seq_len: int = field(default=256, metadata={"validator": Interval(2, None, integer=True), "help": "Tokens per packed block (>= 2)."})
     eval_blocks: int = field(
         default=64,
-        metadata={"help": "Held-out blocks of seq_len tokens (fixed size, disjoint from training)."},
+        metadata={"validator": AT_LEAST_1, "help": "Held-out blocks of seq_len tokens (fixed size, disjoint from training)."},
     )
     split_seed: int = field(
-        default=0, metadata={"help": "Seed of the document hash that decides the train / held-out split."}
+        default=0, metadata={"validator": SEED, "help": "Seed of the document hash that decides the train / held-out split."}
     )
     stratify_column: str | None = field(
         default="source",
@@ -71,16 +74,16 @@ class DataArguments:
     )  # fmt: skip
     pack_batch_docs: int = field(
         default=10_000,
-        metadata={"help": "Documents concatenated per packing batch; the remainder (< seq_len tokens) of each "
+        metadata={"validator": AT_LEAST_1, "help": "Documents concatenated per packing batch; the remainder (< seq_len tokens) of each "
                   "batch is dropped."},
     )  # fmt: skip
     data_cache_dir: str | None = field(
         default=None,
         metadata={
-            "help": "Cache for tokenized data; default $LOOPED_HF_CACHE/data or ~/.cache/looped_hf/data."
+            "validator": non_empty, "help": "Cache for tokenized data; default $LOOPED_HF_CACHE/data or ~/.cache/looped_hf/data."
         },
     )
-    num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (None = 1)."})
+    num_proc: int | None = field(default=None, metadata={"validator": AT_LEAST_1, "help": "Processes for tokenization (None = 1)."})
     prepacked: bool = field(
         default=False,
         metadata={"help": "dataset is already tokenized and packed in the study's format (a local directory or "
@@ -91,7 +94,7 @@ class DataArguments:
     )  # fmt: skip
     eval_split: str = field(
         default="val",
-        metadata={"help": "prepacked only: the split whose first eval_blocks rows are the held-out set."},
+        metadata={"validator": non_empty, "help": "prepacked only: the split whose first eval_blocks rows are the held-out set."},
     )
 
     def __post_init__(self) -> None:
@@ -103,10 +106,8 @@ class DataArguments:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and value for settings that cannot work."""
-        # Types, ranges and choices: the one table recipes are checked against; below, how the
-        # fields go together.
-        from looped_hf.field_checks import check_declared_fields
-
+        # Types, ranges and choices: the fields' declarations, which recipes are checked against
+        # too; below, how the fields go together.
         check_declared_fields(self)
         self._check_prepacked_fields()
 

@@ -6,25 +6,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from looped_hf.arguments import Limit, RecipeError, check_value, load_yaml, steps_for_tokens, yaml_key_lines
+from looped_hf.arguments import RecipeError, load_yaml, steps_for_tokens, yaml_key_lines
+from looped_hf.field_checks import AT_LEAST_0, AT_LEAST_1, POSITIVE, SEED, check_value, declared_fields
 
 VARIANTS = ("base", "truncated", "hyperconnection")
 EXECUTORS = ("local", "subprocess", "accelerate", "submitit")
-#: Ranges of the sweep fields' numbers (for a list or mapping: each of its numbers); every number
-#: must also be finite. Checked with each field's type before the section is used.
-SWEEP_LIMITS = {
-    "budgets": Limit(0, low_open=True), "widths": Limit(1), "recurrences": Limit(1), "effective_depth": Limit(1),
-    "prelude": Limit(0), "coda": Limit(0), "head_dim": Limit(1), "hyperconnection_lanes": Limit(1),
-    "learning_rate_by_r": Limit(0, low_open=True), "seeds": Limit(0, 2**32 - 1), "vocab_size": Limit(1),
-    "num_processes": Limit(1), "checkpoints_per_run": Limit(0),
-}  # fmt: skip
-
-
 # ---------------------------------------------------------------------------------------------
 # The sweep section of a recipe
 # ---------------------------------------------------------------------------------------------
@@ -32,43 +22,43 @@ SWEEP_LIMITS = {
 class SweepArguments:
     """The `sweep:` section of a sweep recipe (the rest of the file is the per-run recipe)."""
 
-    budgets: list[float] = field(default_factory=list)
+    budgets: list[float] = field(default_factory=list, metadata={"validator": POSITIVE})
     """Training-FLOP budgets C (the model's `training_flops_per_token` x tokens)."""
-    widths: list[list[int]] | list[int] = field(default_factory=list)
+    widths: list[list[int]] | list[int] = field(default_factory=list, metadata={"validator": AT_LEAST_1})
     """Hidden sizes d: one list per budget (index-aligned with `budgets`), or one list for all."""
-    recurrences: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    recurrences: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={"validator": AT_LEAST_1})
     """The r values; each must divide `effective_depth - prelude - coda` (r = 1 always fits)."""
-    effective_depth: int = 20
+    effective_depth: int = field(default=20, metadata={"validator": AT_LEAST_1})
     """Layer applications per token, the same for every r (the study: 20)."""
-    prelude: int = 2
+    prelude: int = field(default=2, metadata={"validator": AT_LEAST_0})
     """Prelude layers of the looped models (r > 1); r = 1 has none."""
-    coda: int = 2
+    coda: int = field(default=2, metadata={"validator": AT_LEAST_0})
     """Coda layers of the looped models (r > 1); r = 1 has none."""
-    head_dim: int = 128
+    head_dim: int = field(default=128, metadata={"validator": AT_LEAST_1})
     """Per-head width; heads = d / head_dim (the study: 128, d = 64 s)."""
     injection: str = "linear"
     """Input injection of the looped models (the study: linear)."""
     variant: str = "base"
     """"base"; "truncated" (backprop through the last ceil(r/2) recurrences); "hyperconnection"."""
-    hyperconnection_lanes: int = 2
+    hyperconnection_lanes: int = field(default=2, metadata={"validator": AT_LEAST_1})
     """Lanes for the hyperconnection variant (the study: 2)."""
-    learning_rate_by_r: dict[int, float] | None = None
+    learning_rate_by_r: dict[int, float] | None = field(default=None, metadata={"validator": POSITIVE})
     """AdamW / Muon recipes: the `learning_rate` of each r (every r of `recurrences` listed), so
     every architecture trains at its own tuned lr, as the study's HyperP gives looped and plain
     models their own reference (D_REF). None: the recipe's `learning_rate` for all. Not with
     muonh, whose lrs HyperP computes per run."""
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[int] = field(default_factory=lambda: [0], metadata={"validator": SEED})
     """One run per seed per cell (the study: one seed); run ids get `-s<seed>` if several."""
-    vocab_size: int | None = None
+    vocab_size: int | None = field(default=None, metadata={"validator": AT_LEAST_1})
     """Plan with this vocabulary size instead of loading the tokenizer (offline dry runs of Hub
     tokenizers); the runs themselves always use the tokenizer's size."""
     executor: str = "local"
     """local: in this process (fast; exceptions are caught). subprocess: one `python -m
     looped_hf.train` per run (a crash cannot take the sweep down). accelerate: one `accelerate
     launch --num_processes N` per run. submitit: one SLURM (or local) job per run."""
-    num_processes: int = 1
+    num_processes: int = field(default=1, metadata={"validator": AT_LEAST_1})
     """Processes per run (accelerate / submitit); part of tokens_per_step."""
-    checkpoints_per_run: int = 4
+    checkpoints_per_run: int = field(default=4, metadata={"validator": AT_LEAST_0})
     """Trainer checkpoints per run (the last one is kept), so a killed run resumes mid-way."""
     submitit: dict[str, Any] = field(default_factory=dict)
     """Passed to `submitit.AutoExecutor.update_parameters` (e.g. slurm_partition, timeout_min,
@@ -160,9 +150,10 @@ def parse_sweep_section(data: Any, where: str) -> SweepArguments:
             data["budgets"] = [float(b) for b in data["budgets"]]  # YAML reads 1e12 (no dot) as a string
         except (TypeError, ValueError) as err:
             raise RecipeError(f"{where}: sweep.budgets={data['budgets']!r}: must be numbers ({err})") from err
-    types = typing.get_type_hints(SweepArguments)
+    # Each field's type and rule are declared on it (for a list or mapping: each of its numbers).
+    declared = declared_fields(SweepArguments)
     for key in data:
-        data[key] = check_value(f"sweep.{key}", data[key], types[key], where, limits=SWEEP_LIMITS)
+        data[key] = check_value(f"sweep.{key}", data[key], *declared[key], where)
     args = SweepArguments(**data)
     try:
         args.validate()
@@ -347,7 +338,7 @@ def _model_accounting(model_args: Any, config: Any, seq_len: int) -> _Accounting
     from looped_hf import LoopedForCausalLM
     from looped_hf.optim import muonh_parameter_groups
 
-    key = (type(model_args).__name__, *dataclasses.astuple(model_args), config.vocab_size, int(seq_len))
+    key = (repr(sorted(model_args.settings.items())), config.vocab_size, int(seq_len))
     if key not in _ACCOUNTING:
         # Shapes are all the accounting reads: no init (on meta it only costs time; ~2x faster).
         with torch.device("meta"), no_init_weights():
@@ -423,8 +414,8 @@ def make_plan(
             for r in sweep.recurrences:
                 for seed in sweep.seeds:
                     prelude, block, coda, injection, k = _shape(sweep, r)
-                    run_model = dataclasses.replace(
-                        model_args, hidden_size=width, head_dim=sweep.head_dim, num_attention_heads=None,
+                    run_model = model_args.replace(
+                        hidden_size=width, head_dim=sweep.head_dim, num_attention_heads=None,
                         num_prelude_layers=prelude, num_recurrent_layers=block, num_coda_layers=coda,
                         num_recurrences=r, input_injection=injection, backprop_recurrences=k,
                         num_hyperconnection_lanes=sweep.hyperconnection_lanes,
@@ -443,7 +434,7 @@ def make_plan(
                         run_id += f"-s{seed}"
                     run_recipe = dict(data)
                     run_recipe.update(
-                        {f: getattr(run_model, f) for f in (*model_fields, "num_hyperconnection_lanes")}
+                        {f: run_model.settings[f] for f in (*model_fields, "num_hyperconnection_lanes")}
                     )
                     run_recipe.update(
                         train_flops_budget=float(budget),
