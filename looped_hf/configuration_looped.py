@@ -69,6 +69,10 @@ EXIT_THRESHOLD_RANGES = {
     "cosine": (0.0, 2.0, False),
     "argmax_stability": (0, math.inf, True),
 }
+# What the logits of a model with an exit gate are (Ouro, ByteDance 2025, its modeling_ouro.py
+# ``OuroForCausalLM.forward``): the last recurrence's; the recurrence where each token's exit CDF
+# first reaches ``exit_gate_threshold``; or the expectation sum_t p_t logits_t.
+EXIT_GATE_OUTPUTS = ("last", "threshold", "weighted")
 # The Auto class -> model class pairs modeling_looped.py provides (written to every ``auto_map``).
 AUTO_CLASSES = {
     "AutoModel": "LoopedModel",
@@ -314,6 +318,24 @@ class LoopedConfig(PreTrainedConfig):
         off); outputs carry ``recurrences_used`` per token. Compute is saved when every token of
         a call has stopped (decoding at batch 1: each token's own exit); until then stopped tokens
         are computed and discarded, and under ``torch.compile`` every recurrence runs.
+    exit_gate, exit_gate_output, exit_gate_threshold, exit_gate_entropy_beta:
+        Ouro's learned exit (ByteDance's Ouro-1.4B / 2.6B). ``exit_gate=True`` adds a gate,
+        Linear(hidden -> 1, with bias), read on each recurrence's state after the recurrence
+        norm: lambda_t = sigmoid(g_t) is the chance to stop at step t given the token got there,
+        so the exit distribution is p_t = lambda_t * prod_(j<t) (1 - lambda_j), the last step
+        taking the remainder; outputs carry it as ``exit_probabilities`` (batch, tokens, r).
+        ``exit_gate_output`` says which logits the model returns: ``"last"`` (default: the r-th
+        recurrence's, as without a gate), ``"threshold"`` (per token, the first step whose CDF
+        reaches ``exit_gate_threshold``, the last if none does; ``recurrences_used`` says which)
+        or ``"weighted"`` (sum_t p_t logits_t). As in Ouro's own code every recurrence still runs
+        for every token (a later token attends to an exited token's KV of every step), so the
+        exit selects outputs and saves no compute. ``exit_gate_entropy_beta``: ``None`` (default)
+        trains on the returned logits; a number beta gives Ouro's objective, per labelled token
+        sum_t p_t L_t - beta H(p), L_t the cross-entropy of step t's logits and H the entropy of
+        p. The gate decides each token's exit, so it is refused together with ``exit_criterion``;
+        a readout other than the last recurrence's, or the entropy loss, needs step t's logits,
+        so it is refused with coda layers (each step would need its own coda pass). ``forward``
+        and ``generate`` accept ``exit_gate_output=`` and ``exit_gate_threshold=`` per call.
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
         ``"learnable_before_rope"`` (OLMo-2 / Qwen3: a learnable per-head scale, before RoPE) or
@@ -408,6 +430,10 @@ class LoopedConfig(PreTrainedConfig):
     exit_criterion: Literal[EXIT_CRITERIA + ("none",)] | None = None
     exit_threshold: int | float | None = None
     min_recurrences: int = at_least(1)(default=1)
+    exit_gate: bool = False
+    exit_gate_output: Literal[EXIT_GATE_OUTPUTS] = "last"
+    exit_gate_threshold: int | float = interval(0, 1, why="a cumulative exit probability")(default=0.5)
+    exit_gate_entropy_beta: int | float | None = interval(0, None, why="None: the loss of the logits")(default=None)
     num_hidden_layers: int | None = None
     looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT
 
@@ -476,6 +502,21 @@ class LoopedConfig(PreTrainedConfig):
         if self.max_recurrences is not None and self.max_recurrences < r:
             raise self._bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
                                                f"integer >= num_recurrences={r}")  # fmt: skip
+
+    def validate_exit_gate(self) -> None:
+        """The gate's readout and loss against the loop: see ``exit_gate``."""
+        if not self.exit_gate:
+            for field, default in (("exit_gate_output", "last"), ("exit_gate_entropy_beta", None)):
+                if getattr(self, field) != default:
+                    raise self._bad(field, "needs exit_gate=True (there is no gate to read)")
+            return
+        if self.exit_criterion not in (None, "none"):
+            raise self._bad("exit_criterion", "refused with exit_gate=True: the gate decides each token's exit; "
+                                              "set exit_gate_output='threshold' instead")  # fmt: skip
+        if self.num_coda_layers > 0 and (self.exit_gate_output != "last" or self.exit_gate_entropy_beta is not None):
+            field = "exit_gate_output" if self.exit_gate_output != "last" else "exit_gate_entropy_beta"
+            raise self._bad(field, f"needs every recurrence's logits, which num_coda_layers={self.num_coda_layers} "
+                                   "would decode with a coda pass per step; use num_coda_layers=0")  # fmt: skip
 
     def validate_token_ids(self) -> None:
         # Stricter than transformers' (which only warns): a special token outside the vocabulary
@@ -656,4 +697,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["KVSlotPlan", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["KVSlotPlan", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
