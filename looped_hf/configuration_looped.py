@@ -662,6 +662,27 @@ class LoopedConfig(PreTrainedConfig):
             )
         return criterion, float(threshold), minimum
 
+    def exit_gate_settings(self, output: str | None = None, threshold: float | None = None) -> tuple[str, float] | None:
+        """The exit gate's readout of a call, (output, threshold), each argument overriding the
+        config's; ``None`` without a gate. Raises ``ValueError`` naming the field and the value."""
+        if not self.exit_gate:
+            given = [f"{name}={value!r}" for name, value in (("exit_gate_output", output),
+                                                                ("exit_gate_threshold", threshold)) if value is not None]  # fmt: skip
+            if given:
+                raise ValueError(f"{given[0]}: this model has no exit gate (config.exit_gate=False)")
+            return None
+        output = self.exit_gate_output if output is None else output
+        threshold = self.exit_gate_threshold if threshold is None else threshold
+        if output not in EXIT_GATE_OUTPUTS:
+            raise ValueError(f"exit_gate_output={output!r}: must be one of {EXIT_GATE_OUTPUTS}")
+        if not _is_real(threshold) or not 0 <= threshold <= 1:
+            raise ValueError(f"exit_gate_threshold={threshold!r}: must be a number in [0, 1] (a cumulative exit "
+                             "probability)")  # fmt: skip
+        if output != "last" and self.num_coda_layers > 0:
+            raise ValueError(f"exit_gate_output={output!r}: needs every recurrence's logits, which "
+                             f"num_coda_layers={self.num_coda_layers} would decode with a coda pass per step")  # fmt: skip
+        return output, float(threshold)
+
     @property
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and the head: ``vocab_size`` rounded up to

@@ -354,6 +354,67 @@ class LoopedHyperConnection(nn.Module):
         return mixed + gain * update.unsqueeze(0)
 
 
+class LoopedExitGate(nn.Linear):
+    """Ouro's exit gate (ByteDance's Ouro-1.4B / 2.6B): g_t = w . s_t + b, one logit per token on
+    each recurrence's state s_t (after the recurrence norm). lambda_t = sigmoid(g_t) is the chance
+    of stopping at step t having reached it, so the exit distribution over the r steps is
+    p_t = lambda_t * prod_(j<t) (1 - lambda_j), the last step taking what is left (p sums to 1
+    whatever the last gate says). See ``LoopedConfig.exit_gate``."""
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__(config.hidden_size, 1, bias=True)
+
+    def exit_probabilities(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """p over the recurrences, (batch, tokens, r), in float32 (a bf16 product of r survival
+        terms would lose the small exit probabilities)."""
+        remaining = None
+        probabilities = []
+        for t, state in enumerate(states):
+            if t == len(states) - 1:
+                probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
+                break
+            stop = torch.sigmoid(self(state).squeeze(-1).float())
+            probabilities.append(stop if remaining is None else stop * remaining)
+            remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
+        return torch.stack(probabilities, dim=-1)
+
+
+def threshold_exit_steps(probabilities: torch.Tensor, threshold: float) -> torch.LongTensor:
+    """Per token, the 0-based step at which the exit CDF first reaches ``threshold`` (Ouro's
+    threshold exit); the last step where it never does (the CDF rounds to just under 1)."""
+    reached = probabilities.cumsum(dim=-1) >= threshold
+    first = reached.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
+    return torch.where(reached.any(dim=-1), first, probabilities.shape[-1] - 1)
+
+
+def exit_gate_loss(
+    step_logits: list[torch.Tensor], probabilities: torch.Tensor, labels: torch.LongTensor | None, beta: float,
+    ignore_index: int = -100, shift_labels: torch.LongTensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Ouro's training objective, per labelled token sum_t p_t L_t - beta H(p), averaged over the
+    labelled tokens (or divided by ``num_items_in_batch``, as transformers' loss is under gradient
+    accumulation). L_t is the cross-entropy of step t's logits, H(p) = -sum_t p_t log p_t. The
+    entropy term keeps the gate from collapsing onto one step early in training (the Ouro paper's
+    uniform-prior regulariser); labels shift as ``ForCausalLMLoss``'s do."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(probabilities.device)
+    losses = torch.stack([
+        F.cross_entropy(logits.float().flatten(0, -2), shift_labels.flatten(), ignore_index=ignore_index,
+                        reduction="none").view(shift_labels.shape)
+        for logits in step_logits
+    ], dim=-1)  # fmt: skip
+    entropy = -(probabilities * probabilities.clamp_min(torch.finfo(probabilities.dtype).tiny).log()).sum(-1)
+    per_token = (probabilities * losses).sum(-1) - beta * entropy
+    labelled = shift_labels != ignore_index
+    total = per_token.masked_fill(~labelled, 0.0).sum()
+    count = labelled.sum() if num_items_in_batch is None else num_items_in_batch
+    if isinstance(count, torch.Tensor):
+        count = count.to(total.device)
+    return total / count
+
+
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
@@ -432,6 +493,7 @@ class LoopedModel(LoopedPreTrainedModel):
             LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.recurrence_norm else None
         )
         self.norm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.exit_gate = LoopedExitGate(config) if config.exit_gate else None
         self.rotary_emb = LoopedRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -479,6 +541,9 @@ class LoopedModel(LoopedPreTrainedModel):
         r = config.resolve_num_recurrences(num_recurrences)
         plan = config.slot_plan(r, kv_budget)
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
+        if exit_rule is not None and self.exit_gate is not None:
+            raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with exit_gate=True (the gate decides each "
+                             "token's exit; use exit_gate_output='threshold')")  # fmt: skip
 
         if inputs_embeds is None:
             check_token_ids(config, input_ids, self.training and torch.is_grad_enabled())
@@ -519,7 +584,9 @@ class LoopedModel(LoopedPreTrainedModel):
         if exit_rule is not None and exit_head is not None:
             predict = coda_predictor(self.coda_layers, self.norm, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
-        h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states)
+        # The gate reads every recurrence's state, so the loop keeps them when there is one.
+        h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states or self.exit_gate is not None)
+        exit_probabilities = self.exit_gate.exit_probabilities(recurrent_states) if self.exit_gate is not None else None
         for j, layer in enumerate(self.coda_layers):
             h = layer(h, cache_index=plan.coda(j), **layer_kwargs)[0]
         h = self.norm(h)
@@ -529,7 +596,13 @@ class LoopedModel(LoopedPreTrainedModel):
             cache=cache if use_cache else None,
             recurrent_states=tuple(recurrent_states) if output_recurrent_states else None,
             recurrences_used=used,
+            exit_probabilities=exit_probabilities,
         )
+
+    def step_output(self, state: torch.Tensor) -> torch.Tensor:
+        """What ``last_hidden_state`` would be if the loop stopped at ``state`` (a recurrence's
+        state; no coda layers: the exit gate's readouts are refused with them): the final norm."""
+        return self.norm(state)
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
@@ -584,6 +657,8 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
         exit_criterion: str | None = None,
         exit_threshold: float | None = None,
         min_recurrences: int | None = None,
+        exit_gate_output: str | None = None,
+        exit_gate_threshold: float | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedCausalLMOutputWithPast:
         r"""Causal-LM forward. ``num_recurrences`` overrides r for this call (``generate`` passes it
@@ -593,9 +668,17 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
         ``recurrences_used`` in the output says how many recurrences each token ran); ``labels`` are NOT
         shifted by the caller (the loss shifts them; -100 is ignored). ``ignore_index`` and
         ``shift_labels`` go to the loss (a loss is computed when either labels or shift_labels is
-        given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``."""
+        given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``.
+        With an exit gate (``LoopedConfig.exit_gate``), ``exit_gate_output`` and
+        ``exit_gate_threshold`` override the config's readout for this call, and the output carries
+        ``exit_probabilities``."""
         loss_kwargs = {key: kwargs.pop(key) for key in _LOSS_KWARGS if key in kwargs}
         kwargs = _checked_kwargs(self, kwargs)  # so an error names the class the caller called
+        readout = self.config.exit_gate_settings(exit_gate_output, exit_gate_threshold)  # None: no gate
+        wants_loss = labels is not None or loss_kwargs.get("shift_labels") is not None
+        beta = self.config.exit_gate_entropy_beta if readout is not None and wants_loss else None
+        # Only a gate readout other than the last step, or Ouro's loss, reads every step's state.
+        per_step = readout is not None and (readout[0] != "last" or beta is not None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -604,7 +687,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             num_recurrences=num_recurrences,
-            output_recurrent_states=output_recurrent_states,
+            output_recurrent_states=output_recurrent_states or per_step,
             kv_budget=kv_budget,
             exit_criterion=exit_criterion,
             exit_threshold=exit_threshold,
@@ -613,10 +696,15 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             return_dict=True,  # the tuple, if asked for, is made here (config.return_dict=False too)
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.logits_from_hidden(hidden_states)
+        used = outputs.recurrences_used
         loss = None
-        if labels is not None or loss_kwargs.get("shift_labels") is not None:
+        if per_step:
+            logits, used, loss = self._exit_gate_readout(outputs, readout, beta, labels, logits_to_keep, loss_kwargs,
+                                                         kwargs.get("num_items_in_batch"))  # fmt: skip
+        else:
+            hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+            logits = self.logits_from_hidden(hidden_states)
+        if loss is None and wants_loss:
             loss = self.loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                 num_items_in_batch=kwargs.get("num_items_in_batch"), **loss_kwargs,
@@ -627,9 +715,44 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            recurrent_states=outputs.recurrent_states,
-            recurrences_used=outputs.recurrences_used,
+            recurrent_states=outputs.recurrent_states if output_recurrent_states else None,
+            recurrences_used=used,
+            exit_probabilities=outputs.exit_probabilities,
         )
+
+    def _exit_gate_readout(
+        self, outputs: LoopedModelOutputWithPast, readout: tuple[str, float], beta: float | None,
+        labels: torch.LongTensor | None, logits_to_keep: int | torch.Tensor, loss_kwargs: dict,
+        num_items_in_batch: torch.Tensor | int | None,
+    ) -> tuple[torch.Tensor, torch.LongTensor | None, torch.Tensor | None]:
+        """(logits, recurrences_used, loss) from every recurrence's state: the gate's threshold
+        or weighted readout (``LoopedConfig.exit_gate_output``) and, with ``beta``, Ouro's loss."""
+        output, threshold = readout
+        states = [self.model.step_output(slice_logits_to_keep(s, logits_to_keep)) for s in outputs.recurrent_states]
+        probabilities = slice_logits_to_keep(outputs.exit_probabilities, logits_to_keep)
+        step_logits = None
+        if output == "weighted" or beta is not None:
+            step_logits = [self.logits_from_hidden(state) for state in states]
+        used = None
+        if output == "threshold":
+            # Each token's state at its exit step, then one head pass (not one per step).
+            steps = threshold_exit_steps(probabilities, threshold)
+            stacked = torch.stack(states, dim=2)
+            index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
+            logits = self.logits_from_hidden(stacked.gather(2, index).squeeze(2))
+            used = steps + 1
+        elif output == "weighted":
+            # sum_t p_t logits_t, accumulated in step order (as Ouro's code does).
+            logits = step_logits[0] * probabilities[..., 0:1].to(step_logits[0].dtype)
+            for t in range(1, len(step_logits)):
+                logits = logits + step_logits[t] * probabilities[..., t : t + 1].to(step_logits[t].dtype)
+        else:
+            logits = step_logits[-1]
+        loss = None
+        if beta is not None:
+            loss = exit_gate_loss(step_logits, probabilities, labels, beta, num_items_in_batch=num_items_in_batch,
+                                  **loss_kwargs)  # fmt: skip
+        return logits, used, loss
 
     # The study's accounting, for users; accounting_looped.py owns it (training, planning and cards call it).
     def num_scaling_params(self) -> dict[str, int]:
@@ -696,6 +819,7 @@ __all__ = [
     "LoopedPreTrainedModel",
     "LoopedModel",
     "LoopedForCausalLM",
+    "LoopedExitGate",
     "LoopedGenerateOutput",
     "RecurrenceDraftCandidateGenerator",
     "LoopedForSequenceClassification",
