@@ -20,7 +20,7 @@ from .common import ConversionError, default_out
 FORMATS: dict[str, tuple[str, str]] = {
     "nanochat": ("looped_hf.convert.nanochat",
                  "the iso-depth study's looped-lm-scaling (model_<step>.pt + meta_<step>.json)"),
-    # "ouro": ("looped_hf.convert.ouro", ...): Ouro's converter adds its entry here.
+    "ouro": ("looped_hf.convert.ouro", "ByteDance's Ouro-1.4B / 2.6B (model_type ouro: config.json + safetensors)"),
 }  # fmt: skip
 #: The format-only flags (argparse dest -> flag), refused for a format whose module does not read them.
 FORMAT_FLAGS = {"step": "--step", "tokenizer": "--tokenizer"}
