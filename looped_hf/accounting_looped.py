@@ -23,13 +23,17 @@ def parameter_groups(base: nn.Module) -> dict[str, list[nn.Parameter]]:
 
     ``recurrent`` (N_rec): the block and the injection adapter or hyperconnection gains.
     ``once`` (N_once): prelude + coda + the model-level norm scales, the recurrence norm INCLUDED
-    although it runs r times (the study counts all three norm scales as run-once "scalars").
+    although it runs r times (the study counts all three norm scales as run-once "scalars"), and
+    the post-loop norm's when it has its own (a norm that shares the final norm's weight adds no
+    parameter). Norms inside the layers (sandwich, output norms, QK-norm scales) and the q/k
+    biases count with their layer: N_once in the prelude and coda, N_rec in the block.
     ``embedding``: the token embedding, apart (a lookup: no FLOPs).
     Ouro's exit gate (``exit_gate``), a d -> 1 matmul on every recurrence's state, is ``recurrent``:
     it runs r times per token, as the block does (unlike the norm scales, it is a matmul).
     """
     once = [*base.prelude_layers.parameters(), *base.coda_layers.parameters(), *base.norm.parameters()]
-    for module in (base.embedding_norm, base.recurrence_norm):
+    # getattr: a model built by an older modeling file (remote code) has no post_loop_norm.
+    for module in (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None)):
         if module is not None:
             once += list(module.parameters())
     recurrent = list(base.recurrent_layers.parameters())
@@ -93,9 +97,10 @@ def _flops_terms(
         # (N^2 + 2N) d "equivalent params" per recurrence in place of the r (N^2 + 2N) scalars.
         n = hc.num_lanes
         n_rec += (n * n + 2 * n) * config.hidden_size - sum(p.numel() for p in hc.parameters())
-    # The model-level norm scales (after the embedding, after each recurrence, before the head)
-    # are elementwise, not matmuls: the study's estimate_flops leaves them out; so do we.
-    norms = (base.embedding_norm, base.recurrence_norm, base.norm)
+    # The model-level norm scales (after the embedding, after each recurrence, after the loop,
+    # before the head) are elementwise, not matmuls: the study's estimate_flops leaves them out; so
+    # do we (and the embedding multiplier, elementwise too).
+    norms = (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None), base.norm)
     scalars = sum(p.numel() for m in norms if m is not None for p in m.parameters())
     return r, r_grad, params["once"] - scalars + n_head, n_rec, config.num_attention_heads * config.head_dim
 

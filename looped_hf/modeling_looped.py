@@ -225,18 +225,24 @@ class LoopedAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         d, h, kv, bias = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.attention_bias
-        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
+        # qk_bias (Huginn): q and k get a bias, v and o do not. The projection's own bias adds the same
+        # vector right after the matmul, before any QK-norm and RoPE, where Huginn adds it.
+        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias or config.qk_bias)
+        self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias or config.qk_bias)
         self.v_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)
         # QK-norm bounds the attention logits, which matters more when the same weights are applied
         # r times. The study (nanochat/gpt.py) normalises q and k after RoPE with no learnable scale;
-        # "learnable_before_rope" is the OLMo-2 / Qwen3 placement (and looped_hf 0.1.0's).
+        # "learnable_before_rope" is the Qwen3 placement (and looped_hf 0.1.0's), per head;
+        # "learnable_projection_before_rope" is OLMo-2's, one norm over all heads of q (and of k).
         self.qk_norm = config.qk_norm
         self.qk_norm_eps = config.rms_norm_eps
         if self.qk_norm == "learnable_before_rope":
             self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        elif self.qk_norm == "learnable_projection_before_rope":
+            self.q_norm = LoopedRMSNorm(h * self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LoopedRMSNorm(kv * self.head_dim, eps=config.rms_norm_eps)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.looped_study_init = ("uniform", d**-0.5)  # std 1/sqrt(d): read by _init_weights
 
@@ -251,8 +257,10 @@ class LoopedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        query_states, key_states = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.qk_norm == "learnable_projection_before_rope":
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.view(hidden_shape), key_states.view(hidden_shape)
         if self.qk_norm == "learnable_before_rope":
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
@@ -289,14 +297,24 @@ class LoopedAttention(nn.Module):
 
 
 class LoopedDecoderLayer(CheckpointingLayer):
-    """Pre-norm attention + MLP. Each call of a shared layer is checkpointed on its own."""
+    """A decoder layer, attention then MLP, each call of a shared layer checkpointed on its own.
+
+    This class is ``norm_placement="pre"`` (Llama, the study): x = x + attn(n1 x); x = x + mlp(n2 x).
+    The other placements are the subclasses below: each names its norms (``norm_names``, in the
+    order they run) and writes its two residual steps; ``DECODER_LAYERS`` maps the config's
+    ``norm_placement`` to its class. Norm names follow the transformers model with that placement
+    (Llama, Gemma-2, OLMo-2): ``post_attention_layernorm`` is the MLP's input norm in Llama's
+    pre-norm and the attention output's norm in Gemma-2's and OLMo-2's.
+    """
+
+    norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__()
         self.self_attn = LoopedAttention(config)
         self.mlp = LoopedMLP(config)
-        self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        for name in self.norm_names:
+            setattr(self, name, LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
 
     def forward(
         self,
@@ -314,6 +332,69 @@ class LoopedDecoderLayer(CheckpointingLayer):
         hidden_states = residual + attn
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, attn_weights
+
+
+class LoopedSandwichDecoderLayer(LoopedDecoderLayer):
+    """``norm_placement="sandwich"`` (Huginn's SandwichBlock): a norm before each sublayer and one
+    after each residual add, x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))."""
+
+    norm_names = ("input_layernorm", "post_attention_residual_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_residual_layernorm")  # fmt: skip
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
+                **kwargs):  # fmt: skip
+        attn, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = self.post_attention_residual_layernorm(attn + hidden_states)
+        hidden_states = self.post_feedforward_residual_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(hidden_states)) + hidden_states
+        )
+        return hidden_states, attn_weights
+
+
+class LoopedSublayerOutputNormDecoderLayer(LoopedDecoderLayer):
+    """``norm_placement="sublayer_output"`` (OLMo-2): no input norms, each sublayer's output normed
+    before the residual add, x = x + n1(attn x); x = x + n2(mlp x)."""
+
+    norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
+                **kwargs):  # fmt: skip
+        attn, attn_weights = self.self_attn(
+            hidden_states, position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = hidden_states + self.post_attention_layernorm(attn)
+        hidden_states = hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, attn_weights
+
+
+class LoopedPreAndOutputNormDecoderLayer(LoopedDecoderLayer):
+    """``norm_placement="pre_and_output"`` (Ouro, Gemma-2): four norms, on each sublayer's input and
+    on its output before the residual add, x = x + n2(attn(n1 x)); x = x + n4(mlp(n3 x))."""
+
+    norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")  # fmt: skip
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
+                **kwargs):  # fmt: skip
+        attn, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = hidden_states + self.post_attention_layernorm(attn)
+        hidden_states = hidden_states + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        )
+        return hidden_states, attn_weights
+
+
+#: ``LoopedConfig.norm_placement`` -> the decoder layer class that places its norms so.
+DECODER_LAYERS: dict[str, type[LoopedDecoderLayer]] = {
+    "pre": LoopedDecoderLayer,
+    "sandwich": LoopedSandwichDecoderLayer,
+    "sublayer_output": LoopedSublayerOutputNormDecoderLayer,
+    "pre_and_output": LoopedPreAndOutputNormDecoderLayer,
+}
 
 
 class LoopedHyperConnection(nn.Module):
@@ -426,7 +507,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["LoopedDecoderLayer"]
+    _no_split_modules = [cls.__name__ for cls in DECODER_LAYERS.values()]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -479,9 +560,10 @@ class LoopedModel(LoopedPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size, self.padding_idx)
         self.embedding_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.embedding_norm else None
-        self.prelude_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_prelude_layers))
-        self.recurrent_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_recurrent_layers))
-        self.coda_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_coda_layers))
+        layer = DECODER_LAYERS[config.norm_placement]
+        self.prelude_layers = nn.ModuleList(layer(config) for _ in range(config.num_prelude_layers))
+        self.recurrent_layers = nn.ModuleList(layer(config) for _ in range(config.num_recurrent_layers))
+        self.coda_layers = nn.ModuleList(layer(config) for _ in range(config.num_coda_layers))
         # The linear injection adapter is a plain nn.Linear(2d -> d) so LoRA and tensor parallelism
         # see it like any projection; its weight keeps 0.1.0's key (``model.injection.weight``).
         self.injection = None
@@ -489,9 +571,12 @@ class LoopedModel(LoopedPreTrainedModel):
             self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
             self.injection.looped_study_init = "injection"
         self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
-        self.recurrence_norm = (
-            LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.recurrence_norm else None
-        )
+        # A norm whose weight is the final norm's ("final") is no module of its own: one tensor, one
+        # checkpoint key (model.norm.weight); the forward and the loop call ``self.norm`` there.
+        own = config.recurrence_norm and config.recurrence_norm_weight == "own"
+        self.recurrence_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
+        own = config.post_loop_norm == "own"
+        self.post_loop_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
         self.norm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.exit_gate = LoopedExitGate(config) if config.exit_gate else None
         self.rotary_emb = LoopedRotaryEmbedding(config)
@@ -503,6 +588,19 @@ class LoopedModel(LoopedPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
+
+    def loop_norms(self) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
+        """(the recurrence norm, the post-loop norm, the norm after the coda), each ``None`` where the
+        config has none, a shared one as the final norm itself (``recurrence_norm_weight`` /
+        ``post_loop_norm`` ``"final"``). When the recurrence norm is the final norm and there is no
+        coda, the loop's last norm already is the final norm: nothing runs after the loop."""
+        config = self.config
+        recurrence = self.recurrence_norm
+        if config.recurrence_norm and config.recurrence_norm_weight == "final":
+            recurrence = self.norm
+        post_loop = self.norm if config.post_loop_norm == "final" else self.post_loop_norm
+        final = None if recurrence is self.norm and config.num_coda_layers == 0 else self.norm
+        return recurrence, post_loop, final
 
     @accepts_past_key_values
     @_select_hidden_states_at_r
@@ -575,21 +673,30 @@ class LoopedModel(LoopedPreTrainedModel):
             layer_kwargs["position_ids"] = position_ids
 
         h = inputs_embeds
+        if config.embedding_multiplier != 1.0:
+            h = h * config.embedding_multiplier  # Huginn: sqrt(d); the tied head reads the table unscaled
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
         num_new_tokens = inputs_embeds.shape[1]
-        predict = None  # the distribution exit criteria's decoder: coda, norm, head
+        _, post_loop, final = self.loop_norms()
+        predict = None  # the distribution exit criteria's decoder: [post-loop norm,] coda, norm, head
         if exit_rule is not None and exit_head is not None:
-            predict = coda_predictor(self.coda_layers, self.norm, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
+            predict = coda_predictor(self.coda_layers, final if final is not None else nn.Identity(), exit_head,
+                                     plan.coda(0), layer_kwargs, num_new_tokens)  # fmt: skip
+            if post_loop is not None:
+                predict = _after(post_loop, predict)
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
         # The gate reads every recurrence's state, so the loop keeps them when there is one.
         h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states or self.exit_gate is not None)
         exit_probabilities = self.exit_gate.exit_probabilities(recurrent_states) if self.exit_gate is not None else None
+        if post_loop is not None:
+            h = post_loop(h)
         for j, layer in enumerate(self.coda_layers):
             h = layer(h, cache_index=plan.coda(j), **layer_kwargs)[0]
-        h = self.norm(h)
+        if final is not None:
+            h = self.norm(h)
 
         return LoopedModelOutputWithPast(
             last_hidden_state=h,
@@ -601,8 +708,17 @@ class LoopedModel(LoopedPreTrainedModel):
 
     def step_output(self, state: torch.Tensor) -> torch.Tensor:
         """What ``last_hidden_state`` would be if the loop stopped at ``state`` (a recurrence's
-        state; no coda layers: the exit gate's readouts are refused with them): the final norm."""
-        return self.norm(state)
+        state; no coda layers: the exit gate's readouts are refused with them): the norms that run
+        after the loop (none for Ouro, whose loop closes with the final norm)."""
+        _, post_loop, final = self.loop_norms()
+        if post_loop is not None:
+            state = post_loop(state)
+        return final(state) if final is not None else state
+
+
+def _after(norm: nn.Module, predict: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``predict`` of the normed state: the exit criteria decode a state as the forward does."""
+    return lambda h: predict(norm(h))
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
