@@ -7,8 +7,10 @@ normed state and the gate's logit on it, the per-step exit distribution, logits 
 0.5 with each token's exit step, the weighted-exit logits and greedy tokens. Two prompts, 7 and 12
 tokens, unpadded (Ouro masks no padding).
 
-Measured max |delta logit| over both prompts and every loop count: 2.4e-6 (float32, CPU); the
-tolerance is 1e-4, as the issue asks, with the tighter checks where the arithmetic is the same.
+Measured max |delta| over both prompts, every loop count and every readout: 0.0 (float32, CPU,
+torch 2.13, one thread): the converted model runs Ouro's arithmetic op for op, so the logits are
+bit-identical. The tolerances leave room for another BLAS only: 1e-5 on logits (the issue asks for
+1e-4), 1e-6 on the states, gate logits and exit probabilities.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fixture_path
+from conftest import fixture_path, run_without_looped_hf
 from transformers import AutoModelForCausalLM
 
 from looped_hf import LoopedConfig
@@ -33,8 +35,8 @@ from looped_hf.modeling_looped import LoopedExitGate, LoopedForCausalLM, exit_ga
 DATA = fixture_path("zoo", "ouro-tiny")
 PROMPTS = ("p0", "p1")
 LOOPS = (1, 2, 3, 4)
-TOLERANCE = 1e-4  # logits, as the issue asks (measured: 2.4e-6)
-TIGHT = 1e-5  # states, gate logits and exit probabilities: a few float32 roundings from the reference
+TOLERANCE = 1e-5  # logits (the issue asks for 1e-4; measured: 0.0)
+TIGHT = 1e-6  # states, gate logits and exit probabilities (measured: 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -167,8 +169,7 @@ def test_greedy_generate_is_token_equal_to_oures(model, ref, use_cache: bool) ->
         assert torch.equal(tokens, ref[f"{p}_hf_generate_use_cache_False"]), p
 
 
-def test_the_converted_folder_loads_as_remote_code_with_oures_logits(folder: Path, ref) -> None:
-    from conftest import run_without_looped_hf
+def test_the_converted_folder_loads_as_remote_code_with_oures_logits(folder: Path, tmp_path: Path) -> None:
 
     script = f"""
 import json, numpy as np, torch
@@ -183,7 +184,7 @@ with torch.no_grad():
         out[p] = (m(ids).logits - torch.from_numpy(ref[p + "_default_logits"])).abs().max().item()
 print(json.dumps(out))
 """
-    deltas = json.loads(run_without_looped_hf(script).strip().splitlines()[-1])
+    deltas = json.loads(run_without_looped_hf(script, tmp_path).strip().splitlines()[-1])
     assert max(deltas.values()) <= TOLERANCE, deltas
 
 

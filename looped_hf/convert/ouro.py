@@ -80,10 +80,12 @@ _LAYER_PARTS = {
     "mlp.gate_proj.weight": "mlp.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
-    "input_layernorm.weight": "input_layernorm.weight",  # on the attention's input
-    "input_layernorm_2.weight": "attention_output_layernorm.weight",  # on its output, before the add
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",  # on the MLP's input
-    "post_attention_layernorm_2.weight": "mlp_output_layernorm.weight",  # on its output, before the add
+    # Ouro names its four norms after where they sit in Llama's layer; looped_hf after Gemma-2's
+    # (LoopedPreAndOutputNormDecoderLayer), so Ouro's post_attention_layernorm is the MLP's input norm.
+    "input_layernorm.weight": "input_layernorm.weight",  # the attention's input
+    "input_layernorm_2.weight": "post_attention_layernorm.weight",  # its output, before the add
+    "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",  # the MLP's input
+    "post_attention_layernorm_2.weight": "post_feedforward_layernorm.weight",  # its output, before the add
 }
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "model.embed_tokens.weight",
