@@ -20,10 +20,16 @@ from .common import ConversionError, default_out
 FORMATS: dict[str, tuple[str, str]] = {
     "nanochat": ("looped_hf.convert.nanochat",
                  "the iso-depth study's looped-lm-scaling (model_<step>.pt + meta_<step>.json)"),
+    "huginn": ("looped_hf.convert.huginn_raven", "Huginn-0125 (huginn_raven config.json + safetensors)"),
+    "retrofit": ("looped_hf.convert.huginn_raven",
+                 "a retrofitted-recurrence huginn_raven model, its Llama or OLMo-2 variant read from the weights"),
+    "retrofit-llama": ("looped_hf.convert.huginn_raven", "the Llama-style retrofit, named"),
+    "retrofit-olmo": ("looped_hf.convert.huginn_raven", "the OLMo-2-style retrofit, named"),
+    "huginn_raven": ("looped_hf.convert.huginn_raven", "any huginn_raven checkpoint: Huginn or a retrofit, detected"),
     "ouro": ("looped_hf.convert.ouro", "ByteDance's Ouro-1.4B / 2.6B (model_type ouro: config.json + safetensors)"),
 }  # fmt: skip
 #: The format-only flags (argparse dest -> flag), refused for a format whose module does not read them.
-FORMAT_FLAGS = {"step": "--step", "tokenizer": "--tokenizer"}
+FORMAT_FLAGS = {"step": "--step", "tokenizer": "--tokenizer", "state_init": "--state-init"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="NAME",
                    help="nanochat: tokenizer (Hub id or path) to ship with the model; its size must match vocab_size "
                         "(default: the checkpoint folder's own tokenizer, if it has one)")  # fmt: skip
+    p.add_argument("--state-init", default=None, choices=("zeros", "truncated_normal"),
+                   help="huginn_raven: the converted model's h_0, zeros (default: deterministic, the references' "
+                        "init_scale=0) or truncated_normal (Huginn's random start)")  # fmt: skip
     p.add_argument(
         "--repo-id", default=None, metavar="ORG/NAME", help="Hub id shown in the card's loading code"
     )
