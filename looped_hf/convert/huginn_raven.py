@@ -238,6 +238,12 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
     token_ids = {key: cfg[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
                  if isinstance(cfg.get(key), int) and 0 <= cfg[key] < vocab}  # fmt: skip
     huginn = variant == "huginn"
+    # Read before the try: their errors name config.json's field already.
+    rope, intermediate, eps = _rope_parameters(cfg, variant), _field(cfg, "intermediate_size", int, 1), _field(
+        cfg, "norm_eps", (int, float), 0)
+    layers = [_field(cfg, key, int, low) for key, low in (("n_layers_in_prelude", 0), ("n_layers_in_recurrent_block", 1),
+                                                          ("n_layers_in_coda", 0))]  # fmt: skip
+    context = _field(cfg, context_key, int, 1)
     try:
         return LoopedConfig(
             vocab_size=vocab,
@@ -246,11 +252,11 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
             num_attention_heads=heads,
             num_key_value_heads=kv,
             head_dim=head_dim,
-            intermediate_size=_field(cfg, "intermediate_size", int, 1),
+            intermediate_size=intermediate,
             hidden_act="silu",
-            max_position_embeddings=_field(cfg, context_key, int, 1),
-            rms_norm_eps=float(_field(cfg, "norm_eps", (int, float), 0)),
-            rope_parameters=_rope_parameters(cfg, variant),
+            max_position_embeddings=context,
+            rms_norm_eps=float(eps),
+            rope_parameters=rope,
             norm_placement=NORM_PLACEMENT[variant],
             qk_norm="learnable_projection_before_rope" if variant == "olmo" else "none",
             qk_bias=qk_bias,
@@ -260,9 +266,9 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
             post_loop_norm="final" if huginn else None,
             logit_softcap=None,
             tie_word_embeddings=bool(cfg.get("tie_embeddings", cfg.get("tie_word_embeddings", False))),
-            num_prelude_layers=_field(cfg, "n_layers_in_prelude", int, 0),
-            num_recurrent_layers=_field(cfg, "n_layers_in_recurrent_block", int, 1),
-            num_coda_layers=_field(cfg, "n_layers_in_coda", int, 0),
+            num_prelude_layers=layers[0],
+            num_recurrent_layers=layers[1],
+            num_coda_layers=layers[2],
             num_recurrences=r,
             backprop_recurrences=backprop,
             input_injection="linear",
@@ -409,7 +415,8 @@ def raven_to_looped(ckpt_dir: PathLike, source_format: str = "huginn_raven", sta
         model = LoopedForCausalLM(config)
     model = model.to(dtype)
     if config.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # one tensor: the state dict names both
+        model.tie_weights()  # one tensor, as from_pretrained makes it; the state dict names it twice
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     check_against_model(weights, model, Path(ckpt_dir))
     model.load_state_dict(weights, strict=True)
     source = {
