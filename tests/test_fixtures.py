@@ -27,10 +27,6 @@ from conftest import FIXTURES, REPO, fixture_path
 BUDGET_BYTES = 12 * 1024 * 1024
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([\d,]+)\s*\|\s*([0-9a-f]{64})\s*\|\s*$")
 SETS = sorted(p for p in FIXTURES.iterdir() if p.is_dir()) if FIXTURES.is_dir() else []
-# A folder without a PROVENANCE.md of its own groups sets (tests/fixtures/zoo/<model>): each
-# subfolder is a set, so each model's data says where it came from.
-SETS = sorted(sub for p in SETS
-              for sub in ([p] if (p / "PROVENANCE.md").exists() else [s for s in p.iterdir() if s.is_dir()]))  # fmt: skip
 # The older test data with saved models carries its provenance too (the sweep recipe beside it is code).
 SETS.append(REPO / "tests" / "data" / "v0_1_0")
 #: The sets the tests need: each must be present (a clone without one fails here, by name).

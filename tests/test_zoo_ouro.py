@@ -1,6 +1,6 @@
 """Ouro converted by ``looped-hf convert ouro`` gives the outputs of Ouro's own code.
 
-The references are ``tests/fixtures/zoo/ouro-tiny`` (see its PROVENANCE.md): a 2-layer, width-64
+The references are ``tests/fixtures/zoo/ouro-tiny`` (see tests/fixtures/zoo/PROVENANCE.md): a 2-layer, width-64
 ``OuroForCausalLM`` with random weights, saved by Ouro's remote modeling_ouro.py under transformers
 4.55.4, and what that code computed in float32: logits after each loop count 1..4, each loop's
 normed state and the gate's logit on it, the per-step exit distribution, logits at exit threshold
