@@ -435,29 +435,25 @@ class LoopedHyperConnection(nn.Module):
         return mixed + gain * update.unsqueeze(0)
 
 
-class LoopedExitGate(nn.Linear):
-    """Ouro's exit gate (ByteDance's Ouro-1.4B / 2.6B): g_t = w . s_t + b, one logit per token on
-    each recurrence's state s_t (after the recurrence norm). lambda_t = sigmoid(g_t) is the chance
-    of stopping at step t having reached it, so the exit distribution over the r steps is
-    p_t = lambda_t * prod_(j<t) (1 - lambda_j), the last step taking what is left (p sums to 1
-    whatever the last gate says). See ``LoopedConfig.exit_gate``."""
+def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torch.Tensor:
+    """Ouro's exit distribution over the r recurrences, (batch, tokens, r), in float32 (a bf16
+    product of r survival terms would lose the small exit probabilities).
 
-    def __init__(self, config: LoopedConfig) -> None:
-        super().__init__(config.hidden_size, 1, bias=True)
-
-    def exit_probabilities(self, states: list[torch.Tensor]) -> torch.Tensor:
-        """p over the recurrences, (batch, tokens, r), in float32 (a bf16 product of r survival
-        terms would lose the small exit probabilities)."""
-        remaining = None
-        probabilities = []
-        for t, state in enumerate(states):
-            if t == len(states) - 1:
-                probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
-                break
-            stop = torch.sigmoid(self(state).squeeze(-1).float())
-            probabilities.append(stop if remaining is None else stop * remaining)
-            remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
-        return torch.stack(probabilities, dim=-1)
+    ``gate`` is ``LoopedModel.exit_gate``, Linear(hidden -> 1, with bias), read on each
+    recurrence's state s_t (after the recurrence norm): lambda_t = sigmoid(gate(s_t)) is the chance
+    of stopping at step t having reached it, so p_t = lambda_t * prod_(j<t) (1 - lambda_j), the
+    last step taking what is left (p sums to 1 whatever the last gate says). A plain function of
+    the module, not a method of a subclass, so a LoRA-wrapped gate still runs its own forward."""
+    remaining = None
+    probabilities = []
+    for t, state in enumerate(states):
+        if t == len(states) - 1:
+            probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
+            break
+        stop = torch.sigmoid(gate(state).squeeze(-1).float())
+        probabilities.append(stop if remaining is None else stop * remaining)
+        remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
+    return torch.stack(probabilities, dim=-1)
 
 
 def threshold_exit_steps(probabilities: torch.Tensor, threshold: float) -> torch.LongTensor:
@@ -578,7 +574,8 @@ class LoopedModel(LoopedPreTrainedModel):
         own = config.post_loop_norm == "own"
         self.post_loop_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
         self.norm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.exit_gate = LoopedExitGate(config) if config.exit_gate else None
+        # Ouro's exit gate (LoopedConfig.exit_gate): one logit per token on each recurrence's state.
+        self.exit_gate = nn.Linear(config.hidden_size, 1, bias=True) if config.exit_gate else None
         self.rotary_emb = LoopedRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -690,7 +687,9 @@ class LoopedModel(LoopedPreTrainedModel):
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
         # The gate reads every recurrence's state, so the loop keeps them when there is one.
         h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states or self.exit_gate is not None)
-        exit_probabilities = self.exit_gate.exit_probabilities(recurrent_states) if self.exit_gate is not None else None
+        exit_probabilities = None
+        if self.exit_gate is not None:
+            exit_probabilities = exit_gate_probabilities(self.exit_gate, recurrent_states)
         if post_loop is not None:
             h = post_loop(h)
         for j, layer in enumerate(self.coda_layers):
@@ -935,7 +934,6 @@ __all__ = [
     "LoopedPreTrainedModel",
     "LoopedModel",
     "LoopedForCausalLM",
-    "LoopedExitGate",
     "LoopedGenerateOutput",
     "RecurrenceDraftCandidateGenerator",
     "LoopedForSequenceClassification",

@@ -30,7 +30,12 @@ from transformers import AutoModelForCausalLM
 from looped_hf import LoopedConfig
 from looped_hf.convert import ConversionError, main
 from looped_hf.convert.ouro import OURO_SETTINGS, convert_ouro, ouro_config
-from looped_hf.modeling_looped import LoopedExitGate, LoopedForCausalLM, exit_gate_loss, threshold_exit_steps
+from looped_hf.modeling_looped import (
+    LoopedForCausalLM,
+    exit_gate_loss,
+    exit_gate_probabilities,
+    threshold_exit_steps,
+)
 
 DATA = fixture_path("zoo", "ouro-tiny")
 PROMPTS = ("p0", "p1")
@@ -73,14 +78,13 @@ def test_the_gate_turns_the_references_states_into_its_logits_exit_distribution_
     from safetensors.torch import load_file
 
     weights = load_file(DATA / "model.safetensors")
-    config = LoopedConfig(hidden_size=64, num_attention_heads=2, **{**OURO_SETTINGS, "exit_gate": True})
-    gate = LoopedExitGate(config)
+    gate = torch.nn.Linear(64, 1)
     gate.load_state_dict({"weight": weights["model.early_exit_gate.weight"], "bias": weights["model.early_exit_gate.bias"]})
     for p in PROMPTS:
         states = list(ref[f"{p}_step_hidden"])
         with torch.no_grad():
             logits = torch.cat([gate(s) for s in states], dim=-1)
-            probs = gate.exit_probabilities(states)
+            probs = exit_gate_probabilities(gate, states)
         assert_close(logits, ref[f"{p}_gate_logits"], 1e-6, f"{p} gate logits")
         assert_close(probs, ref[f"{p}_exit_pdf"], 1e-6, f"{p} exit distribution")
         assert torch.allclose(probs.sum(-1), torch.ones(1, probs.shape[1]), atol=1e-6)
@@ -317,3 +321,23 @@ def test_gqa_and_rope_scaling_map_onto_the_config() -> None:
     assert config.num_key_value_heads == 1
     assert config.rope_parameters == {"factor": 2.0, "rope_type": "linear", "rope_theta": 1e6}
     assert math.isclose(config.exit_gate_threshold, 1.0)
+
+
+def test_lora_on_every_linear_including_the_gate_trains_ouros_loss(folder: Path, ref) -> None:
+    """peft's "all-linear" wraps the gate too; the gate is read through its own forward, so the
+    adapter applies, and Ouro's loss reaches the gate's adapter."""
+    peft = pytest.importorskip("peft")
+    model = AutoModelForCausalLM.from_pretrained(folder, exit_gate_entropy_beta=0.05, dtype=torch.float32)
+    ids = ref["p1_input_ids"]
+    with torch.no_grad():
+        base = model(ids, exit_gate_output="weighted")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear"))
+    gate = lora.base_model.model.model.exit_gate
+    assert isinstance(gate, peft.tuners.lora.LoraLayer)
+    with torch.no_grad():
+        same = lora(ids, exit_gate_output="weighted")
+    assert_close(same.logits, base.logits, 1e-6, "LoRA at init")
+    assert_close(same.exit_probabilities, base.exit_probabilities, 1e-6, "LoRA at init: exit probabilities")
+    lora.train()
+    lora(input_ids=ids, labels=ids).loss.backward()
+    assert gate.lora_B["default"].weight.grad.abs().sum() > 0
