@@ -415,16 +415,47 @@ def nanochat_to_looped(ckpt_dir: PathLike, step: int | str | None = None) -> tup
 # --------------------------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------------------------
+#: Where a checkpoint folder keeps its own tokenizer, looked for in this order when --tokenizer is not
+#: given: a ``save_pretrained`` folder, or the ``tokenizer.json`` nanochat's ``Tokenizer.save`` writes.
+OWN_TOKENIZER = ("tokenizer_config.json", "tokenizer/tokenizer_config.json", "tokenizer.json",
+                 "tokenizer/tokenizer.json")  # fmt: skip
+
+
+def find_tokenizer(ckpt_dir: PathLike, vocab_size: int, notes: list[str]) -> str | None:
+    """The tokenizer a checkpoint brings with it, when ``--tokenizer`` is not given: the folder's
+    own (``OWN_TOKENIZER``), else looped_hf's embedded tokenizer when the vocabulary has exactly its
+    size, else ``None`` (a note says the folder ships without one)."""
+    from looped_hf.data.tokenizer import embedded_tokenizer_path
+
+    for relative in OWN_TOKENIZER:
+        path = Path(ckpt_dir) / relative
+        if path.is_file():
+            return str(path.parent if path.name == "tokenizer_config.json" else path)
+    embedded = embedded_tokenizer_path()
+    from tokenizers import Tokenizer
+
+    if Tokenizer.from_file(str(embedded)).get_vocab_size() == vocab_size:
+        notes.append(f"no tokenizer in the checkpoint folder: shipped looped_hf's embedded tokenizer, whose "
+                     f"{vocab_size} tokens match vocab_size")  # fmt: skip
+        return str(embedded)
+    notes.append(f"no tokenizer in the checkpoint folder, and vocab_size={vocab_size} is not the embedded "
+                 "tokenizer's: the folder has none (pass --tokenizer, the study's is NousResearch/Llama-2-7b-hf)")  # fmt: skip
+    return None
+
+
 def load_study_tokenizer(name: str, vocab_size: int, notes: list[str] | None = None) -> Any:
     """``AutoTokenizer.from_pretrained(name)``, with the study's special tokens added when the
     tokenizer is short of exactly them (its ``get_tokenizer`` adds ``<|assistant_end|>`` to the
     Llama-2 tokenizer); then it must have ``vocab_size`` tokens, as the study's ``build_model`` checks."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     notes = [] if notes is None else notes
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
+        if Path(name).is_file():  # a tokenizers file, as nanochat's Tokenizer.save writes it
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(name))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises a plain Exception for a broken file
         raise ConversionError(
             f"--tokenizer {name!r}: could not be loaded ({type(err).__name__}: {err})"
         ) from None
@@ -564,8 +595,10 @@ def convert_nanochat(
         ckpt_dir: the directory holding ``model_<step>.pt`` and ``meta_<step>.json``.
         out: the folder to write (built in a temporary sibling, moved into place at the end).
         step: a step number or alias (default: the largest numbered step).
-        tokenizer: a tokenizer name or path for ``AutoTokenizer``; saved into the folder after the
-            vocabulary check (:func:`load_study_tokenizer`).
+        tokenizer: a tokenizer name or path for ``AutoTokenizer`` (or a ``tokenizer.json`` file);
+            saved into the folder after the vocabulary check (:func:`load_study_tokenizer`).
+            Default: the checkpoint folder's own, else the embedded one when the vocabulary
+            sizes match, else none (:func:`find_tokenizer`; the card's notes say which).
         repo_id: ``ORG/NAME`` for the card's loading code (default: the folder's name).
         license: license id for the card metadata (default: none stated).
         overwrite: replace an existing ``out`` (otherwise refused).
@@ -579,6 +612,8 @@ def convert_nanochat(
     dest = check_target(ckpt_dir, out, overwrite=overwrite, repo_id=repo_id)
     model, ckpt = nanochat_to_looped(ckpt_dir, step)
     tok = None
+    if tokenizer is None:
+        tokenizer = find_tokenizer(ckpt_dir, model.config.vocab_size, ckpt.notes)
     if tokenizer is not None:
         tok = load_study_tokenizer(tokenizer, model.config.vocab_size, ckpt.notes)
         for attr in ("bos_token_id", "eos_token_id"):
@@ -604,6 +639,7 @@ __all__ = [
     "flip_second_rotary_half",
     "latest_nanochat_step",
     "load_nanochat_checkpoint",
+    "find_tokenizer",
     "load_study_tokenizer",
     "nanochat_config",
     "nanochat_key",
@@ -620,6 +656,10 @@ CLI_OPTIONS = ("step", "tokenizer")
 def convert_cli(source_format: str, ckpt_dir: PathLike, out: PathLike, *, repo_id: str | None,
                 license: str | None, overwrite: bool, step: int | str | None = None,
                 tokenizer: str | None = None) -> Path:  # fmt: skip
-    """``looped-hf convert nanochat``: :func:`convert_nanochat`."""
-    return convert_nanochat(ckpt_dir, out, step=step, tokenizer=tokenizer, repo_id=repo_id, license=license,
-                            overwrite=overwrite)  # fmt: skip
+    """``looped-hf convert nanochat``: :func:`convert_nanochat`; says so when the folder has no tokenizer."""
+    folder = convert_nanochat(ckpt_dir, out, step=step, tokenizer=tokenizer, repo_id=repo_id, license=license,
+                              overwrite=overwrite)  # fmt: skip
+    if not (folder / "tokenizer_config.json").is_file():
+        print(f"[convert] no tokenizer: {ckpt_dir} has none and its vocabulary is not the embedded tokenizer's; "
+              "pass --tokenizer NAME (the study's: NousResearch/Llama-2-7b-hf) to serve or evaluate the folder")  # fmt: skip
+    return folder
