@@ -850,11 +850,13 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             step_logits = [self.logits_from_hidden(state) for state in states]
         used = None
         if output == "threshold":
-            # Each token's state at its exit step, then one head pass (not one per step).
+            # Each token's state (or, when every step's logits exist anyway, its logits) at its
+            # exit step: one head pass, not one per step.
             steps = threshold_exit_steps(probabilities, threshold)
-            stacked = torch.stack(states, dim=2)
+            stacked = torch.stack(step_logits if step_logits is not None else states, dim=2)
             index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
-            logits = self.logits_from_hidden(stacked.gather(2, index).squeeze(2))
+            picked = stacked.gather(2, index).squeeze(2)
+            logits = picked if step_logits is not None else self.logits_from_hidden(picked)
             used = steps + 1
         elif output == "weighted":
             # sum_t p_t logits_t, accumulated in step order (as Ouro's code does).

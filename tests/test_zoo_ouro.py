@@ -212,6 +212,8 @@ def test_the_entropy_regularised_loss_is_sum_p_t_l_t_minus_beta_h_computed_by_ha
         entropy = -sum(p[i, t] * torch.log(p[i, t]) for t in range(4))
         terms.append(expected_loss - beta * entropy)
     by_hand = torch.stack(terms).mean()
+    # The threshold readout (the converted default, 1.0) picks from the step logits the loss computed.
+    assert_close(out.logits, ref["p1_default_logits"], TOLERANCE, "threshold readout beside Ouro's loss")
     assert abs(out.loss.item() - by_hand.item()) < 1e-5, (out.loss.item(), by_hand.item())
     out.loss.backward()
     assert model.model.exit_gate.weight.grad is not None and model.model.exit_gate.weight.grad.abs().sum() > 0
