@@ -307,9 +307,12 @@ def test_a_weight_ouro_does_not_have_is_refused_by_name(tmp_path: Path) -> None:
         convert_ouro(src, tmp_path / "out")
 
 
-def test_the_cli_writes_a_folder_with_a_card(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "converted"
-    assert main(["ouro", str(DATA), "--out", str(out)]) == 0
+def test_the_cli_writes_a_folder_with_a_card_and_the_tokenizer_files(tmp_path: Path, capsys) -> None:
+    src, out = _copy(tmp_path), tmp_path / "converted"
+    tokenizer = b'{"version": "1.0", "model": {"type": "BPE"}}'
+    (src / "tokenizer.json").write_bytes(tokenizer)
+    assert main(["ouro", str(src), "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == tokenizer
     assert "[convert] wrote" in capsys.readouterr().out
     card = (out / "README.md").read_text()
     assert "converted_from" in card and "format: ouro" in card

@@ -3,7 +3,7 @@
     looped-hf convert ouro ./Ouro-1.4B --out ./Ouro-1.4B-looped
 
 Reads the folder Ouro's own code saved (``config.json``, ``model.safetensors`` or its shards, the
-tokenizer if there is one) and writes a looped_hf folder that ``AutoModelForCausalLM`` loads with
+tokenizer files if there are any, copied as they are) and writes a looped_hf folder that ``AutoModelForCausalLM`` loads with
 the same logits. Ouro is a whole-stack loop, which ``LoopedConfig`` says as:
 
 * no prelude, no coda, no re-injection: all ``num_hidden_layers`` layers are the recurrent block,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 
 from ..publish import PathLike
 from .common import ConversionError, check_against_model, check_target, write_folder
+from .huginn_raven import TOKENIZER_FILES
 
 OURO_URL = "https://huggingface.co/ByteDance/Ouro-1.4B"
 #: Keys of Ouro's config.json that change nothing in its forward (bookkeeping, or a switch whose
@@ -95,8 +97,6 @@ _TOP_LEVEL = {
     "lm_head.weight": "lm_head.weight",
 }
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-#: Tokenizer files a Hub folder may carry; with any of them the tokenizer is loaded and saved along.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _bad(field: str, value: Any, why: str) -> ConversionError:
@@ -235,21 +235,6 @@ def _card(model: Any, folder: Path, repo_id: str, license: str | None) -> Any:
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 
 
-def _tokenizer(folder: Path, vocab_size: int) -> Any:
-    """The source folder's tokenizer, or ``None`` if it has none; refused if it does not fit."""
-    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as err:
-        raise ConversionError(f"{folder}: its tokenizer does not load ({str(err).splitlines()[0]})") from None
-    if len(tok) > vocab_size:
-        raise ConversionError(f"{folder}: the tokenizer has {len(tok)} tokens, more than vocab_size={vocab_size}")
-    return tok
-
-
 def convert_ouro(folder: PathLike, out: PathLike, *, repo_id: str | None = None, license: str | None = None,
                  overwrite: bool = False) -> Path:  # fmt: skip
     """Write a looped_hf folder for the Ouro folder ``folder`` and return its path. Raises
@@ -267,14 +252,14 @@ def convert_ouro(folder: PathLike, out: PathLike, *, repo_id: str | None = None,
         for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(generation, attr, None) is not None:
                 setattr(model.generation_config, attr, getattr(generation, attr))
-    tok = _tokenizer(src, model.config.vocab_size)
+    # The tokenizer travels as its files, byte for byte (Ouro's is a plain transformers tokenizer).
+    tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
 
     def extras(tmp: Path) -> list[str]:
+        for file in tokenizer_files:
+            shutil.copyfile(file, tmp / file.name)
         _card(model, src, repo_id or f"path/to/{dest.name}", license).save(tmp / CARD_NAME)
-        if tok is None:
-            return []
-        tok.save_pretrained(tmp)
-        return ["tokenizer_config.json"]
+        return [file.name for file in tokenizer_files]
 
     return write_folder(model, dest, extras)
 
