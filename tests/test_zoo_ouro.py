@@ -346,3 +346,19 @@ def test_lora_on_every_linear_including_the_gate_trains_ouros_loss(folder: Path,
     lora.train()
     lora(input_ids=ids, labels=ids).loss.backward()
     assert gate.lora_B["default"].weight.grad.abs().sum() > 0
+
+
+def test_generate_at_another_r_and_with_a_kv_budget_decodes_as_full_forwards(model, ref) -> None:
+    """Cached decoding at r = 2 (kv_budget 1 and none) picks the tokens repeated full forwards at
+    r = 2 pick; at the trained r a budget of r is the default cache."""
+    ids = ref["p0_input_ids"]
+    expected = ids
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = model(expected, num_recurrences=2, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, nxt], dim=1)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, num_recurrences=2), expected)
+    budget = model.generate(ids, max_new_tokens=6, do_sample=False, num_recurrences=2, kv_budget=1)
+    assert budget.shape == expected.shape  # a budget changes which KV later tokens read: runs, not equal
+    full = model.generate(ids, max_new_tokens=8, do_sample=False, kv_budget=4)
+    assert torch.equal(full, ref["p0_greedy_nocache"])
