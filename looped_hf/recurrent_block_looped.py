@@ -40,8 +40,11 @@ class LoopedRecurrentBlock:
         self.layers = model.recurrent_layers
         self.injection = model.injection
         self.hyperconnection = model.hyperconnection
-        # The final norm itself where the config shares its weight (Ouro): see ``LoopedModel.loop_norms``.
-        self.recurrence_norm = model.loop_norms()[0]
+        self.recurrence_norm = model.recurrence_norm
+        if self.config.recurrence_norm and self.config.recurrence_norm_weight == "final":
+            # The final norm itself, one weight (Ouro): see ``LoopedModel.loop_norms``. Read by name, as
+            # every module here, so the vLLM model (its own ``norm``) runs this loop too.
+            self.recurrence_norm = model.norm
         self.plan = plan
         self.layer_kwargs = layer_kwargs
         self.cache = layer_kwargs.get("cache")

@@ -296,6 +296,27 @@ def test_an_unknown_value_is_refused_by_name_and_nothing_is_written(name, edit, 
     assert not (tmp_path / f"{name}-looped").exists()
 
 
+def test_a_bfloat16_checkpoint_converts_in_bfloat16_weight_for_weight(tmp_path: Path) -> None:
+    """Huginn-0125 ships bf16 weights: the folder keeps them in bf16, every tensor moved, never rounded."""
+    src = _copy("huginn-tiny", tmp_path)
+    native = {k: t.to(torch.bfloat16) for k, t in load_file(src / "model.safetensors").items()}
+    save_file(native, src / "model.safetensors")
+    out = convert_raven(src, tmp_path / "out")
+    weights = load_file(out / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert torch.equal(weights["model.embed_tokens.weight"], native["transformer.wte.weight"])
+    assert torch.equal(weights["model.recurrent_layers.1.mlp.down_proj.weight"],
+                       native["transformer.core_block.1.mlp.proj.weight"])  # fmt: skip
+    model = _load(out)
+    assert model.dtype == torch.float32  # loaded as asked; the bf16 values upcast exactly
+    assert model.config.rope_table_dtype == "bfloat16"  # Huginn's table was saved in bf16 too: rounded alike
+    ref = _reference("huginn-tiny")
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ref["p0_input_ids"]), num_recurrences=4).logits
+    # bf16 weights: near the fp32 reference, not equal (the point is the dtype, not the values).
+    assert (logits - torch.from_numpy(ref["p0_r4_logits"])).abs().max().item() < 1.0
+
+
 def test_an_unknown_weight_or_a_flag_of_another_format_is_refused(tmp_path: Path, capsys) -> None:
     src = _copy("retrofit-llama-tiny", tmp_path)
     weights = load_file(src / "model.safetensors")

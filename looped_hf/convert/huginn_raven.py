@@ -30,7 +30,8 @@ What the conversion does (every step exact):
 * The adapter reads ``[state; embeddings]``; looped_hf's linear injection reads ``[e; h]``, so
   its two column blocks swap.
 * ``freqs_cis`` (Huginn's saved RoPE table) is dropped after checking it is the table
-  ``rope_base`` gives; the head is kept when untied and must equal the embedding when tied
+  ``rope_base`` gives (saved in bf16 / fp16, the converted model rounds its tables alike:
+  ``rope_table_dtype``); the head is kept when untied and must equal the embedding when tied
   (``tie_embeddings``, written as ``tie_word_embeddings``).
 * h_0: the references start from a zero state (Huginn's ``init_scale=0``), and so does the
   converted model by default (``state_init="zeros"``: deterministic, as generate() and vLLM
@@ -309,7 +310,8 @@ def check_freqs_cis(freqs_cis: torch.Tensor, config: Any) -> None:
     angles = torch.outer(torch.arange(freqs_cis.shape[1], dtype=torch.float32), inv_freq)
     expected = torch.stack([angles.cos(), angles.sin()], dim=-1)
     error = (freqs_cis[0, :, 0].float() - expected).abs().max().item()
-    if error > 1e-4:
+    # A table saved in bf16 / fp16 is the same table rounded: cos and sin are <= 1, so within eps.
+    if error > max(1e-4, torch.finfo(freqs_cis.dtype).eps):
         raise ConversionError(f"freqs_cis differs from the RoPE table of rope_base={base} by {error:.3g}: "
                               "the checkpoint rotates by other angles than its config says")  # fmt: skip
 
@@ -389,7 +391,7 @@ def raven_state_dict(tensors: Mapping[str, torch.Tensor], config: Any, variant: 
 
 
 def raven_to_looped(ckpt_dir: PathLike, source_format: str = "huginn_raven", state_init: str = "zeros") -> tuple[Any, dict[str, Any]]:
-    """Load a huginn_raven checkpoint as a ``LoopedForCausalLM`` (eval mode, the checkpoint's dtype)
+    """Load a huginn_raven checkpoint as a ``LoopedForCausalLM`` (eval mode, in the checkpoint's dtype)
     with the original's logits. ``source_format`` (a ``FORMAT_VARIANTS`` key) names the variants
     accepted; the one in the weights must be among them. Returns the model and what the card
     records (variant, native config, files and their sha256)."""
@@ -406,14 +408,18 @@ def raven_to_looped(ckpt_dir: PathLike, source_format: str = "huginn_raven", sta
                               f"(expected {' or '.join(FORMAT_VARIANTS[source_format])}); "
                               "`looped-hf convert huginn_raven` detects it")  # fmt: skip
     config = raven_config(cfg, variant, state_init)
+    freqs_cis = tensors.get("freqs_cis")
+    if freqs_cis is not None and freqs_cis.dtype in (torch.bfloat16, torch.float16):
+        # Huginn rotates with the table as saved: rounded to bf16 / fp16, the same rounding here.
+        config.rope_table_dtype = str(freqs_cis.dtype).removeprefix("torch.")
     dtypes = {t.dtype for key, t in tensors.items() if key != "freqs_cis"}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise ConversionError(f"{ckpt_dir}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype")
     dtype = dtypes.pop()
     weights = raven_state_dict(tensors, config, variant)
     with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
-        model = LoopedForCausalLM(config)
-    model = model.to(dtype)
+        # Built in the checkpoint's dtype (a bf16 Huginn-0125 never exists in fp32 here).
+        model = LoopedForCausalLM._from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
         model.tie_weights()  # one tensor, as from_pretrained makes it; the state dict names it twice
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
