@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from looped_hf import LoopedConfig
 from looped_hf.convert import ConversionError, main
-from looped_hf.convert.ouro import OURO_SETTINGS, convert_ouro, ouro_config
+from looped_hf.convert.ouro import OURO_SETTINGS, convert_ouro, ouro_config, ouro_to_looped
 from looped_hf.modeling_looped import (
     LoopedForCausalLM,
     exit_gate_loss,
@@ -362,3 +362,18 @@ def test_generate_at_another_r_and_with_a_kv_budget_decodes_as_full_forwards(mod
     assert budget.shape == expected.shape  # a budget changes which KV later tokens read: runs, not equal
     full = model.generate(ids, max_new_tokens=8, do_sample=False, kv_budget=4)
     assert torch.equal(full, ref["p0_greedy_nocache"])
+
+
+def test_a_bf16_checkpoint_converts_in_bf16(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = _copy(tmp_path)
+    save_file({k: v.bfloat16() for k, v in load_file(src / "model.safetensors").items()}, src / "model.safetensors")
+    model = ouro_to_looped(src)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.equal(model.model.exit_gate.bias, load_file(src / "model.safetensors")["model.early_exit_gate.bias"])
+    with torch.no_grad():
+        out = model(torch.tensor([[37, 235, 140, 72]]), exit_gate_output="weighted")
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+    assert out.exit_probabilities.dtype == torch.float32  # the survival product stays in float32
+    assert torch.allclose(out.exit_probabilities.sum(-1), torch.ones(1, 4))

@@ -161,7 +161,7 @@ def ouro_key(key: str) -> str | None:
 
 
 def load_ouro_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` (or the shards its index names), fp32."""
+    """Every tensor of ``model.safetensors`` (or the shards its index names), as saved."""
     from safetensors.torch import load_file
 
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
@@ -177,11 +177,12 @@ def load_ouro_weights(folder: Path) -> dict[str, torch.Tensor]:
         if not path.is_file():
             raise ConversionError(f"{path}: named by the index but missing")
         weights.update(load_file(path))
-    return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    return weights
 
 
 def ouro_to_looped(folder: PathLike) -> Any:
-    """An Ouro folder as a ``LoopedForCausalLM`` (eval mode, fp32) with the same logits."""
+    """An Ouro folder as a ``LoopedForCausalLM`` (eval mode, in the checkpoint's dtype) with the
+    same logits."""
     from transformers.initialization import no_init_weights
 
     from looped_hf import LoopedForCausalLM
@@ -203,8 +204,12 @@ def ouro_to_looped(folder: PathLike) -> Any:
     if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
         # A tied head is the embedding (a saved lm_head copy, if any, must be the same tensor).
         weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    dtypes = {t.dtype for t in weights.values()}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise ConversionError(f"{folder}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype")
     with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
-        model = LoopedForCausalLM(config)
+        # Built in the checkpoint's dtype: the released bf16 models stay bf16 (half the size).
+        model = LoopedForCausalLM._from_config(config, dtype=dtypes.pop())
     check_against_model(weights, model, folder)
     model.load_state_dict(weights, strict=True)
     return model.eval()
