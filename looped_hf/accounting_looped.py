@@ -13,6 +13,8 @@ imports only torch. The functions read the model's modules by name (``model.mode
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
@@ -21,15 +23,21 @@ def parameter_groups(base: nn.Module) -> dict[str, list[nn.Parameter]]:
 
     ``recurrent`` (N_rec): the block and the injection adapter or hyperconnection gains.
     ``once`` (N_once): prelude + coda + the model-level norm scales, the recurrence norm INCLUDED
-    although it runs r times (the study counts all three norm scales as run-once "scalars").
+    although it runs r times (the study counts all three norm scales as run-once "scalars"), and
+    the post-loop norm's when it has its own (a norm that shares the final norm's weight adds no
+    parameter). Norms inside the layers (sandwich, output norms, QK-norm scales) and the q/k
+    biases count with their layer: N_once in the prelude and coda, N_rec in the block.
     ``embedding``: the token embedding, apart (a lookup: no FLOPs).
+    Ouro's exit gate (``exit_gate``), a d -> 1 matmul on every recurrence's state, is ``recurrent``:
+    it runs r times per token, as the block does (unlike the norm scales, it is a matmul).
     """
     once = [*base.prelude_layers.parameters(), *base.coda_layers.parameters(), *base.norm.parameters()]
-    for module in (base.embedding_norm, base.recurrence_norm):
+    # getattr: a model built by an older modeling file (remote code) has no post_loop_norm.
+    for module in (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None)):
         if module is not None:
             once += list(module.parameters())
     recurrent = list(base.recurrent_layers.parameters())
-    for module in (base.injection, base.hyperconnection):
+    for module in (base.injection, base.hyperconnection, getattr(base, "exit_gate", None)):
         if module is not None:
             recurrent += list(module.parameters())
     return {"once": once, "recurrent": recurrent, "embedding": list(base.embed_tokens.parameters())}
@@ -55,8 +63,21 @@ def num_scaling_params(model: nn.Module) -> dict[str, int]:
     return groups
 
 
-def _flops_terms(model: nn.Module, seq_len: int, num_recurrences: int | None) -> tuple[int, int, int, int, int]:
-    """(r, r_grad, N_once + N_head, N_rec per recurrence, h * q): the terms both FLOP counts use."""
+def head_passes(config: Any, num_recurrences: int, training: bool) -> int:
+    """LM-head matmuls per token: one, or r when the exit gate reads every recurrence's logits
+    (``exit_gate_output="weighted"``, or Ouro's loss ``exit_gate_entropy_beta`` in training). The
+    threshold readout gathers each token's exit state first: one pass."""
+    if not getattr(config, "exit_gate", False):
+        return 1
+    every_step = config.exit_gate_output == "weighted" or (training and config.exit_gate_entropy_beta is not None)
+    return num_recurrences if every_step else 1
+
+
+def _flops_terms(
+    model: nn.Module, seq_len: int, num_recurrences: int | None, training: bool = False
+) -> tuple[int, int, int, int, int]:
+    """(r, r_grad, N_once + N_head, N_rec per recurrence, h * q): the terms both FLOP counts use;
+    N_head counts every head pass (``head_passes``)."""
     config = model.config
     r = config.num_recurrences if num_recurrences is None else int(num_recurrences)
     if r < 1 or seq_len < 1:
@@ -66,7 +87,7 @@ def _flops_terms(model: nn.Module, seq_len: int, num_recurrences: int | None) ->
     params = num_scaling_params(model)
     # The head's matmul costs V*d per token whether or not its weights are tied; V counts the
     # padded rows (they are computed, then cropped), as the study's estimate_flops does.
-    n_head = config.padded_vocab_size * config.hidden_size
+    n_head = config.padded_vocab_size * config.hidden_size * head_passes(config, r, training)
     n_rec = params["recurrent"]
     base = model.model
     hc = base.hyperconnection
@@ -76,9 +97,10 @@ def _flops_terms(model: nn.Module, seq_len: int, num_recurrences: int | None) ->
         # (N^2 + 2N) d "equivalent params" per recurrence in place of the r (N^2 + 2N) scalars.
         n = hc.num_lanes
         n_rec += (n * n + 2 * n) * config.hidden_size - sum(p.numel() for p in hc.parameters())
-    # The model-level norm scales (after the embedding, after each recurrence, before the head)
-    # are elementwise, not matmuls: the study's estimate_flops leaves them out; so do we.
-    norms = (base.embedding_norm, base.recurrence_norm, base.norm)
+    # The model-level norm scales (after the embedding, after each recurrence, after the loop,
+    # before the head) are elementwise, not matmuls: the study's estimate_flops leaves them out; so
+    # do we (and the embedding multiplier, elementwise too).
+    norms = (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None), base.norm)
     scalars = sum(p.numel() for m in norms if m is not None for p in m.parameters())
     return r, r_grad, params["once"] - scalars + n_head, n_rec, config.num_attention_heads * config.head_dim
 
@@ -90,8 +112,10 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
     input and of the weights): 6N per token for a parameter used once with gradient. So:
 
         6 * (N_once + N_head)                          prelude, coda (their layer norms too, as
-                                                       the study), lm_head; not the model-level
-                                                       norm scales (elementwise)
+                                                       the study), lm_head (r times for an exit
+                                                       gate's per-step loss or weighted
+                                                       readout); not the model-level norm
+                                                       scales (elementwise)
       + (6 * r_grad + 2 * r_nograd) * N_rec            the block + injection (hyperconnections:
                                                        (N^2 + 2N) d per step, as the study);
                                                        with truncated backprop only
@@ -104,7 +128,7 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
     size q. The embedding lookup is free. Norm and elementwise FLOPs are ignored (O(d)).
     """
     config = model.config
-    r, r_grad, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences)
+    r, r_grad, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences, training=True)
     r_nograd = r - r_grad
     K = config.num_recurrent_layers
     apps_grad = config.num_prelude_layers + config.num_coda_layers + r_grad * K
@@ -116,9 +140,10 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
 
 def inference_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: int | None = None) -> float:
     """Forward-only FLOPs per token at context ``seq_len``: 2 * (N_once + N_head + r * N_rec)
-    + 4 * h * q * T per layer application (P + r*K + C applications)."""
+    + 4 * h * q * T per layer application (P + r*K + C applications); N_head r times for the
+    exit gate's weighted readout."""
     r, _, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences)
     return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * model.config.num_layer_applications(r))
 
 
-__all__ = ["inference_flops_per_token", "num_scaling_params", "parameter_groups", "training_flops_per_token"]
+__all__ = ["head_passes", "inference_flops_per_token", "num_scaling_params", "parameter_groups", "training_flops_per_token"]

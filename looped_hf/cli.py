@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("looped_hf.planner", "from a fit: compute-optimal width, r and tokens per budget, predicted loss"),
     "card": ("looped_hf.cards", "write a sweep's model card (phi, plots, runs)"),
     "publish": ("looped_hf.publish", "write a Hub-ready folder for one run; --push uploads it"),
-    "convert": ("looped_hf.convert", "convert a study (nanochat) checkpoint into a Hub-ready looped_hf folder"),
+    "convert": ("looped_hf.convert", "convert a study (nanochat), Huginn or retrofitted checkpoint into a Hub-ready folder"),
     "eval": ("looped_hf.evaluation.cli", "downstream tasks (study bundles, built-in primitives, lm-eval) at every r"),
     "serve": ("looped_hf.serving.cli", "serve a checkpoint with vLLM's OpenAI-compatible server (r, kv_budget per server)"),
     "test-time": ("looped_hf.recurrence_curves", "held-out loss of a checkpoint at r = 1 .. 4x its trained r (table + plot)"),

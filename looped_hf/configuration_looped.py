@@ -36,8 +36,19 @@ from transformers.configuration_utils import PreTrainedConfig
 
 INPUT_INJECTIONS = ("linear", "add", "none", "hyperconnection")
 # "after_rope": the study's parameter-free RMSNorm of q and k after RoPE (nanochat/gpt.py);
-# "learnable_before_rope": per-head RMSNorm with a learnable scale before RoPE (OLMo-2 / Qwen3).
-QK_NORMS = ("after_rope", "learnable_before_rope", "none")
+# "learnable_before_rope": per-head RMSNorm with a learnable scale before RoPE (Qwen3);
+# "learnable_projection_before_rope": one RMSNorm over the whole q (and k) projection, all heads
+# together, with a learnable scale, before the head split and RoPE (OLMo-2).
+QK_NORMS = ("after_rope", "learnable_before_rope", "learnable_projection_before_rope", "none")
+# Where a decoder layer's RMSNorms sit (n: a norm, each its own weight):
+# "pre": x = x + attn(n1 x); x = x + mlp(n2 x)                       (Llama, the study)
+# "sandwich": x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))          (Huginn)
+# "sublayer_output": x = x + n1(attn x); x = x + n2(mlp x)           (OLMo-2)
+# "pre_and_output": x = x + n2(attn(n1 x)); x = x + n4(mlp(n3 x))    (Ouro, Gemma-2)
+NORM_PLACEMENTS = ("pre", "sandwich", "sublayer_output", "pre_and_output")
+# Where a model-level norm takes its weight: "own" (its own scale) or "final" (the final norm's,
+# one tensor: Huginn's ln_f after the loop, Ouro's model.norm at the end of every recurrence).
+SHARED_NORM_WEIGHTS = ("own", "final")
 # "hf": transformers' normal(0, initializer_range); "study": nanochat/gpt.py init_weights.
 INIT_SCHEMES = ("hf", "study")
 LOOPED_FORMAT = 2  # the forward semantics this file implements; see the module docstring
@@ -47,7 +58,9 @@ LOOPED_FORMATS = (1, LOOPED_FORMAT)
 # within a few x), and each recurrence costs K layer applications per token, so a typo such as
 # r = 10**7 is refused with its cost instead of running for days.
 RECURRENCE_CEILING_FACTOR = 64
-STATE_INITS = ("prelude", "zeros", "noise")
+# "truncated_normal": Huginn's h_0, a normal at state_init_std truncated at +-3 std, times the
+# embedding multiplier (seal-rg/recurrent-pretraining raven_modeling_minimal.py initialize_state).
+STATE_INITS = ("prelude", "zeros", "noise", "truncated_normal")
 ROPE_TABLE_DTYPES = ("bfloat16", "float16", "float32")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
@@ -69,6 +82,10 @@ EXIT_THRESHOLD_RANGES = {
     "cosine": (0.0, 2.0, False),
     "argmax_stability": (0, math.inf, True),
 }
+# What the logits of a model with an exit gate are (Ouro, ByteDance 2025, its modeling_ouro.py
+# ``OuroForCausalLM.forward``): the last recurrence's; the recurrence where each token's exit CDF
+# first reaches ``exit_gate_threshold``; or the expectation sum_t p_t logits_t.
+EXIT_GATE_OUTPUTS = ("last", "threshold", "weighted")
 # The Auto class -> model class pairs modeling_looped.py provides (written to every ``auto_map``).
 AUTO_CLASSES = {
     "AutoModel": "LoopedModel",
@@ -273,17 +290,26 @@ class LoopedConfig(PreTrainedConfig):
     num_hyperconnection_lanes:
         Lanes for ``"hyperconnection"`` (the study uses 2).
     state_init:
-        h_0: ``"prelude"`` (h_0 = e), ``"zeros"``, or ``"noise"`` (Huginn: Gaussian with std
-        ``state_init_std``). ``None`` (default) is the study's choice for the injection: h_0 = 0
-        for ``"add"`` (so the first block input is e, not 2e), h_0 = e otherwise (hyperconnection
-        lanes all start as e).
+        h_0: ``"prelude"`` (h_0 = e), ``"zeros"``, ``"noise"`` (Gaussian with std
+        ``state_init_std``) or ``"truncated_normal"`` (Huginn's: a normal with std
+        ``state_init_std`` truncated at +-3 std, times ``embedding_multiplier``; std 0 gives the
+        deterministic zero state, Huginn's ``init_scale=0``). The random inits draw from the
+        global RNG (``set_seed`` makes them reproducible). ``None`` (default) is the study's
+        choice for the injection: h_0 = 0 for ``"add"`` (so the first block input is e, not 2e),
+        h_0 = e otherwise (hyperconnection lanes all start as e).
     backprop_recurrences:
         ``None``: full backprop through the loop. ``k``: only the last k recurrences carry
         gradient; the first r - k run under ``no_grad`` (truncated backprop; the same gradients
         as the study's detach of the state). Refused with hyperconnections unless k = r, as the
         study's config does: the per-step gains of the detached steps would never train.
     recurrence_norm:
-        RMSNorm (one shared weight) at the end of every recurrence.
+        RMSNorm (one shared weight) at the end of every recurrence; its output is the next
+        recurrence's state.
+    recurrence_norm_weight:
+        Whose scale the recurrence norm uses: ``"own"`` (default: its own weight) or ``"final"``
+        (the final norm's, one tensor: Ouro's ``model.norm`` closes every loop, and each loop's
+        state feeds the LM head directly). With ``"final"`` and no coda, the loop's last norm IS
+        the final norm, so it is not applied a second time. Needs ``recurrence_norm``.
     kv_budget:
         ``None`` (default): every recurrence keeps its own KV-cache slots (P + r*K + C slots).
         ``k``: only k recurrence slots, the study's engine (nanochat/gpt.py ``_get_kv_layer_idx``):
@@ -316,10 +342,30 @@ class LoopedConfig(PreTrainedConfig):
         off); outputs carry ``recurrences_used`` per token. Compute is saved when every token of
         a call has stopped (decoding at batch 1: each token's own exit); until then stopped tokens
         are computed and discarded, and under ``torch.compile`` every recurrence runs.
+    exit_gate, exit_gate_output, exit_gate_threshold, exit_gate_entropy_beta:
+        Ouro's learned exit (ByteDance's Ouro-1.4B / 2.6B). ``exit_gate=True`` adds a gate,
+        Linear(hidden -> 1, with bias), read on each recurrence's state after the recurrence
+        norm: lambda_t = sigmoid(g_t) is the chance to stop at step t given the token got there,
+        so the exit distribution is p_t = lambda_t * prod_(j<t) (1 - lambda_j), the last step
+        taking the remainder; outputs carry it as ``exit_probabilities`` (batch, tokens, r).
+        ``exit_gate_output`` says which logits the model returns: ``"last"`` (default: the r-th
+        recurrence's, as without a gate), ``"threshold"`` (per token, the first step whose CDF
+        reaches ``exit_gate_threshold``, the last if none does; ``recurrences_used`` says which)
+        or ``"weighted"`` (sum_t p_t logits_t). As in Ouro's own code every recurrence still runs
+        for every token (a later token attends to an exited token's KV of every step), so the
+        exit selects outputs and saves no compute. ``exit_gate_entropy_beta``: ``None`` (default)
+        trains on the returned logits; a number beta gives Ouro's objective, per labelled token
+        sum_t p_t L_t - beta H(p), L_t the cross-entropy of step t's logits and H the entropy of
+        p. The gate decides each token's exit, so it is refused together with ``exit_criterion``;
+        a readout other than the last recurrence's, or the entropy loss, needs step t's logits,
+        so it is refused with coda layers (each step would need its own coda pass). ``forward``
+        and ``generate`` accept ``exit_gate_output=`` and ``exit_gate_threshold=`` per call.
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
-        ``"learnable_before_rope"`` (OLMo-2 / Qwen3: a learnable per-head scale, before RoPE) or
-        ``"none"``. ``True`` / ``False`` are read as ``"after_rope"`` / ``"none"`` (in a format-1
+        ``"learnable_before_rope"`` (Qwen3: a learnable per-head scale, before RoPE),
+        ``"learnable_projection_before_rope"`` (OLMo-2: one RMSNorm over the whole q projection,
+        all heads together, and one over k, learnable scales of width heads x head_dim, before
+        the head split and RoPE) or ``"none"``. ``True`` / ``False`` are read as ``"after_rope"`` / ``"none"`` (in a format-1
         checkpoint ``True`` was the learnable form).
     init_scheme:
         ``"hf"`` (default: transformers' normal(0, ``initializer_range``)) or ``"study"``
@@ -338,8 +384,35 @@ class LoopedConfig(PreTrainedConfig):
         ``None`` (default): the rotary cos/sin tables are used at full precision. ``"bfloat16"``: they
         are rounded to bf16 first, as the study's nanochat/gpt.py keeps them (its checkpoints were
         trained with those tables and reproduce their logits only with them).
+    norm_placement:
+        Where each decoder layer's RMSNorms sit (every norm its own weight): ``"pre"`` (default,
+        Llama and the study: x = x + attn(n1 x); x = x + mlp(n2 x)), ``"sandwich"`` (Huginn: a
+        norm after each residual add too, x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))),
+        ``"sublayer_output"`` (OLMo-2: the norm on each sublayer's output before the add,
+        x = x + n1(attn x); x = x + n2(mlp x)) or ``"pre_and_output"`` (Ouro, Gemma-2: both,
+        x = x + n2(attn(n1 x)); x = x + n4(mlp(n3 x))). The extra norms are parameters of their
+        layer, so N_once / N_rec count them where the layer sits.
+    embedding_multiplier:
+        The token embeddings (looked up or passed as ``inputs_embeds``) are multiplied by this
+        before the embedding norm and the prelude. 1.0 (default): none; Huginn: sqrt(hidden_size).
+        A tied head reads the unscaled table. Elementwise: no parameter, no FLOPs counted.
+    post_loop_norm:
+        An RMSNorm after the loop, before the coda (it also normalises the state the coda and the
+        adaptive-exit criteria read). ``None`` (default): none; ``"own"``: its own weight;
+        ``"final"``: the final norm's weight, one tensor (Huginn's ``ln_f``, applied after the
+        loop and again after the coda).
+    qk_bias:
+        A learned bias added to q and k (``q_proj.bias`` / ``k_proj.bias``) right after their
+        projections, before any QK-norm and RoPE (Huginn's ``qk_bias``); v and o stay without
+        (``attention_bias`` gives all four a bias).
     looped_format:
         The forward semantics version (see the module docstring); set by loading, not by users.
+
+    Whole-stack looping (Ouro: the whole stack loops, no prelude, no coda, no re-injection, the
+    embedding as h_0) needs no field of its own: ``num_prelude_layers=0``, ``num_coda_layers=0``,
+    ``input_injection="none"``, ``state_init="prelude"`` (h_0 = e, the embedding: with no prelude
+    and ``embedding_norm=False``, e is the looked-up embedding), ``recurrence_norm=True`` with
+    ``recurrence_norm_weight="final"``.
 
     ``num_hidden_layers`` is derived: it equals the effective depth at the default r (layer
     applications per token), so ``generate()``'s cache has one slot per application and
@@ -395,6 +468,11 @@ class LoopedConfig(PreTrainedConfig):
     embedding_norm: bool = True
     pad_vocab_size_to_multiple_of: int = at_least(1, why="1: no padding")(default=1)
     rope_table_dtype: Literal[ROPE_TABLE_DTYPES] | None = None
+    norm_placement: Literal[NORM_PLACEMENTS] = "pre"
+    embedding_multiplier: int | float = interval(0, None, low_open=True)(default=1.0)
+    post_loop_norm: Literal[SHARED_NORM_WEIGHTS] | None = None
+    recurrence_norm_weight: Literal[SHARED_NORM_WEIGHTS] = "own"
+    qk_bias: bool = False
     num_prelude_layers: int = at_least(0)(default=2)
     num_recurrent_layers: int = at_least(0)(default=4)
     num_coda_layers: int = at_least(0)(default=2)
@@ -410,6 +488,10 @@ class LoopedConfig(PreTrainedConfig):
     exit_criterion: Literal[EXIT_CRITERIA + ("none",)] | None = None
     exit_threshold: int | float | None = interval(None, None)(default=None)  # its range depends on the criterion
     min_recurrences: int = at_least(1)(default=1)
+    exit_gate: bool = False
+    exit_gate_output: Literal[EXIT_GATE_OUTPUTS] = "last"
+    exit_gate_threshold: int | float = interval(0, 1, why="a cumulative exit probability")(default=0.5)
+    exit_gate_entropy_beta: int | float | None = interval(0, None, why="None: the loss of the logits")(default=None)
     num_hidden_layers: int | None = None
     looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT
 
@@ -475,9 +557,26 @@ class LoopedConfig(PreTrainedConfig):
             raise ValueError(f"LoopedConfig.{err}") from None
         if rule is not None and rule[2] > r:
             raise self._bad("min_recurrences", f"exceeds num_recurrences={r}, the cap on recurrences per token")
+        if self.recurrence_norm_weight == "final" and not self.recurrence_norm:
+            raise self._bad("recurrence_norm_weight", "names the recurrence norm's weight, but recurrence_norm is False")
         if self.max_recurrences is not None and self.max_recurrences < r:
             raise self._bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
                                                f"integer >= num_recurrences={r}")  # fmt: skip
+
+    def validate_exit_gate(self) -> None:
+        """The gate's readout and loss against the loop: see ``exit_gate``."""
+        if not self.exit_gate:
+            for field, default in (("exit_gate_output", "last"), ("exit_gate_entropy_beta", None)):
+                if getattr(self, field) != default:
+                    raise self._bad(field, "needs exit_gate=True (there is no gate to read)")
+            return
+        if self.exit_criterion not in (None, "none"):
+            raise self._bad("exit_criterion", "refused with exit_gate=True: the gate decides each token's exit; "
+                                              "set exit_gate_output='threshold' instead")  # fmt: skip
+        if self.num_coda_layers > 0 and (self.exit_gate_output != "last" or self.exit_gate_entropy_beta is not None):
+            field = "exit_gate_output" if self.exit_gate_output != "last" else "exit_gate_entropy_beta"
+            raise self._bad(field, f"needs every recurrence's logits, which num_coda_layers={self.num_coda_layers} "
+                                   "would decode with a coda pass per step; use num_coda_layers=0")  # fmt: skip
 
     def validate_token_ids(self) -> None:
         # Stricter than transformers' (which only warns): a special token outside the vocabulary
@@ -623,6 +722,27 @@ class LoopedConfig(PreTrainedConfig):
             )
         return criterion, float(threshold), minimum
 
+    def exit_gate_settings(self, output: str | None = None, threshold: float | None = None) -> tuple[str, float] | None:
+        """The exit gate's readout of a call, (output, threshold), each argument overriding the
+        config's; ``None`` without a gate. Raises ``ValueError`` naming the field and the value."""
+        if not self.exit_gate:
+            given = [f"{name}={value!r}" for name, value in (("exit_gate_output", output),
+                                                                ("exit_gate_threshold", threshold)) if value is not None]  # fmt: skip
+            if given:
+                raise ValueError(f"{given[0]}: this model has no exit gate (config.exit_gate=False)")
+            return None
+        output = self.exit_gate_output if output is None else output
+        threshold = self.exit_gate_threshold if threshold is None else threshold
+        if output not in EXIT_GATE_OUTPUTS:
+            raise ValueError(f"exit_gate_output={output!r}: must be one of {EXIT_GATE_OUTPUTS}")
+        if not _is_real(threshold) or not 0 <= threshold <= 1:
+            raise ValueError(f"exit_gate_threshold={threshold!r}: must be a number in [0, 1] (a cumulative exit "
+                             "probability)")  # fmt: skip
+        if output != "last" and self.num_coda_layers > 0:
+            raise ValueError(f"exit_gate_output={output!r}: needs every recurrence's logits, which "
+                             f"num_coda_layers={self.num_coda_layers} would decode with a coda pass per step")  # fmt: skip
+        return output, float(threshold)
+
     @property
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and the head: ``vocab_size`` rounded up to
@@ -658,4 +778,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["KVSlotPlan", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["KVSlotPlan", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

@@ -177,17 +177,25 @@ else:
 @dataclass
 class LoopedModelOutputWithPast(BaseModelOutputWithPast):
     """``recurrent_states[i]``: the state after recurrence i+1 (before the coda), for logit lens.
-    ``recurrences_used``: (batch, tokens) recurrences each token ran, with adaptive exit only."""
+    ``recurrences_used``: (batch, tokens) recurrences each token ran, with adaptive exit only.
+    ``exit_probabilities``: (batch, tokens, r) the exit gate's distribution over the recurrences
+    (``LoopedConfig.exit_gate``), float32."""
 
     recurrent_states: tuple[torch.Tensor, ...] | None = None
     recurrences_used: torch.LongTensor | None = None
+    exit_probabilities: torch.Tensor | None = None
 
 
 @cache_output_alias
 @dataclass
 class LoopedCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """``recurrences_used``: (batch, tokens) the recurrence each token's logits come from, under
+    adaptive exit or the exit gate's threshold readout; ``exit_probabilities`` as
+    ``LoopedModelOutputWithPast``'s."""
+
     recurrent_states: tuple[torch.Tensor, ...] | None = None
     recurrences_used: torch.LongTensor | None = None
+    exit_probabilities: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------

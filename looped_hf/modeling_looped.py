@@ -225,18 +225,24 @@ class LoopedAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         d, h, kv, bias = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.attention_bias
-        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
+        # qk_bias (Huginn): q and k get a bias, v and o do not. The projection's own bias adds the same
+        # vector right after the matmul, before any QK-norm and RoPE, where Huginn adds it.
+        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias or config.qk_bias)
+        self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias or config.qk_bias)
         self.v_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)
         # QK-norm bounds the attention logits, which matters more when the same weights are applied
         # r times. The study (nanochat/gpt.py) normalises q and k after RoPE with no learnable scale;
-        # "learnable_before_rope" is the OLMo-2 / Qwen3 placement (and looped_hf 0.1.0's).
+        # "learnable_before_rope" is the Qwen3 placement (and looped_hf 0.1.0's), per head;
+        # "learnable_projection_before_rope" is OLMo-2's, one norm over all heads of q (and of k).
         self.qk_norm = config.qk_norm
         self.qk_norm_eps = config.rms_norm_eps
         if self.qk_norm == "learnable_before_rope":
             self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        elif self.qk_norm == "learnable_projection_before_rope":
+            self.q_norm = LoopedRMSNorm(h * self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LoopedRMSNorm(kv * self.head_dim, eps=config.rms_norm_eps)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.looped_study_init = ("uniform", d**-0.5)  # std 1/sqrt(d): read by _init_weights
 
@@ -251,8 +257,10 @@ class LoopedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        query_states, key_states = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.qk_norm == "learnable_projection_before_rope":
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.view(hidden_shape), key_states.view(hidden_shape)
         if self.qk_norm == "learnable_before_rope":
             query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
         # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
@@ -289,14 +297,24 @@ class LoopedAttention(nn.Module):
 
 
 class LoopedDecoderLayer(CheckpointingLayer):
-    """Pre-norm attention + MLP. Each call of a shared layer is checkpointed on its own."""
+    """A decoder layer, attention then MLP, each call of a shared layer checkpointed on its own.
+
+    This class is ``norm_placement="pre"`` (Llama, the study): x = x + attn(n1 x); x = x + mlp(n2 x).
+    The other placements are the subclasses below: each names its norms (``norm_names``, in the
+    order they run) and writes its two residual steps; ``DECODER_LAYERS`` maps the config's
+    ``norm_placement`` to its class. Norm names follow the transformers model with that placement
+    (Llama, Gemma-2, OLMo-2): ``post_attention_layernorm`` is the MLP's input norm in Llama's
+    pre-norm and the attention output's norm in Gemma-2's and OLMo-2's.
+    """
+
+    norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__()
         self.self_attn = LoopedAttention(config)
         self.mlp = LoopedMLP(config)
-        self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        for name in self.norm_names:
+            setattr(self, name, LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
 
     def forward(
         self,
@@ -314,6 +332,69 @@ class LoopedDecoderLayer(CheckpointingLayer):
         hidden_states = residual + attn
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, attn_weights
+
+
+class LoopedSandwichDecoderLayer(LoopedDecoderLayer):
+    """``norm_placement="sandwich"`` (Huginn's SandwichBlock): a norm before each sublayer and one
+    after each residual add, x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))."""
+
+    norm_names = ("input_layernorm", "post_attention_residual_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_residual_layernorm")  # fmt: skip
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
+                **kwargs):  # fmt: skip
+        attn, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = self.post_attention_residual_layernorm(attn + hidden_states)
+        hidden_states = self.post_feedforward_residual_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(hidden_states)) + hidden_states
+        )
+        return hidden_states, attn_weights
+
+
+class LoopedSublayerOutputNormDecoderLayer(LoopedDecoderLayer):
+    """``norm_placement="sublayer_output"`` (OLMo-2): no input norms, each sublayer's output normed
+    before the residual add, x = x + n1(attn x); x = x + n2(mlp x)."""
+
+    norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
+                **kwargs):  # fmt: skip
+        attn, attn_weights = self.self_attn(
+            hidden_states, position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = hidden_states + self.post_attention_layernorm(attn)
+        hidden_states = hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, attn_weights
+
+
+class LoopedPreAndOutputNormDecoderLayer(LoopedDecoderLayer):
+    """``norm_placement="pre_and_output"`` (Ouro, Gemma-2): four norms, on each sublayer's input and
+    on its output before the residual add, x = x + n2(attn(n1 x)); x = x + n4(mlp(n3 x))."""
+
+    norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")  # fmt: skip
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
+                **kwargs):  # fmt: skip
+        attn, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+        )
+        hidden_states = hidden_states + self.post_attention_layernorm(attn)
+        hidden_states = hidden_states + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        )
+        return hidden_states, attn_weights
+
+
+#: ``LoopedConfig.norm_placement`` -> the decoder layer class that places its norms so.
+DECODER_LAYERS: dict[str, type[LoopedDecoderLayer]] = {
+    "pre": LoopedDecoderLayer,
+    "sandwich": LoopedSandwichDecoderLayer,
+    "sublayer_output": LoopedSublayerOutputNormDecoderLayer,
+    "pre_and_output": LoopedPreAndOutputNormDecoderLayer,
+}
 
 
 class LoopedHyperConnection(nn.Module):
@@ -354,6 +435,63 @@ class LoopedHyperConnection(nn.Module):
         return mixed + gain * update.unsqueeze(0)
 
 
+def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torch.Tensor:
+    """Ouro's exit distribution over the r recurrences, (batch, tokens, r), in float32 (a bf16
+    product of r survival terms would lose the small exit probabilities).
+
+    ``gate`` is ``LoopedModel.exit_gate``, Linear(hidden -> 1, with bias), read on each
+    recurrence's state s_t (after the recurrence norm): lambda_t = sigmoid(gate(s_t)) is the chance
+    of stopping at step t having reached it, so p_t = lambda_t * prod_(j<t) (1 - lambda_j), the
+    last step taking what is left (p sums to 1 whatever the last gate says). A plain function of
+    the module, not a method of a subclass, so a LoRA-wrapped gate still runs its own forward."""
+    remaining = None
+    probabilities = []
+    for t, state in enumerate(states):
+        if t == len(states) - 1:
+            probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
+            break
+        stop = torch.sigmoid(gate(state).squeeze(-1).float())
+        probabilities.append(stop if remaining is None else stop * remaining)
+        remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
+    return torch.stack(probabilities, dim=-1)
+
+
+def threshold_exit_steps(probabilities: torch.Tensor, threshold: float) -> torch.LongTensor:
+    """Per token, the 0-based step at which the exit CDF first reaches ``threshold`` (Ouro's
+    threshold exit); the last step where it never does (the CDF rounds to just under 1)."""
+    reached = probabilities.cumsum(dim=-1) >= threshold
+    first = reached.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
+    return torch.where(reached.any(dim=-1), first, probabilities.shape[-1] - 1)
+
+
+def exit_gate_loss(
+    step_logits: list[torch.Tensor], probabilities: torch.Tensor, labels: torch.LongTensor | None, beta: float,
+    ignore_index: int = -100, shift_labels: torch.LongTensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Ouro's training objective, per labelled token sum_t p_t L_t - beta H(p), averaged over the
+    labelled tokens (or divided by ``num_items_in_batch``, as transformers' loss is under gradient
+    accumulation). L_t is the cross-entropy of step t's logits, H(p) = -sum_t p_t log p_t. The
+    entropy term keeps the gate from collapsing onto one step early in training (the Ouro paper's
+    uniform-prior regulariser); labels shift as ``ForCausalLMLoss``'s do."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(probabilities.device)
+    losses = torch.stack([
+        F.cross_entropy(logits.float().flatten(0, -2), shift_labels.flatten(), ignore_index=ignore_index,
+                        reduction="none").view(shift_labels.shape)
+        for logits in step_logits
+    ], dim=-1)  # fmt: skip
+    entropy = -(probabilities * probabilities.clamp_min(torch.finfo(probabilities.dtype).tiny).log()).sum(-1)
+    per_token = (probabilities * losses).sum(-1) - beta * entropy
+    labelled = shift_labels != ignore_index
+    total = per_token.masked_fill(~labelled, 0.0).sum()
+    count = labelled.sum() if num_items_in_batch is None else num_items_in_batch
+    if isinstance(count, torch.Tensor):
+        count = count.to(total.device)
+    return total / count
+
+
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +503,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["LoopedDecoderLayer"]
+    _no_split_modules = [cls.__name__ for cls in DECODER_LAYERS.values()]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -418,9 +556,10 @@ class LoopedModel(LoopedPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size, self.padding_idx)
         self.embedding_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.embedding_norm else None
-        self.prelude_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_prelude_layers))
-        self.recurrent_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_recurrent_layers))
-        self.coda_layers = nn.ModuleList(LoopedDecoderLayer(config) for _ in range(config.num_coda_layers))
+        layer = DECODER_LAYERS[config.norm_placement]
+        self.prelude_layers = nn.ModuleList(layer(config) for _ in range(config.num_prelude_layers))
+        self.recurrent_layers = nn.ModuleList(layer(config) for _ in range(config.num_recurrent_layers))
+        self.coda_layers = nn.ModuleList(layer(config) for _ in range(config.num_coda_layers))
         # The linear injection adapter is a plain nn.Linear(2d -> d) so LoRA and tensor parallelism
         # see it like any projection; its weight keeps 0.1.0's key (``model.injection.weight``).
         self.injection = None
@@ -428,10 +567,15 @@ class LoopedModel(LoopedPreTrainedModel):
             self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
             self.injection.looped_study_init = "injection"
         self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
-        self.recurrence_norm = (
-            LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.recurrence_norm else None
-        )
+        # A norm whose weight is the final norm's ("final") is no module of its own: one tensor, one
+        # checkpoint key (model.norm.weight); the forward and the loop call ``self.norm`` there.
+        own = config.recurrence_norm and config.recurrence_norm_weight == "own"
+        self.recurrence_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
+        own = config.post_loop_norm == "own"
+        self.post_loop_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
         self.norm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Ouro's exit gate (LoopedConfig.exit_gate): one logit per token on each recurrence's state.
+        self.exit_gate = nn.Linear(config.hidden_size, 1, bias=True) if config.exit_gate else None
         self.rotary_emb = LoopedRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -441,6 +585,19 @@ class LoopedModel(LoopedPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
+
+    def loop_norms(self) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
+        """(the recurrence norm, the post-loop norm, the norm after the coda), each ``None`` where the
+        config has none, a shared one as the final norm itself (``recurrence_norm_weight`` /
+        ``post_loop_norm`` ``"final"``). When the recurrence norm is the final norm and there is no
+        coda, the loop's last norm already is the final norm: nothing runs after the loop."""
+        config = self.config
+        recurrence = self.recurrence_norm
+        if config.recurrence_norm and config.recurrence_norm_weight == "final":
+            recurrence = self.norm
+        post_loop = self.norm if config.post_loop_norm == "final" else self.post_loop_norm
+        final = None if recurrence is self.norm and config.num_coda_layers == 0 else self.norm
+        return recurrence, post_loop, final
 
     @accepts_past_key_values
     @_select_hidden_states_at_r
@@ -479,6 +636,9 @@ class LoopedModel(LoopedPreTrainedModel):
         r = config.resolve_num_recurrences(num_recurrences)
         plan = config.slot_plan(r, kv_budget)
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
+        if exit_rule is not None and self.exit_gate is not None:
+            raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with exit_gate=True (the gate decides each "
+                             "token's exit; use exit_gate_output='threshold')")  # fmt: skip
 
         if inputs_embeds is None:
             check_token_ids(config, input_ids, self.training and torch.is_grad_enabled())
@@ -510,26 +670,54 @@ class LoopedModel(LoopedPreTrainedModel):
             layer_kwargs["position_ids"] = position_ids
 
         h = inputs_embeds
+        if config.embedding_multiplier != 1.0:
+            h = h * config.embedding_multiplier  # Huginn: sqrt(d); the tied head reads the table unscaled
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
         num_new_tokens = inputs_embeds.shape[1]
-        predict = None  # the distribution exit criteria's decoder: coda, norm, head
+        _, post_loop, final = self.loop_norms()
+        predict = None  # the distribution exit criteria's decoder: [post-loop norm,] coda, norm, head
         if exit_rule is not None and exit_head is not None:
-            predict = coda_predictor(self.coda_layers, self.norm, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
+            predict = coda_predictor(self.coda_layers, final if final is not None else nn.Identity(), exit_head,
+                                     plan.coda(0), layer_kwargs, num_new_tokens)  # fmt: skip
+            if post_loop is not None:
+                predict = _after(post_loop, predict)
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
-        h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states)
+        # The gate reads every recurrence's state, so the loop keeps them when there is one.
+        h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states or self.exit_gate is not None)
+        exit_probabilities = None
+        if self.exit_gate is not None:
+            exit_probabilities = exit_gate_probabilities(self.exit_gate, recurrent_states)
+        if post_loop is not None:
+            h = post_loop(h)
         for j, layer in enumerate(self.coda_layers):
             h = layer(h, cache_index=plan.coda(j), **layer_kwargs)[0]
-        h = self.norm(h)
+        if final is not None:
+            h = self.norm(h)
 
         return LoopedModelOutputWithPast(
             last_hidden_state=h,
             cache=cache if use_cache else None,
             recurrent_states=tuple(recurrent_states) if output_recurrent_states else None,
             recurrences_used=used,
+            exit_probabilities=exit_probabilities,
         )
+
+    def step_output(self, state: torch.Tensor) -> torch.Tensor:
+        """What ``last_hidden_state`` would be if the loop stopped at ``state`` (a recurrence's
+        state; no coda layers: the exit gate's readouts are refused with them): the norms that run
+        after the loop (none for Ouro, whose loop closes with the final norm)."""
+        _, post_loop, final = self.loop_norms()
+        if post_loop is not None:
+            state = post_loop(state)
+        return final(state) if final is not None else state
+
+
+def _after(norm: nn.Module, predict: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``predict`` of the normed state: the exit criteria decode a state as the forward does."""
+    return lambda h: predict(norm(h))
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
@@ -584,6 +772,8 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
         exit_criterion: str | None = None,
         exit_threshold: float | None = None,
         min_recurrences: int | None = None,
+        exit_gate_output: str | None = None,
+        exit_gate_threshold: float | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> LoopedCausalLMOutputWithPast:
         r"""Causal-LM forward. ``num_recurrences`` overrides r for this call (``generate`` passes it
@@ -593,9 +783,17 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
         ``recurrences_used`` in the output says how many recurrences each token ran); ``labels`` are NOT
         shifted by the caller (the loss shifts them; -100 is ignored). ``ignore_index`` and
         ``shift_labels`` go to the loss (a loss is computed when either labels or shift_labels is
-        given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``."""
+        given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``.
+        With an exit gate (``LoopedConfig.exit_gate``), ``exit_gate_output`` and
+        ``exit_gate_threshold`` override the config's readout for this call, and the output carries
+        ``exit_probabilities``."""
         loss_kwargs = {key: kwargs.pop(key) for key in _LOSS_KWARGS if key in kwargs}
         kwargs = _checked_kwargs(self, kwargs)  # so an error names the class the caller called
+        readout = self.config.exit_gate_settings(exit_gate_output, exit_gate_threshold)  # None: no gate
+        wants_loss = labels is not None or loss_kwargs.get("shift_labels") is not None
+        beta = self.config.exit_gate_entropy_beta if readout is not None and wants_loss else None
+        # Only a gate readout other than the last step, or Ouro's loss, reads every step's state.
+        per_step = readout is not None and (readout[0] != "last" or beta is not None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -604,7 +802,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             num_recurrences=num_recurrences,
-            output_recurrent_states=output_recurrent_states,
+            output_recurrent_states=output_recurrent_states or per_step,
             kv_budget=kv_budget,
             exit_criterion=exit_criterion,
             exit_threshold=exit_threshold,
@@ -613,10 +811,15 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             return_dict=True,  # the tuple, if asked for, is made here (config.return_dict=False too)
             **kwargs,
         )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.logits_from_hidden(hidden_states)
+        used = outputs.recurrences_used
         loss = None
-        if labels is not None or loss_kwargs.get("shift_labels") is not None:
+        if per_step:
+            logits, used, loss = self._exit_gate_readout(outputs, readout, beta, labels, logits_to_keep, loss_kwargs,
+                                                         kwargs.get("num_items_in_batch"))  # fmt: skip
+        else:
+            hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+            logits = self.logits_from_hidden(hidden_states)
+        if loss is None and wants_loss:
             loss = self.loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                 num_items_in_batch=kwargs.get("num_items_in_batch"), **loss_kwargs,
@@ -627,9 +830,46 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            recurrent_states=outputs.recurrent_states,
-            recurrences_used=outputs.recurrences_used,
+            recurrent_states=outputs.recurrent_states if output_recurrent_states else None,
+            recurrences_used=used,
+            exit_probabilities=outputs.exit_probabilities,
         )
+
+    def _exit_gate_readout(
+        self, outputs: LoopedModelOutputWithPast, readout: tuple[str, float], beta: float | None,
+        labels: torch.LongTensor | None, logits_to_keep: int | torch.Tensor, loss_kwargs: dict,
+        num_items_in_batch: torch.Tensor | int | None,
+    ) -> tuple[torch.Tensor, torch.LongTensor | None, torch.Tensor | None]:
+        """(logits, recurrences_used, loss) from every recurrence's state: the gate's threshold
+        or weighted readout (``LoopedConfig.exit_gate_output``) and, with ``beta``, Ouro's loss."""
+        output, threshold = readout
+        states = [self.model.step_output(slice_logits_to_keep(s, logits_to_keep)) for s in outputs.recurrent_states]
+        probabilities = slice_logits_to_keep(outputs.exit_probabilities, logits_to_keep)
+        step_logits = None
+        if output == "weighted" or beta is not None:
+            step_logits = [self.logits_from_hidden(state) for state in states]
+        used = None
+        if output == "threshold":
+            # Each token's state (or, when every step's logits exist anyway, its logits) at its
+            # exit step: one head pass, not one per step.
+            steps = threshold_exit_steps(probabilities, threshold)
+            stacked = torch.stack(step_logits if step_logits is not None else states, dim=2)
+            index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
+            picked = stacked.gather(2, index).squeeze(2)
+            logits = picked if step_logits is not None else self.logits_from_hidden(picked)
+            used = steps + 1
+        elif output == "weighted":
+            # sum_t p_t logits_t, accumulated in step order (as Ouro's code does).
+            logits = step_logits[0] * probabilities[..., 0:1].to(step_logits[0].dtype)
+            for t in range(1, len(step_logits)):
+                logits = logits + step_logits[t] * probabilities[..., t : t + 1].to(step_logits[t].dtype)
+        else:
+            logits = step_logits[-1]
+        loss = None
+        if beta is not None:
+            loss = exit_gate_loss(step_logits, probabilities, labels, beta, num_items_in_batch=num_items_in_batch,
+                                  **loss_kwargs)  # fmt: skip
+        return logits, used, loss
 
     # The study's accounting, for users; accounting_looped.py owns it (training, planning and cards call it).
     def num_scaling_params(self) -> dict[str, int]:

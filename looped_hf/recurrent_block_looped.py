@@ -41,6 +41,10 @@ class LoopedRecurrentBlock:
         self.injection = model.injection
         self.hyperconnection = model.hyperconnection
         self.recurrence_norm = model.recurrence_norm
+        if self.config.recurrence_norm and self.config.recurrence_norm_weight == "final":
+            # The final norm itself, one weight (Ouro): see ``LoopedModel.loop_norms``. Read by name, as
+            # every module here, so the vLLM model (its own ``norm``) runs this loop too.
+            self.recurrence_norm = model.norm
         self.plan = plan
         self.layer_kwargs = layer_kwargs
         self.cache = layer_kwargs.get("cache")
@@ -52,8 +56,17 @@ class LoopedRecurrentBlock:
         if state_init == "zeros":
             return torch.zeros_like(e)
         if state_init == "noise":
-            # Huginn's random state: draws from the global RNG, which Trainer/set_seed seed.
+            # A random state: draws from the global RNG, which Trainer/set_seed seed.
             return torch.randn_like(e) * self.config.state_init_std
+        if state_init == "truncated_normal":
+            # Huginn's initialize_state: N(0, std) truncated at +-3 std, times the embedding scale.
+            # std 0 is its deterministic zero state (init_scale=0), without drawing.
+            std = self.config.state_init_std
+            if std == 0:
+                return torch.zeros_like(e)
+            h = torch.nn.init.trunc_normal_(torch.empty_like(e), mean=0.0, std=std, a=-3 * std, b=3 * std)
+            multiplier = self.config.embedding_multiplier
+            return h * multiplier if multiplier != 1.0 else h
         return e
 
     def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

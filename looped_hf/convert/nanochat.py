@@ -1,9 +1,9 @@
-"""Convert checkpoints written by other looped-LM code into Hub-ready looped_hf folders.
+"""The iso-depth study's (nanochat) checkpoints as Hub-ready looped_hf folders.
 
-    looped-hf convert nanochat CKPT_DIR --out DIR                       # the latest model_<step>.pt
+    looped-hf convert nanochat CKPT_DIR                                 # the latest model_<step>.pt
     looped-hf convert nanochat CKPT_DIR --step 2000 --out DIR --tokenizer NousResearch/Llama-2-7b-hf
 
-The first positional names the source format. ``nanochat`` is the iso-depth study's code
+``nanochat`` is the iso-depth study's code
 (kschwethelm/looped-lm-scaling, a nanochat fork): ``base_train`` writes ``model_<step:06d>.pt``
 (a ``torch.save`` of the state dict) and ``meta_<step:06d>.json`` (``model_config`` = its
 ``GPTConfig``, plus ``step``, ``tokens``, ``val_loss``, ...) into one directory.
@@ -37,14 +37,10 @@ val_loss, the study's config).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pickle
 import re
-import shutil
-import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,11 +48,10 @@ from typing import Any
 
 import torch
 
-from .fileio import first_line, read_json, sha256_file
-from .publish import PathLike, PublishError
+from ..fileio import first_line, read_json, sha256_file
+from ..publish import PathLike
+from .common import ConversionError, check_against_model, check_target, write_folder
 
-#: The source formats ``looped-hf convert`` reads (the first positional).
-SOURCE_FORMATS = ("nanochat",)
 STUDY_URL = "https://github.com/kschwethelm/looped-lm-scaling"
 #: The study's GPT pads the vocabulary to a multiple of this (nanochat/gpt.py ``pad_vocab_size_to``).
 NANOCHAT_VOCAB_MULTIPLE = 64
@@ -97,10 +92,6 @@ _TOP_LEVEL = {
 }
 _LAYER_KEY = re.compile(r"^transformer\.(prelude|recur|coda)\.(\d+)\.(.+)$")
 _STEP_FILE = re.compile(r"^model_(\d+)\.pt$")
-
-
-class ConversionError(ValueError):
-    """A checkpoint that cannot be converted; the message names the file, key or field."""
 
 
 @dataclass
@@ -392,29 +383,6 @@ def nanochat_state_dict(state_dict: Mapping[str, torch.Tensor], config: Any) -> 
     return _reparametrised(_renamed(state_dict), config)
 
 
-def _check_against_model(weights: Mapping[str, torch.Tensor], model: torch.nn.Module, source: Path) -> None:
-    """Every parameter present with its shape, nothing left over; the error lists what differs."""
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    shapes = {k: (tuple(weights[k].shape), expected[k]) for k in set(expected) & set(weights)
-              if tuple(weights[k].shape) != expected[k]}  # fmt: skip
-    if missing or extra or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:8]}")
-        if extra:
-            parts.append(f"not in this config {extra[:8]}")
-        if shapes:
-            parts.append(
-                "shape (checkpoint, config) "
-                + ", ".join(f"{k}: {a} vs {b}" for k, (a, b) in sorted(shapes.items())[:8])
-            )
-        raise ConversionError(
-            f"{source}: the weights do not fit the model its meta file describes: {'; '.join(parts)}"
-        )
-
-
 def nanochat_to_looped(ckpt_dir: PathLike, step: int | str | None = None) -> tuple[Any, NanochatCheckpoint]:
     """Load a nanochat checkpoint as a ``LoopedForCausalLM`` (eval mode, fp32) with the same logits.
 
@@ -434,7 +402,7 @@ def nanochat_to_looped(ckpt_dir: PathLike, step: int | str | None = None) -> tup
     weights = _renamed(ckpt.state_dict)
     with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
         model = LoopedForCausalLM(config)
-    _check_against_model(weights, model, ckpt.model_path)
+    check_against_model(weights, model, ckpt.model_path)
     model.load_state_dict(_reparametrised(weights, config), strict=True)
     ckpt.notes.append("negated the second half of every head's c_q / c_k rows (the study's RoPE rotates by -theta, "
                       "transformers' by +theta; exact)")  # fmt: skip
@@ -447,16 +415,47 @@ def nanochat_to_looped(ckpt_dir: PathLike, step: int | str | None = None) -> tup
 # --------------------------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------------------------
+#: Where a checkpoint folder keeps its own tokenizer, looked for in this order when --tokenizer is not
+#: given: a ``save_pretrained`` folder, or the ``tokenizer.json`` nanochat's ``Tokenizer.save`` writes.
+OWN_TOKENIZER = ("tokenizer_config.json", "tokenizer/tokenizer_config.json", "tokenizer.json",
+                 "tokenizer/tokenizer.json")  # fmt: skip
+
+
+def find_tokenizer(ckpt_dir: PathLike, vocab_size: int, notes: list[str]) -> str | None:
+    """The tokenizer a checkpoint brings with it, when ``--tokenizer`` is not given: the folder's
+    own (``OWN_TOKENIZER``), else looped_hf's embedded tokenizer when the vocabulary has exactly its
+    size, else ``None`` (a note says the folder ships without one)."""
+    from looped_hf.data.tokenizer import embedded_tokenizer_path
+
+    for relative in OWN_TOKENIZER:
+        path = Path(ckpt_dir) / relative
+        if path.is_file():
+            return str(path.parent if path.name == "tokenizer_config.json" else path)
+    embedded = embedded_tokenizer_path()
+    from tokenizers import Tokenizer
+
+    if Tokenizer.from_file(str(embedded)).get_vocab_size() == vocab_size:
+        notes.append(f"no tokenizer in the checkpoint folder: shipped looped_hf's embedded tokenizer, whose "
+                     f"{vocab_size} tokens match vocab_size")  # fmt: skip
+        return str(embedded)
+    notes.append(f"no tokenizer in the checkpoint folder, and vocab_size={vocab_size} is not the embedded "
+                 "tokenizer's: the folder has none (pass --tokenizer, the study's is NousResearch/Llama-2-7b-hf)")  # fmt: skip
+    return None
+
+
 def load_study_tokenizer(name: str, vocab_size: int, notes: list[str] | None = None) -> Any:
     """``AutoTokenizer.from_pretrained(name)``, with the study's special tokens added when the
     tokenizer is short of exactly them (its ``get_tokenizer`` adds ``<|assistant_end|>`` to the
     Llama-2 tokenizer); then it must have ``vocab_size`` tokens, as the study's ``build_model`` checks."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     notes = [] if notes is None else notes
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
+        if Path(name).is_file():  # a tokenizers file, as nanochat's Tokenizer.save writes it
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(name))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises a plain Exception for a broken file
         raise ConversionError(
             f"--tokenizer {name!r}: could not be loaded ({type(err).__name__}: {err})"
         ) from None
@@ -580,11 +579,6 @@ def _card(model: Any, ckpt: NanochatCheckpoint, repo_id: str, license: str | Non
 # --------------------------------------------------------------------------------------------
 # The folder
 # --------------------------------------------------------------------------------------------
-#: Files every converted folder has (the tokenizer's too when one was given).
-REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
-                   "generation_config.json", "README.md")  # fmt: skip
-
-
 def convert_nanochat(
     ckpt_dir: PathLike,
     out: PathLike,
@@ -601,8 +595,10 @@ def convert_nanochat(
         ckpt_dir: the directory holding ``model_<step>.pt`` and ``meta_<step>.json``.
         out: the folder to write (built in a temporary sibling, moved into place at the end).
         step: a step number or alias (default: the largest numbered step).
-        tokenizer: a tokenizer name or path for ``AutoTokenizer``; saved into the folder after the
-            vocabulary check (:func:`load_study_tokenizer`).
+        tokenizer: a tokenizer name or path for ``AutoTokenizer`` (or a ``tokenizer.json`` file);
+            saved into the folder after the vocabulary check (:func:`load_study_tokenizer`).
+            Default: the checkpoint folder's own, else the embedded one when the vocabulary
+            sizes match, else none (:func:`find_tokenizer`; the card's notes say which).
         repo_id: ``ORG/NAME`` for the card's loading code (default: the folder's name).
         license: license id for the card metadata (default: none stated).
         overwrite: replace an existing ``out`` (otherwise refused).
@@ -612,20 +608,12 @@ def convert_nanochat(
         PublishError: ``out`` exists without ``overwrite``, or a bad ``repo_id``.
     """
     from looped_hf.cards import CARD_NAME
-    from looped_hf.fileio import replace_dir
-    from looped_hf.publish import _make_readable, check_repo_id
 
-    dest = Path(out)
-    if dest.exists() and not overwrite:
-        raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
-    if repo_id is not None:
-        check_repo_id(repo_id)
-    if Path(ckpt_dir).resolve().is_relative_to(dest.resolve()):
-        raise PublishError(
-            f"--out {dest} is (or contains) the checkpoint directory {ckpt_dir}; choose another folder"
-        )
+    dest = check_target(ckpt_dir, out, overwrite=overwrite, repo_id=repo_id)
     model, ckpt = nanochat_to_looped(ckpt_dir, step)
     tok = None
+    if tokenizer is None:
+        tokenizer = find_tokenizer(ckpt_dir, model.config.vocab_size, ckpt.notes)
     if tokenizer is not None:
         tok = load_study_tokenizer(tokenizer, model.config.vocab_size, ckpt.notes)
         for attr in ("bos_token_id", "eos_token_id"):
@@ -633,64 +621,15 @@ def convert_nanochat(
             if value is not None:
                 setattr(model.config, attr, value)
                 setattr(model.generation_config, attr, value)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        model.save_pretrained(tmp)
+
+    def extras(tmp: Path) -> list[str]:
         if tok is not None:
             tok.save_pretrained(tmp)
         card = _card(model, ckpt, repo_id or f"path/to/{dest.name}", license, tok is not None)
         card.save(tmp / CARD_NAME)
-        missing = [name for name in REQUIRED_OUTPUT if not (tmp / name).is_file()]
-        if tok is not None and not (tmp / "tokenizer_config.json").is_file():
-            missing.append("tokenizer_config.json")
-        auto_map = json.loads((tmp / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
-        if missing or "AutoModelForCausalLM" not in auto_map:
-            raise ConversionError(f"the converted folder lacks {missing or 'auto_map.AutoModelForCausalLM'}: "
-                                  "transformers' save_pretrained changed?")  # fmt: skip
-        _make_readable(tmp)
-        replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+        return ["tokenizer_config.json"] if tok is not None else []
 
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="looped-hf convert",
-        description="Convert another code base's looped-LM checkpoint into a Hub-ready looped_hf folder.",
-    )
-    p.add_argument("source_format", choices=SOURCE_FORMATS,
-                   help="the checkpoint's format: nanochat (the iso-depth study's looped-lm-scaling)")  # fmt: skip
-    p.add_argument("ckpt_dir", help="the checkpoint directory (nanochat: model_<step>.pt + meta_<step>.json)")
-    p.add_argument("--step", default=None, help="step number or alias to convert (default: the latest step)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
-    p.add_argument("--tokenizer", default=None, metavar="NAME",
-                   help="tokenizer (Hub id or path) to ship with the model; its size must match vocab_size")  # fmt: skip
-    p.add_argument(
-        "--repo-id", default=None, metavar="ORG/NAME", help="Hub id shown in the card's loading code"
-    )
-    p.add_argument("--license", default=None, help="license id for the card metadata (default: none stated)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``looped-hf convert``; returns 0, or 2 on bad input (nothing written)."""
-    args = _parser().parse_args(argv)
-    step = int(args.step) if args.step is not None and args.step.isdigit() else args.step
-    try:
-        folder = convert_nanochat(args.ckpt_dir, args.out, step=step, tokenizer=args.tokenizer,
-                                  repo_id=args.repo_id, license=args.license, overwrite=args.overwrite)  # fmt: skip
-    except (ConversionError, PublishError) as err:
-        print(f"looped-hf convert: error: {err}", file=sys.stderr)
-        return 2
-    print(f"[convert] wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
-    return 0
+    return write_folder(model, dest, extras)
 
 
 __all__ = [
@@ -700,8 +639,8 @@ __all__ = [
     "flip_second_rotary_half",
     "latest_nanochat_step",
     "load_nanochat_checkpoint",
+    "find_tokenizer",
     "load_study_tokenizer",
-    "main",
     "nanochat_config",
     "nanochat_key",
     "nanochat_state_dict",
@@ -709,5 +648,18 @@ __all__ = [
 ]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+#: The format-only ``looped-hf convert`` flags this format reads.
+CLI_OPTIONS = ("step", "tokenizer")
+
+
+def convert_cli(source_format: str, ckpt_dir: PathLike, out: PathLike, *, repo_id: str | None,
+                license: str | None, overwrite: bool, step: int | str | None = None,
+                tokenizer: str | None = None) -> Path:  # fmt: skip
+    """``looped-hf convert nanochat``: :func:`convert_nanochat`; says so when the folder has no tokenizer."""
+    folder = convert_nanochat(ckpt_dir, out, step=step, tokenizer=tokenizer, repo_id=repo_id, license=license,
+                              overwrite=overwrite)  # fmt: skip
+    if not (folder / "tokenizer_config.json").is_file():
+        print(f"[convert] no tokenizer: {ckpt_dir} has none and its vocabulary is not the embedded tokenizer's; "
+              "pass --tokenizer NAME (the study's: NousResearch/Llama-2-7b-hf) to serve or evaluate the folder")  # fmt: skip
+    return folder

@@ -1,0 +1,45 @@
+"""Convert checkpoints written by other looped-LM code into Hub-ready looped_hf folders.
+
+    looped-hf convert nanochat CKPT_DIR                 # the iso-depth study's checkpoints
+    looped-hf convert huginn DIR                        # Huginn-0125 (huginn_raven)
+    looped-hf convert retrofit DIR                      # retrofitted recurrence, Llama or OLMo variant
+    looped-hf convert ouro DIR                          # Ouro-1.4B / 2.6B (ByteDance)
+
+One module per source format, as vLLM keeps one file per architecture: ``nanochat.py`` (the
+study's looped-lm-scaling), ``huginn_raven.py`` (Huginn and the retrofitted-recurrence models),
+``ouro.py`` (Ouro); ``common.py`` holds what they share (the error type, the weight check, the
+atomic folder write) and ``cli.py`` the command. Each writes a folder that
+``AutoModelForCausalLM`` loads, with looped_hf installed or as remote code.
+"""
+
+from .cli import FORMATS, main
+from .common import ConversionError, default_out
+from .nanochat import (
+    NanochatCheckpoint,
+    convert_nanochat,
+    flip_second_rotary_half,
+    latest_nanochat_step,
+    load_nanochat_checkpoint,
+    load_study_tokenizer,
+    nanochat_config,
+    nanochat_key,
+    nanochat_state_dict,
+    nanochat_to_looped,
+)
+
+__all__ = [
+    "FORMATS",
+    "ConversionError",
+    "NanochatCheckpoint",
+    "convert_nanochat",
+    "default_out",
+    "flip_second_rotary_half",
+    "latest_nanochat_step",
+    "load_nanochat_checkpoint",
+    "load_study_tokenizer",
+    "main",
+    "nanochat_config",
+    "nanochat_key",
+    "nanochat_state_dict",
+    "nanochat_to_looped",
+]
