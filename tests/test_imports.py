@@ -186,3 +186,58 @@ def test_the_scaling_package_never_imports_plotting():
             seen.add(node)
             todo.extend(graph[node])
     assert "looped_hf.plotting" not in seen
+
+
+# --- every module imports where fcntl does not exist (Windows) ----------------------------------
+# Run in a fresh process: fcntl is made unimportable before anything is imported, each module of
+# `package` (its directory on sys.path first) is imported, and the failures are printed as JSON.
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+sys.modules['fcntl'] = None
+root, package = sys.argv[1], sys.argv[2]
+sys.path.insert(0, root)
+top = importlib.import_module(package)
+failed, imported = {}, 0
+for info in pkgutil.walk_packages(top.__path__, package + '.'):
+    if info.name.endswith('.__main__'):
+        continue  # runs the command line
+    try:
+        importlib.import_module(info.name)
+        imported += 1
+    except Exception as err:
+        failed[info.name] = [type(err).__name__, getattr(err, 'name', None), str(err)]
+print(json.dumps({'failed': failed, 'imported': imported, 'fcntl': repr(sys.modules.get('fcntl'))}))
+"""
+
+# Extras a module may need and this environment may lack (the vLLM model needs vLLM).
+OPTIONAL = {"vllm", "lm_eval", "submitit"}
+
+
+def _import_all(root: Path, package: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", IMPORT_ALL, str(root), package], capture_output=True,
+                         text=True, env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _not_optional(failed: dict) -> dict:
+    return {m: e for m, e in failed.items() if not (e[0] == "ModuleNotFoundError" and str(e[1]).split(".")[0] in OPTIONAL)}
+
+
+def test_the_fcntl_check_catches_a_module_that_needs_fcntl(tmp_path: Path):
+    root = _plant(tmp_path, {"plain/__init__.py": "", "plain/ok.py": "import os\n", "plain/posix.py": "import fcntl\n"})
+    found = _import_all(root, "plain")
+    assert found["imported"] == 1 and set(_not_optional(found["failed"])) == {"plain.posix"}
+
+
+def test_every_module_imports_without_fcntl():
+    found = _import_all(PACKAGE.parent, "looped_hf")
+    assert _not_optional(found["failed"]) == {}
+    assert found["fcntl"] == "None"  # still unimportable at the end: nothing put it back
+    assert found["imported"] > 60  # the walk saw the package (78 modules today), not an empty folder
