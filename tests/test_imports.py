@@ -2,9 +2,11 @@
 every submodule import executes included.
 
 A module a reader cannot place above or below its neighbours is one nobody dares to change; a
-lazy import hides a circle from Python, not from a reader. This walks every ``looped_hf`` module's
-``import`` statements with ``ast`` (``TYPE_CHECKING`` blocks aside: they never run) and fails on
-the first circle, naming it, so the next one is caught when it is made.
+lazy import hides a circle from Python, not from a reader, and so does a type-only one (an
+``if TYPE_CHECKING:`` import never runs, but a reader, and a type checker, still have to place
+both modules). This walks every ``looped_hf`` module's ``import`` statements with ``ast``,
+``TYPE_CHECKING`` blocks included, and fails on the first circle, naming it, so the next one is
+caught when it is made.
 
 Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` before ``a/b/c``, so an import of a
 submodule is also an edge to each package above it. The one exception is a package that encloses
@@ -56,15 +58,16 @@ def _executed(target: str, files: set[str]) -> list[str]:
     return [m for m in (".".join(parts[: i + 1]) for i in range(len(parts))) if m in files]
 
 
-def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """module -> the modules of ``root``'s package that importing it runs, module-level and lazy
-    imports alike, with the parent packages of each (the importer's own enclosing packages aside)."""
+def import_graph(root: Path = PACKAGE, *, type_checking: bool = True) -> dict[str, set[str]]:
+    """module -> the modules of ``root``'s package that importing it names, module-level, lazy and
+    (``type_checking``) ``TYPE_CHECKING``-only imports alike, with the parent packages of each (the
+    importer's own enclosing packages aside)."""
     paths = {module_name(p, root): p for p in root.rglob("*.py")}
     files = set(paths)
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in paths.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
         is_package = path.name == "__init__.py"
         enclosing = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         for node in ast.walk(tree):
@@ -166,6 +169,35 @@ def test_the_import_graph_walker_sees_lazy_and_relative_imports():
 def test_looped_hf_has_no_import_circle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_a_type_only_circle_is_found(tmp_path: Path):
+    # The scaling circle this test once let through: the result type beside the fitting code, read
+    # by a diagnosis the fit runs, which names the type only under TYPE_CHECKING.
+    root = _plant(tmp_path, {
+        "top/__init__.py": "",
+        "top/fit.py": "from .diagnose import diagnose\n\n\nclass Fit:\n    pass\n",
+        "top/diagnose.py": """
+            from typing import TYPE_CHECKING
+
+            if TYPE_CHECKING:
+                from .fit import Fit
+
+
+            def diagnose(fit: "Fit") -> None:
+                pass
+            """,
+    }) / "top"  # fmt: skip
+    assert find_cycle(import_graph(root, type_checking=False)) is None  # what Python runs: no circle
+    assert set(find_cycle(import_graph(root)) or []) == {"top.fit", "top.diagnose"}
+
+
+def test_the_scaling_result_type_imports_nothing_that_reads_it():
+    graph = import_graph()
+    readers = {"looped_hf.scaling.fit", "looped_hf.scaling.diagnose", "looped_hf.scaling.compare",
+               "looped_hf.plotting", "looped_hf.scaling"}  # fmt: skip
+    assert "looped_hf.scaling.result" in graph["looped_hf.scaling.diagnose"]  # the type-only edge
+    assert not graph["looped_hf.scaling.result"] & readers
 
 
 def test_the_sweep_command_describes_itself_with_the_package_docstring():

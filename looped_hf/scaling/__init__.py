@@ -12,7 +12,8 @@ runs where they are not installed (``looped_hf/__init__.py`` imports them only w
 
 from .compare import FitComparison, compare_fits
 from .diagnose import diagnose
-from .fit import ScalingLawFit, fit_scaling_law, rebootstrap
+from .fit import fit_scaling_law, rebootstrap
+from .result import ScalingLawFit
 from .runs import Runs, load_chinchilla_svg, load_runs
 
 __all__ = [
