@@ -27,7 +27,7 @@ _FORMAT = "looped_hf.scaling/1"
 
 @dataclass
 class ScalingLawFit:
-    """The result of :func:`fit_scaling_law`.
+    """The result of :func:`~.fit.fit_scaling_law`.
 
     Attributes:
         params: ``E, A, alpha, B, beta, phi`` (``phi`` is ``None`` when the data cannot identify
