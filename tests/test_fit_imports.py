@@ -91,6 +91,7 @@ def test_bare_import_registers_the_auto_classes_with_no_import_hook(tmp_path: Pa
         "import sys\n"
         "finders = list(sys.meta_path)\n"
         "import looped_hf\n"
+        "print('AT IMPORT', 'looped_hf.modeling_looped' in sys.modules)\n"
         "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
         "print('REGISTERED', 'looped' in CONFIG_MAPPING, [f for f in sys.meta_path if f not in finders\n"
         "      and type(f).__module__.startswith('looped_hf')])\n"
@@ -105,7 +106,7 @@ def test_bare_import_registers_the_auto_classes_with_no_import_hook(tmp_path: Pa
     )
     out = _run(["-c", code, str(tmp_path / "ckpt")]).stdout.strip().splitlines()
     # Registered by the import itself, before the program touched transformers.
-    assert [line for line in out if line.startswith("REGISTERED")] == ["REGISTERED True []"]
+    assert [line for line in out if line.startswith(("AT IMPORT", "REGISTERED"))] == ["AT IMPORT True", "REGISTERED True []"]
     assert (
         out[-2] == "LoopedConfig LoopedForCausalLM LoopedForCausalLM ['AutoConfig', 'AutoModelForCausalLM']"
     )
