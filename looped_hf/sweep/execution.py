@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
+from filelock import FileLock, SoftFileLock, Timeout
 
 from looped_hf.arguments import RecipeError
 
@@ -103,7 +103,9 @@ def _try_lock(run_dir: Path) -> RunLock | None:
         held.append(fd)
 
     # thread_local=False: the sweep may release a lock from another thread than the one that took it.
-    lock = FileLock(run_dir / LOCK_NAME, thread_local=False, on_acquired=write_holder)
+    # Where the OS has no file locks at all, FileLock is filelock's marker-file lock: no descriptor.
+    native = {} if issubclass(FileLock, SoftFileLock) else {"on_acquired": write_holder}
+    lock = FileLock(run_dir / LOCK_NAME, thread_local=False, **native)
     try:
         lock.acquire(timeout=0)
     except Timeout:
