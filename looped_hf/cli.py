@@ -1,7 +1,8 @@
 """The ``looped-hf`` command line: a thin dispatcher.
 
 Each subcommand lives with the module that owns its work and exposes ``main(argv) -> int``;
-this file only routes, so ``looped-hf fit`` never imports torch and ``--help`` stays fast.
+this file only routes, so the numpy-only commands (``fit``, a cached ``plan``) need no torch of
+their own (``import looped_hf`` imports it where installed, to register the Auto classes).
 New knobs belong in recipes (YAML), not in new flags here.
 """
 

@@ -1,13 +1,12 @@
 """Atomic file output: a reader (or a kill) sees the old file or the new one, never half of one.
 
-Imports only the standard library (and PyYAML on use), so torch-free modules such as
+Imports only the standard library (PyYAML and filelock on use), so torch-free modules such as
 ``looped_hf.scaling`` can share it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -112,14 +111,14 @@ def weights_sha256(directory: str | os.PathLike) -> str | None:
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock on `<path>.lock` (a separate file, so the data file can be replaced)."""
+    """An exclusive lock on `<path>.lock` (a separate file, so the data file can be replaced),
+    waiting for it: `filelock` (flock on POSIX, msvcrt on Windows; the OS drops it if the holder
+    dies)."""
+    from filelock import FileLock  # on use: the light commands that never append skip its import
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    with FileLock(path.with_name(path.name + ".lock")):
+        yield
 
 
 class _Parsed(NamedTuple):

@@ -10,13 +10,17 @@ the fit was made on).
 - :func:`plot_phi_bootstrap`: the bootstrap distribution of phi with its 95% interval;
 - :func:`plot_residuals`: log residuals against training FLOPs, by r;
 - :func:`plot_isoflop_study`: IsoFLOP curves as the study draws them (a panel per variant);
-- :func:`plot_fit`: all of the above into a folder.
+- :func:`plot_fit`: all of the above into a folder;
+- :func:`plot_metric_vs_r`: a metric against the r run at inference, a line per series, the
+  trained r circled (``looped-hf eval``'s task scores, ``looped-hf test-time``'s held-out loss);
+- :func:`write_result_triple`: one result as ``<stem>.json`` + ``<stem>.md`` + ``<stem>.png``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from looped_hf.fileio import write_json_atomic, write_text_atomic
 from looped_hf.scaling.diagnose import SEARCH_FACTOR, compute_optimal, law_loss, size_family
 from looped_hf.scaling.formatting import flop_budget, interval, si
 from looped_hf.scaling.law import PHI, effective_params
@@ -458,3 +463,67 @@ def plot_fit(
     if fit.bootstrap_samples is not None and fit.params.get("phi") is not None and "phi" in fit.ci:
         paths.append(plot_phi_bootstrap(fit, out / "phi_bootstrap.png"))
     return paths
+
+
+# --- a metric against the r run at inference ---------------------------------------------------
+@dataclass(frozen=True)
+class RSeries:
+    """One line of :func:`plot_metric_vs_r`: ``values[i]`` measured at ``rs[i]``; ``trained`` (the
+    r the model was trained at) is circled when measured."""
+
+    label: str
+    rs: Sequence[float]
+    values: Sequence[float]
+    trained: float | None = None
+
+
+def plot_metric_vs_r(
+    series: Sequence[RSeries],
+    path: PathLike,
+    *,
+    ylabel: str,
+    title: str,
+    xlabel: str = "recurrences r at inference",
+    zero_line: bool = False,
+) -> Path:
+    """A metric against the r run at inference, one line per series, each series' trained r
+    hollow-circled; log2 r axis (when more than one r) ticked at the measured r; ``zero_line``
+    draws y = 0 (chance, for centered scores)."""
+    if not series:
+        raise ValueError("plot_metric_vs_r: no series to draw")
+    fig = _new_figure(6.4, 4.2)
+    ax = fig.add_subplot()
+    for s in series:
+        rs, values = np.asarray(s.rs, float), np.asarray(s.values, float)
+        (line,) = ax.plot(rs, values, marker="o", ms=3.5, lw=1.6, label=s.label)
+        at = rs == s.trained
+        if at.any():
+            ax.scatter(rs[at], values[at], s=90, facecolors="none", edgecolors=line.get_color(),
+                       linewidths=1.5, zorder=3)  # fmt: skip
+    if zero_line:
+        ax.axhline(0.0, color="grey", lw=0.8, ls=":")
+    ticks = sorted({float(r) for s in series for r in s.rs})
+    if len(ticks) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [f"{r:g}" for r in ticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def write_result_triple(
+    out_dir: PathLike, stem: str, result: Mapping[str, Any], markdown: str, plot: Callable[[Path], Path]
+) -> list[Path]:
+    """Write one result into ``out_dir`` as ``<stem>.png`` (``plot(path)`` draws it),
+    ``<stem>.md`` (``markdown``, which links the PNG) and ``<stem>.json`` (``result``); returns
+    the three paths, JSON first. The markdown and the JSON are written atomically, the JSON last: a
+    reader that finds it (the checkpoint card, a sweep card) finds the whole set."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(out / f"{stem}.png")
+    write_text_atomic(out / f"{stem}.md", markdown)
+    write_json_atomic(out / f"{stem}.json", dict(result))
+    return [out / f"{stem}.json", out / f"{stem}.md", png]

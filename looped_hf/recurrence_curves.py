@@ -281,64 +281,43 @@ def summary_sentence(curve: Mapping[str, Any]) -> str:
 
 
 def plot_test_time_scaling(curves: Any, path: PathLike, title: str | None = None) -> Path:
-    """Held-out loss against the r run at inference, one line per checkpoint; writes a PNG.
+    """Held-out loss against the r run at inference, one line per checkpoint; writes a PNG
+    (``looped_hf.plotting.plot_metric_vs_r``).
 
     ``curves``: one result of :func:`evaluate_recurrences` (``rows`` of ``num_recurrences`` and
     ``loss``, ``trained_num_recurrences``) or a list of them. Each checkpoint's trained r gets a
     hollow circle; a sampled-r run is labelled with its scheme, so fixed-r and sampled-r training
-    read apart. Built on its own Agg figure like ``looped_hf.plotting`` (no pyplot state).
+    read apart.
     """
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from looped_hf.plotting import RSeries, plot_metric_vs_r
 
     items = [curves] if isinstance(curves, Mapping) else list(curves)
     if not items:
         raise ValueError("plot_test_time_scaling: no curves to draw")
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    series = []
     for i, curve in enumerate(items):
         rows = curve.get("rows") or []
         if not rows:
             raise ValueError(f"plot_test_time_scaling: curve {i} ({curve.get('run_id')!r}) has no rows")
-        rs = np.array([row["num_recurrences"] for row in rows], dtype=float)
-        loss = np.array([row["loss"] for row in rows], dtype=float)
         trained = curve.get("trained_num_recurrences")
         sampling = curve.get("recurrence_sampling") or "fixed"
         label = curve.get("label") or curve.get("run_id") or f"run {i}"
         label = f"{label} (trained r = {trained}{'' if sampling == 'fixed' else ', ' + sampling})"
-        (line,) = ax.plot(rs, loss, marker="o", ms=3.5, lw=1.6, label=label)
-        at = rs == trained
-        if at.any():
-            ax.scatter(
-                rs[at],
-                loss[at],
-                s=90,
-                facecolors="none",
-                edgecolors=line.get_color(),
-                linewidths=1.5,
-                zorder=3,
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("recurrences r at inference (log2)")
-    ax.set_ylabel("held-out loss (nats/token)")
-    ax.set_title(title or "test-time scaling: held-out loss vs r (circle: trained r)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+        series.append(RSeries(label, [row["num_recurrences"] for row in rows], [row["loss"] for row in rows], trained))
+    return plot_metric_vs_r(
+        series,
+        path,
+        ylabel="held-out loss (nats/token)",
+        title=title or "test-time scaling: held-out loss vs r (circle: trained r)",
+        xlabel="recurrences r at inference (log2)",
+    )
 
 
 def write_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
-    """Write the JSON, the markdown table and the plot into ``out_dir``; returns their paths."""
-    from looped_hf.fileio import write_json_atomic, write_text_atomic
+    """Write the plot, the markdown table and the JSON (last) into ``out_dir``; returns their paths,
+    JSON first (``looped_hf.plotting.write_result_triple``)."""
+    from looped_hf.plotting import write_result_triple
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / CURVE_JSON, dict(curve))
     text = (
         f"# Test-time scaling: {curve['run_id']}\n\n"
         f"Held-out loss (the run's own held-out split, {curve['heldout_blocks']} blocks of {curve['seq_len']} "
@@ -346,9 +325,11 @@ def write_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
         f"{curve['rows'][-1]['num_recurrences']}.\n\n{summary_sentence(curve)}\n\n{markdown_table(curve)}\n\n"
         f"![held-out loss vs r]({CURVE_PNG})\n"
     )
-    write_text_atomic(out / CURVE_MD, text)
-    png = plot_test_time_scaling(curve, out / CURVE_PNG, title=f"{curve['run_id']}: held-out loss vs r")
-    return [out / CURVE_JSON, out / CURVE_MD, png]
+
+    def plot(path: Path) -> Path:
+        return plot_test_time_scaling(curve, path, title=f"{curve['run_id']}: held-out loss vs r")
+
+    return write_result_triple(out_dir, CURVE_STEM, curve, text, plot)
 
 
 def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> dict[str, Any] | None:

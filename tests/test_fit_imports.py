@@ -1,8 +1,10 @@
-"""`looped-hf fit` never imports torch or transformers, while a bare `import looped_hf` still
-registers the Auto classes (deferred until the program uses transformers or the model classes)."""
+"""`import looped_hf` registers the Auto classes at once, with nothing installed into the import
+system, and the fit's numeric core (``looped-hf fit``, a cached ``plan``) still runs where torch and
+transformers cannot be imported (the registration is skipped there)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -15,6 +17,10 @@ from looped_hf.scaling import load_runs
 from looped_hf.scaling.synthetic import study_runs
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Prepended to a subprocess's code: torch and transformers cannot be imported (an ImportError, and
+# importlib.util.find_spec answers None), as on a machine where they are not installed.
+WITHOUT_TORCH = "import sys\nsys.modules['torch'] = None\nsys.modules['transformers'] = None\n"
 
 
 def _run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -38,11 +44,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_fit_cli_imports_neither_torch_nor_transformers(results: Path) -> None:
-    code = (
-        "import sys, looped_hf.cli\n"
+def test_fit_cli_runs_without_torch_or_transformers(results: Path) -> None:
+    code = WITHOUT_TORCH + (
+        "import looped_hf.cli\n"
         "rc = looped_hf.cli.main(['fit', sys.argv[1], '--bootstrap', '4', '--fix-phi', '0.5'])\n"
-        "print('RC', rc, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+        "print('RC', rc, hasattr(looped_hf, 'LoopedConfig'))\n"
     )
     out = _run(["-c", code, str(results)]).stdout
     assert "phi" in out and "bootstrap fit checks:" in out
@@ -50,23 +56,45 @@ def test_fit_cli_imports_neither_torch_nor_transformers(results: Path) -> None:
     assert "Huber delta 0.001 on log residuals, summed" in out
     assert "search box (starts and L-BFGS-B bounds): log A [-5, 35], alpha [0, 2.5]" in out
     assert "starts screened" in out and "seed 0" in out
-    assert out.strip().splitlines()[-1] == "RC 0 False False"
+    assert out.strip().splitlines()[-1] == "RC 0 False"  # ran, and registered nothing
 
 
-def test_python_m_looped_hf_fit_imports_no_torch(results: Path) -> None:
-    # -m runs the package's __init__ first: it must not pull torch in either (-X importtime lists
-    # every module the process imported, on stderr).
-    out = _run(["-X", "importtime", "-m", "looped_hf", "fit", str(results), "--fix-phi", "0.5"])
+def test_python_m_looped_hf_fit_runs_without_torch(results: Path) -> None:
+    # -m runs the package's __init__ first: without torch it must skip the registration, not fail.
+    code = WITHOUT_TORCH + (
+        "import runpy\n"
+        "sys.argv = ['looped_hf', 'fit', sys.argv[1], '--fix-phi', '0.5']\n"
+        "runpy.run_module('looped_hf', run_name='__main__', alter_sys=True)\n"
+    )
+    out = _run(["-c", code, str(results)])
     assert "R^2" in out.stdout
-    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
-    assert "looped_hf.scaling.fit" in imported
-    assert not {m for m in imported if m.split(".")[0] in ("torch", "transformers")}
 
 
-def test_bare_import_still_registers_the_auto_classes(tmp_path: Path) -> None:
+def test_the_numeric_core_imports_neither_torch_nor_transformers_itself() -> None:
+    # With both installed, the registration imports them (the package's __init__); the scaling
+    # modules must not need them: -X importtime lists each import with its importer's nesting, so
+    # nothing under looped_hf.scaling may be the first to import torch or transformers.
     code = (
-        "import sys, looped_hf\n"
-        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "import looped_hf, sys\n"
+        "before = set(sys.modules)\n"
+        "import looped_hf.scaling, looped_hf.scaling.cli, looped_hf.scaling.fit\n"
+        "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'transformers'))\n"
+        "print('NEW', new, 'looped_hf.scaling.fit' in sys.modules, 'torch' in before)\n"
+    )
+    assert _run(["-c", code]).stdout.strip().splitlines()[-1] == "NEW [] True True"
+    blocked = WITHOUT_TORCH + "import looped_hf.scaling.cli, looped_hf.scaling.compare\nprint('OK')\n"
+    assert _run(["-c", blocked]).stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_bare_import_registers_the_auto_classes_with_no_import_hook(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "finders = list(sys.meta_path)\n"
+        "import looped_hf\n"
+        "print('AT IMPORT', 'looped_hf.modeling_looped' in sys.modules)\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "print('REGISTERED', 'looped' in CONFIG_MAPPING, [f for f in sys.meta_path if f not in finders\n"
+        "      and type(f).__module__.startswith('looped_hf')])\n"
         "from transformers import AutoConfig, AutoModelForCausalLM\n"
         "cfg = AutoConfig.for_model('looped', hidden_size=64, num_attention_heads=2, num_key_value_heads=2,\n"
         "                           intermediate_size=128, vocab_size=64)\n"
@@ -77,6 +105,8 @@ def test_bare_import_still_registers_the_auto_classes(tmp_path: Path) -> None:
         "print(looped_hf.LoopedConfig is type(cfg), looped_hf.LoopedForCausalLM is type(back))\n"
     )
     out = _run(["-c", code, str(tmp_path / "ckpt")]).stdout.strip().splitlines()
+    # Registered by the import itself, before the program touched transformers.
+    assert [line for line in out if line.startswith(("AT IMPORT", "REGISTERED"))] == ["AT IMPORT True", "REGISTERED True []"]
     assert (
         out[-2] == "LoopedConfig LoopedForCausalLM LoopedForCausalLM ['AutoConfig', 'AutoModelForCausalLM']"
     )
@@ -84,14 +114,35 @@ def test_bare_import_still_registers_the_auto_classes(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "modeling_looped.py").is_file()  # shipped as remote code
 
 
-def test_registration_waits_for_transformers_to_finish_importing(tmp_path: Path) -> None:
-    # transformers imports its Auto modules from inside modeling_utils: registering there would
-    # import modeling_looped against a half-initialised transformers.
+def test_the_package_installs_nothing_into_the_import_system() -> None:
+    # The old design wrapped loaders through a sys.meta_path finder and read CPython's private
+    # spec._initializing; neither may come back.
+    tree = ast.parse((REPO / "looped_hf" / "__init__.py").read_text())
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not used & {"meta_path", "path_hooks", "_initializing", "MetaPathFinder"}, used
+
+
+def test_heads_are_registered_for_auto_and_remote_code(tmp_path: Path) -> None:
     code = (
         "import sys, looped_hf\n"
+        "from transformers import AutoConfig, AutoModelForSequenceClassification\n"
+        "cfg = AutoConfig.for_model('looped', hidden_size=64, num_attention_heads=2, num_key_value_heads=2,\n"
+        "                           intermediate_size=128, vocab_size=64, num_labels=3)\n"
+        "model = AutoModelForSequenceClassification.from_config(cfg)\n"
+        "model.save_pretrained(sys.argv[1])\n"
+        "back = AutoModelForSequenceClassification.from_pretrained(sys.argv[1])\n"
+        "print(type(back).__name__, back.config.auto_map['AutoModelForSequenceClassification'])\n"
+    )
+    out = _run(["-c", code, str(tmp_path / "head")]).stdout.strip().splitlines()
+    assert out[-1] == "LoopedForSequenceClassification modeling_looped.LoopedForSequenceClassification"
+
+
+def test_importing_transformers_first_still_registers() -> None:
+    code = (
         "import transformers.modeling_utils\n"
-        "from looped_hf.modeling_looped import LoopedForCausalLM\n"
         "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "import looped_hf\n"
         "cfg = AutoConfig.for_model('looped', hidden_size=64, num_attention_heads=2, num_key_value_heads=2,\n"
         "                           intermediate_size=128, vocab_size=64)\n"
         "print(type(AutoModelForCausalLM.from_config(cfg)).__name__)\n"
@@ -111,19 +162,20 @@ def test_bad_numbers_are_named_in_plain_python() -> None:
 
 def test_plan_reuses_its_measured_family_without_torch(tmp_path: Path) -> None:
     # The first plan of a recipe measures its models (torch, on the meta device) and caches the
-    # family on disk; the next plan of the same recipe is numpy only and gives the same answer.
-    code = (
-        "import json, sys, looped_hf.cli\n"
+    # family on disk; the next plan of the same recipe is numpy only (it runs with torch blocked)
+    # and gives the same answer.
+    body = (
+        "import json, looped_hf.cli\n"
         "rc = looped_hf.cli.main(['plan', sys.argv[1], '--budget', '1.2e11', '--recipe', sys.argv[2], '--json'])\n"
-        "print('RC', rc, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+        "print('RC', rc, sys.modules.get('torch') is not None, sys.modules.get('transformers') is not None)\n"
     )
     fit = REPO / "model_cards" / "iso_depth_tiny" / "fit.json"
     recipe = REPO / "recipes" / "iso_depth_tiny.yaml"
     env = {"LOOPED_HF_CACHE": str(tmp_path / "cache")}
-    first = _run(["-c", code, str(fit), str(recipe)], env).stdout.strip().splitlines()
+    first = _run(["-c", "import sys\n" + body, str(fit), str(recipe)], env).stdout.strip().splitlines()
     assert first[-1] == "RC 0 True True"
     assert len(list((tmp_path / "cache" / "families").glob("*.json"))) == 1
-    second = _run(["-c", code, str(fit), str(recipe)], env).stdout.strip().splitlines()
+    second = _run(["-c", WITHOUT_TORCH + body, str(fit), str(recipe)], env).stdout.strip().splitlines()
     assert second[-1] == "RC 0 False False"
     plans = [json.loads("\n".join(out[:-1])) for out in (first, second)]
     for p in plans:

@@ -2,9 +2,11 @@
 every submodule import executes included.
 
 A module a reader cannot place above or below its neighbours is one nobody dares to change; a
-lazy import hides a circle from Python, not from a reader. This walks every ``looped_hf`` module's
-``import`` statements with ``ast`` (``TYPE_CHECKING`` blocks aside: they never run) and fails on
-the first circle, naming it, so the next one is caught when it is made.
+lazy import hides a circle from Python, not from a reader, and so does a type-only one (an
+``if TYPE_CHECKING:`` import never runs, but a reader, and a type checker, still have to place
+both modules). This walks every ``looped_hf`` module's ``import`` statements with ``ast``,
+``TYPE_CHECKING`` blocks included, and fails on the first circle, naming it, so the next one is
+caught when it is made.
 
 Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` before ``a/b/c``, so an import of a
 submodule is also an edge to each package above it. The one exception is a package that encloses
@@ -56,15 +58,16 @@ def _executed(target: str, files: set[str]) -> list[str]:
     return [m for m in (".".join(parts[: i + 1]) for i in range(len(parts))) if m in files]
 
 
-def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """module -> the modules of ``root``'s package that importing it runs, module-level and lazy
-    imports alike, with the parent packages of each (the importer's own enclosing packages aside)."""
+def import_graph(root: Path = PACKAGE, *, type_checking: bool = True) -> dict[str, set[str]]:
+    """module -> the modules of ``root``'s package that importing it names, module-level, lazy and
+    (``type_checking``) ``TYPE_CHECKING``-only imports alike, with the parent packages of each (the
+    importer's own enclosing packages aside)."""
     paths = {module_name(p, root): p for p in root.rglob("*.py")}
     files = set(paths)
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in paths.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
         is_package = path.name == "__init__.py"
         enclosing = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         for node in ast.walk(tree):
@@ -168,6 +171,35 @@ def test_looped_hf_has_no_import_circle():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+def test_a_type_only_circle_is_found(tmp_path: Path):
+    # The scaling circle this test once let through: the result type beside the fitting code, read
+    # by a diagnosis the fit runs, which names the type only under TYPE_CHECKING.
+    root = _plant(tmp_path, {
+        "top/__init__.py": "",
+        "top/fit.py": "from .diagnose import diagnose\n\n\nclass Fit:\n    pass\n",
+        "top/diagnose.py": """
+            from typing import TYPE_CHECKING
+
+            if TYPE_CHECKING:
+                from .fit import Fit
+
+
+            def diagnose(fit: "Fit") -> None:
+                pass
+            """,
+    }) / "top"  # fmt: skip
+    assert find_cycle(import_graph(root, type_checking=False)) is None  # what Python runs: no circle
+    assert set(find_cycle(import_graph(root)) or []) == {"top.fit", "top.diagnose"}
+
+
+def test_the_scaling_result_type_imports_nothing_that_reads_it():
+    graph = import_graph()
+    readers = {"looped_hf.scaling.fit", "looped_hf.scaling.diagnose", "looped_hf.scaling.compare",
+               "looped_hf.plotting", "looped_hf.scaling"}  # fmt: skip
+    assert "looped_hf.scaling.result" in graph["looped_hf.scaling.diagnose"]  # the type-only edge
+    assert not graph["looped_hf.scaling.result"] & readers
+
+
 def test_the_sweep_command_describes_itself_with_the_package_docstring():
     import looped_hf.sweep as sweep
     from looped_hf.sweep.cli import DESCRIPTION
@@ -186,3 +218,58 @@ def test_the_scaling_package_never_imports_plotting():
             seen.add(node)
             todo.extend(graph[node])
     assert "looped_hf.plotting" not in seen
+
+
+# --- every module imports where fcntl does not exist (Windows) ----------------------------------
+# Run in a fresh process: fcntl is made unimportable before anything is imported, each module of
+# `package` (its directory on sys.path first) is imported, and the failures are printed as JSON.
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+sys.modules['fcntl'] = None
+root, package = sys.argv[1], sys.argv[2]
+sys.path.insert(0, root)
+top = importlib.import_module(package)
+failed, imported = {}, 0
+for info in pkgutil.walk_packages(top.__path__, package + '.'):
+    if info.name.endswith('.__main__'):
+        continue  # runs the command line
+    try:
+        importlib.import_module(info.name)
+        imported += 1
+    except Exception as err:
+        failed[info.name] = [type(err).__name__, getattr(err, 'name', None), str(err)]
+print(json.dumps({'failed': failed, 'imported': imported, 'fcntl': repr(sys.modules.get('fcntl'))}))
+"""
+
+# Extras a module may need and this environment may lack (the vLLM model needs vLLM).
+OPTIONAL = {"vllm", "lm_eval", "submitit"}
+
+
+def _import_all(root: Path, package: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", IMPORT_ALL, str(root), package], capture_output=True,
+                         text=True, env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _not_optional(failed: dict) -> dict:
+    return {m: e for m, e in failed.items() if not (e[0] == "ModuleNotFoundError" and str(e[1]).split(".")[0] in OPTIONAL)}
+
+
+def test_the_fcntl_check_catches_a_module_that_needs_fcntl(tmp_path: Path):
+    root = _plant(tmp_path, {"plain/__init__.py": "", "plain/ok.py": "import os\n", "plain/posix.py": "import fcntl\n"})
+    found = _import_all(root, "plain")
+    assert found["imported"] == 1 and set(_not_optional(found["failed"])) == {"plain.posix"}
+
+
+def test_every_module_imports_without_fcntl():
+    found = _import_all(PACKAGE.parent, "looped_hf")
+    assert _not_optional(found["failed"]) == {}
+    assert found["fcntl"] == "None"  # still unimportable at the end: nothing put it back
+    assert found["imported"] > 60  # the walk saw the package (78 modules today), not an empty folder

@@ -227,7 +227,8 @@ def test_importing_looped_hf_serving_does_not_import_vllm() -> None:
     import subprocess
     import sys
 
-    code = "import sys, looped_hf, looped_hf.serving; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
+    # torch is imported (import looped_hf registers the Auto classes); vLLM only by the plugin and model.
+    code = "import sys, looped_hf, looped_hf.serving; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

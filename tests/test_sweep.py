@@ -365,3 +365,31 @@ def test_eta_tracks_the_true_end_as_runs_of_very_different_flops_finish(tmp_path
     console.close()
     off = [(rid, eta, true) for rid, eta, true in errors if abs(eta - true) > 0.1 * true + 1]
     assert not off, f"ETA (run finished, ETA shown, true time left) off by > 10%: {off}"
+
+
+def test_a_command_run_keeps_its_lock_when_the_sweep_dies(tmp_path):
+    # A sweep that starts a run as a command hands the lock's descriptor to the child; the sweep
+    # dying (os._exit: no release) must leave the run locked until the child ends.
+    run_dir = tmp_path / "run"
+    code = (
+        "import os, pathlib, subprocess, sys\n"
+        "from looped_hf.sweep import _try_lock\n"
+        "lock = _try_lock(pathlib.Path(sys.argv[1]))\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'],\n"
+        "                         stdin=subprocess.PIPE, pass_fds=(lock.fd,))\n"
+        "print(child.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    sweep = subprocess.Popen([PYTHON, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                             env=subprocess_env())  # fmt: skip
+    child_pid = int(sweep.stdout.readline())
+    assert sweep.wait(timeout=60) == 0
+    try:
+        assert sweep_module._try_lock(run_dir) is None  # the orphaned child still holds it
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (lock := sweep_module._try_lock(run_dir)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lock is not None  # free once the child is gone
+    sweep_module._unlock(lock)

@@ -97,55 +97,44 @@ def summary_line(results: Mapping[str, Any]) -> str:
 
 def plot_scores(results: Mapping[str, Any], path: PathLike, title: str | None = None) -> Path:
     """Mean centered score of every group against r (log2 axis), one line per group, the trained r
-    circled; a PNG on its own Agg figure (no pyplot state), as ``looped_hf.plotting`` draws."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    circled (``looped_hf.plotting.plot_metric_vs_r``)."""
+    from looped_hf.plotting import RSeries, plot_metric_vs_r
 
     rows = results["rows"]
     if not rows:
         raise ValueError("plot_scores: the results have no rows")
     rs = [row["num_recurrences"] for row in rows]
     trained = results.get("trained_num_recurrences")
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for bundle in rows[0]["bundles"]:
-        for group in rows[0]["bundles"][bundle]["groups"]:
-            ys = [row["bundles"][bundle]["groups"][group]["centered"] for row in rows]
-            (line,) = ax.plot(rs, ys, marker="o", ms=3.5, lw=1.6, label=f"{group} ({bundle})")
-            if trained in rs:
-                i = rs.index(trained)
-                ax.scatter([trained], [ys[i]], s=90, facecolors="none", edgecolors=line.get_color(), zorder=3)
-    ax.axhline(0.0, color="grey", lw=0.8, ls=":")
-    if len(set(rs)) > 1:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(rs, [str(r) for r in rs])
-    ax.set_xlabel("recurrences r at inference")
-    ax.set_ylabel("centered score (0 = chance, 1 = perfect)")
-    ax.set_title(title or "task score vs r per group (circle: trained r)", fontsize=10)
-    ax.grid(True, alpha=0.25)
-    ax.legend(fontsize=8)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    series = [
+        RSeries(f"{group} ({bundle})", rs, [row["bundles"][bundle]["groups"][group]["centered"] for row in rows],
+                trained)  # fmt: skip
+        for bundle in rows[0]["bundles"]
+        for group in rows[0]["bundles"][bundle]["groups"]
+    ]
+    return plot_metric_vs_r(
+        series,
+        path,
+        ylabel="centered score (0 = chance, 1 = perfect)",
+        title=title or "task score vs r per group (circle: trained r)",
+        zero_line=True,
+    )
 
 
 def write_results(results: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
-    """Write the JSON (atomically), the markdown tables and the plot into ``out_dir``."""
-    from looped_hf.fileio import write_json_atomic, write_text_atomic
+    """Write the plot, the markdown tables and the JSON (last) into ``out_dir``
+    (``looped_hf.plotting.write_result_triple``)."""
+    from looped_hf.plotting import write_result_triple
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     name = results.get("run_id") or results.get("checkpoint") or "checkpoint"
-    png = plot_scores(results, out / RESULTS_PNG, title=f"{name}: task score vs r")
     text = (
         f"# Downstream evaluation: {name}\n\n{summary_line(results)}\n\n{markdown_tables(results)}\n\n"
         f"![task score vs r]({RESULTS_PNG})\n"
     )
-    write_text_atomic(out / RESULTS_MD, text)
-    write_json_atomic(out / RESULTS_JSON, dict(results))  # last: its presence means the set is complete
-    return [out / RESULTS_JSON, out / RESULTS_MD, png]
+
+    def plot(path: Path) -> Path:
+        return plot_scores(results, path, title=f"{name}: task score vs r")
+
+    return write_result_triple(out_dir, RESULTS_STEM, results, text, plot)
 
 
 def load_results(directory: PathLike, weights_sha256: str | None = None) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Fit the looped scaling law ``L = E + A (N_once + r^phi N_rec)^-alpha + B D^-beta``.
 
-numpy/scipy only (pandas optional): importing this package never imports torch or transformers.
+numpy/scipy only (pandas optional): no module of this package imports torch or transformers, so it
+runs where they are not installed (``looped_hf/__init__.py`` imports them only where they are).
 
 >>> from looped_hf.scaling import fit_scaling_law
 >>> fit = fit_scaling_law("sweep/results.jsonl", bootstrap=200, seed=0)  # doctest: +SKIP
@@ -11,7 +12,8 @@ numpy/scipy only (pandas optional): importing this package never imports torch o
 
 from .compare import FitComparison, compare_fits
 from .diagnose import diagnose
-from .fit import ScalingLawFit, fit_scaling_law, rebootstrap
+from .fit import fit_scaling_law, rebootstrap
+from .result import ScalingLawFit
 from .runs import Runs, load_chinchilla_svg, load_runs
 
 __all__ = [

@@ -10,10 +10,9 @@ runs (the study's truncated and hyperconnection probes) is fitted with the base'
 as the study does; the phi difference gets a paired-bootstrap interval (every resample fit
 checked, failures refitted or dropped and counted) and a profile-likelihood interval from the
 joint fit, and a verdict that says whether the comparison decides and which interval it trusts.
-numpy/scipy only: neither this command nor ``python -m looped_hf fit`` imports torch or
-transformers. Bad input (a ValueError naming row and column) exits with status 2 and
-writes nothing; ``--out`` is written atomically (temp file + ``os.replace``) after the fit and
-plots succeeded.
+numpy/scipy only: this command runs where torch and transformers are not installed. Bad input
+(a ValueError naming row and column) exits with status 2 and writes nothing; ``--out`` is
+written atomically (temp file + ``os.replace``) after the fit and plots succeeded.
 """
 
 from __future__ import annotations

@@ -37,19 +37,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from scipy.optimize import nnls
 
+from .formatting import OPTIMAL_VS_WIDTHS as OPTIMAL_VS_WIDTHS  # the sweep card reads it here
 from .formatting import flop_budget, interval, si
 from .law import BOUNDS, NATURAL_NAMES, PARAM_NAMES, PHI, effective_params, natural_loss
 from .trust import PHI_WIDTH_IDENTIFIED, Interval, phi_measured, trusted_interval
 
 if TYPE_CHECKING:
-    from .fit import ScalingLawFit
+    from .result import ScalingLawFit
     from .runs import Runs
 
 #: Compute-optimal sizes are searched this factor below the smallest and above the largest model.
 SEARCH_FACTOR = 100.0
 _NATURAL = {"a": "A", "alpha": "alpha", "b": "B", "beta": "beta", "e": "E", "phi": "phi"}
-#: How the report and the sweep card word :func:`budget_table`'s ``optimal_vs_widths``.
-OPTIMAL_VS_WIDTHS = {"below": "below the widths", "above": "above the widths", "inside": "inside"}
 
 
 @dataclass(frozen=True)

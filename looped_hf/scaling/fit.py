@@ -2,7 +2,7 @@
 
 (A probe against its base, delta phi: :mod:`.compare`.)
 
-``fit_scaling_law`` returns a :class:`ScalingLawFit` in the style of lmfit's result objects
+``fit_scaling_law`` returns a :class:`~.result.ScalingLawFit` in the style of lmfit's result objects
 (``.params``, ``.ci``, ``.report()``, ``.predict()``, JSON round trip; plots are
 :func:`looped_hf.plotting.plot_fit`, which depends on this module, never the reverse).
 
@@ -42,22 +42,19 @@ study's design and for a weakly identified one, by ``scripts/validate_phi_covera
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from ..fileio import read_json, write_text_atomic
 from . import law
 from .diagnose import diagnose
 from .law import LawData
 from .optimize import Polished, chinchilla_grid, multistart, polish, random_starts, single_threaded_blas
 from .profile import PhiProfile, profile_phi
 from .resample import RESAMPLE_METHODS, RefitStatus, cell_groups, refit_checked, resample_problems
+from .result import ScalingLawFit
 from .runs import Runs, load_runs
 
 BootstrapMethod = Literal["cell", "run", "residual"]
@@ -72,7 +69,6 @@ NO_R1_NOTE = (
     "study's phi of a probe, which is fitted with the base sweep's r = 1 runs: "
     "`looped-hf fit BASE --compare PROBE`, or add the base's r = 1 rows to this file"
 )
-_FORMAT = "looped_hf.scaling/1"
 
 
 def _law_data(runs: Runs, phi_identifiable: bool) -> LawData:
@@ -93,235 +89,6 @@ def phi_is_identifiable(runs: Runs) -> bool:
 def _r2(y: np.ndarray, yhat: np.ndarray) -> float:
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     return 1.0 - float(np.sum((y - yhat) ** 2)) / ss_tot if ss_tot > 0 else float("nan")
-
-
-@dataclass
-class ScalingLawFit:
-    """The result of :func:`fit_scaling_law`.
-
-    Attributes:
-        params: ``E, A, alpha, B, beta, phi`` (``phi`` is ``None`` when the data cannot identify
-            it, and the fixed value under ``fix_phi``).
-        ci: name -> (low, high), 95% percentile bootstrap intervals (empty without bootstrap);
-            phi's profile-likelihood interval is ``profile.interval``.
-        r2: coefficient of determination of the loss (linear space) over the fitted runs.
-        objective: summed Huber objective at the optimum.
-        residuals: ``log L - log L_hat`` per run, in the order of ``runs``.
-        kind: ``"looped"`` or ``"plain"`` (Chinchilla form).
-        phi_identifiable: whether the data identify phi.
-        fixed_phi: the value phi was held at, if any.
-        runs: the fitted runs (kept for reports, plots and the JSON round trip).
-        bootstrap_samples: ``(n_ok, 6)`` natural parameters of the bootstrap fits that passed
-            the fit checks (see ``bootstrap_checks``).
-        bootstrap_checks: what the checks of every resample's fit found
-            (:class:`~.resample.RefitStatus` as a dict: ``n``, ``refitted``, ``dropped``,
-            ``reasons``, ``summary``); ``None`` without a bootstrap.
-        restricted: ``{"phi=0": {...}, "phi=1": {...}}`` with each restricted fit's ``r2``,
-            ``objective`` and ``params``.
-        holdout: leave-one-budget-out check (fit without the largest budget, error on it).
-        profile: the profile of the objective over phi and its interval (when phi is free and
-            the fit ran with ``checks`` or a bootstrap).
-        diagnostics: is phi identified? Per-budget IsoFLOP placement, parameters on bounds,
-            both intervals, the verdict line (:func:`looped_hf.scaling.diagnose.diagnose`).
-        notes: what the fitter did that a reader should know (dropped rows, fallbacks).
-        settings: the options used (seed, starts, bootstrap method, ...).
-    """
-
-    params: dict[str, float | None]
-    ci: dict[str, tuple[float, float]]
-    r2: float
-    objective: float
-    residuals: np.ndarray
-    kind: Literal["looped", "plain"]
-    phi_identifiable: bool
-    fixed_phi: float | None = None
-    runs: Runs | None = None
-    bootstrap_samples: np.ndarray | None = None
-    bootstrap_checks: dict[str, Any] | None = None
-    restricted: dict[str, dict[str, Any]] = field(default_factory=dict)
-    holdout: dict[str, Any] | None = None
-    profile: PhiProfile | None = None
-    diagnostics: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    # ----------------------------------------------------------------------------- law
-    @property
-    def theta(self) -> np.ndarray:
-        return law.from_natural(self.params)
-
-    def _phi(self) -> float:
-        if self.params["phi"] is None:
-            raise ValueError(
-                "phi is not identifiable from these runs (no run has r > 1 and n_rec > 0); "
-                "the fit is the Chinchilla form in N = n_once + n_rec"
-            )
-        return float(self.params["phi"])
-
-    def effective_params(
-        self, n_once: float | np.ndarray, n_rec: float | np.ndarray, num_recurrences: float | np.ndarray
-    ) -> np.ndarray | float:
-        """``N_eff = N_once + r^phi N_rec``: the size of the non-looped model that the law says
-        performs alike. Raises ``ValueError`` when phi is not identifiable."""
-        phi = self._phi() if self.kind == "looped" else 0.0
-        out = np.asarray(law.effective_params(n_once, n_rec, num_recurrences, phi), float)
-        return float(out) if out.ndim == 0 else out
-
-    def predict(
-        self,
-        *,
-        tokens: float | np.ndarray,
-        n_once: float | np.ndarray | None = None,
-        n_rec: float | np.ndarray = 0.0,
-        num_recurrences: float | np.ndarray = 1.0,
-        params: float | np.ndarray | None = None,
-    ) -> np.ndarray | float:
-        """Predicted loss ``E + A N_eff^-alpha + B D^-beta``.
-
-        Pass ``params=N`` for a plain model, or ``n_once``, ``n_rec``, ``num_recurrences`` for a
-        looped one (broadcast like numpy).
-        """
-        if params is not None:
-            n_eff = np.asarray(params, float)
-        elif n_once is None:
-            raise ValueError("predict needs params=N (plain) or n_once/n_rec/num_recurrences (looped)")
-        else:
-            # phi None (not identifiable; a plain fit's phi is inert) counts every parameter once.
-            phi = self.params["phi"] if self.kind == "looped" else None
-            n_once, n_rec = np.asarray(n_once, float), np.asarray(n_rec, float)
-            n_eff = np.asarray(law.effective_params(n_once, n_rec, num_recurrences, phi), float)
-        out = law.natural_loss(self.params, n_eff, np.asarray(tokens, float))
-        return float(out) if np.ndim(out) == 0 else out
-
-    def equivalence(self, n_once: float, n_rec: float, num_recurrences: float) -> dict[str, float]:
-        """The study's sentence as numbers for one looped model.
-
-        - ``unique``: ``N_once + N_rec``, the parameters it stores;
-        - ``performs_like``: ``M = N_once + r^phi N_rec``, the non-looped size with the same loss
-          at equal tokens (the law's N_eff);
-        - ``costs_like``: ``K = N_once + r N_rec``, the non-looped size with the same training
-          FLOPs per token. Convention: FLOPs per token are 6 per parameter application (forward
-          + backward through every recurrence), attention, embeddings and the head ignored,
-          so a block looped r times costs r blocks.
-        """
-        return {
-            "unique": float(n_once + n_rec),
-            "performs_like": float(self.effective_params(n_once, n_rec, num_recurrences)),
-            "costs_like": float(n_once + num_recurrences * n_rec),
-        }
-
-    def equivalences(self) -> list[dict[str, float]]:
-        """``equivalence`` for the largest fitted model at each r > 1 (with ``r`` added): the
-        study's sentences, as the report and the sweep card state them."""
-        runs = self.runs
-        if runs is None or self.kind != "looped" or self.params.get("phi") is None:
-            return []
-        out = []
-        for r in np.unique(runs.num_recurrences):
-            m = (runs.num_recurrences == r) & (runs.n_rec > 0)
-            if r <= 1 or not m.any():
-                continue
-            i = np.flatnonzero(m)[np.argmax(runs.params[m])]
-            out.append(
-                {"r": float(r), **self.equivalence(float(runs.n_once[i]), float(runs.n_rec[i]), float(r))}
-            )
-        return out
-
-    # ----------------------------------------------------------------------------- output
-    def report(self) -> str:
-        """A plain-text report: parameters with CIs, restricted fits, residuals by r, checks."""
-        from .report import render_report
-
-        return render_report(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": _FORMAT,
-            "params": self.params,
-            "ci": {k: list(v) for k, v in self.ci.items()},
-            "r2": self.r2,
-            "objective": self.objective,
-            "residuals": [float(x) for x in self.residuals],
-            "kind": self.kind,
-            "phi_identifiable": self.phi_identifiable,
-            "fixed_phi": self.fixed_phi,
-            "bootstrap_samples": None if self.bootstrap_samples is None else self.bootstrap_samples.tolist(),
-            "bootstrap_checks": self.bootstrap_checks,
-            "restricted": self.restricted,
-            "holdout": self.holdout,
-            "profile": None if self.profile is None else self.profile.to_dict(),
-            "diagnostics": self.diagnostics,
-            "notes": self.notes,
-            "settings": self.settings,
-            "runs": None
-            if self.runs is None
-            else {"kind": self.runs.kind, "source": self.runs.source, "records": self.runs.to_records()},
-        }
-
-    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
-        """JSON text; written atomically to ``path`` (temp file + ``os.replace``) if given."""
-        text = json.dumps(self.to_dict(), indent=indent, allow_nan=True)
-        if path is not None:
-            write_text_atomic(path, text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str | os.PathLike[str]) -> ScalingLawFit:
-        """Inverse of :meth:`to_json` (accepts the JSON text or a path to it)."""
-        s = str(text_or_path)
-        is_text = s.lstrip().startswith(("{", "["))
-        where = "" if is_text else f"{s}: "
-        try:
-            obj = json.loads(s) if is_text else read_json(s)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"not valid JSON ({err.msg}, line {err.lineno})") from None
-        except OSError as err:
-            raise ValueError(f"{where}cannot read the fit ({err.__class__.__name__}: {err})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(
-                f"{where}not a looped_hf scaling fit: expected a JSON object, got {type(obj).__name__}"
-            )
-        if obj.get("format") != _FORMAT:
-            raise ValueError(f"{where}not a looped_hf scaling fit (format {obj.get('format')!r})")
-        for key, kind in _FIT_FIELDS.items():
-            if key not in obj:
-                raise ValueError(f"{where}not a looped_hf scaling fit: field {key!r} is missing")
-            if not isinstance(obj[key], kind):
-                raise ValueError(f"{where}field {key!r} is {obj.get(key)!r}: a looped_hf fit records it "
-                                 f"as {kind.__name__ if isinstance(kind, type) else 'a number'}")  # fmt: skip
-        runs = None
-        if obj.get("runs"):
-            recs = obj["runs"]["records"]
-            runs = load_runs([{k: v for k, v in r.items() if k != "label"} for r in recs])
-            runs.labels = [r["label"] for r in recs]
-            runs.source = obj["runs"]["source"]
-        bs = obj.get("bootstrap_samples")
-        return cls(
-            params=obj["params"],
-            ci={k: (float(v[0]), float(v[1])) for k, v in obj["ci"].items()},
-            r2=obj["r2"],
-            objective=obj["objective"],
-            residuals=np.asarray(obj["residuals"], float),
-            kind=obj["kind"],
-            phi_identifiable=obj["phi_identifiable"],
-            fixed_phi=obj.get("fixed_phi"),
-            runs=runs,
-            bootstrap_samples=None if bs is None else np.asarray(bs, float).reshape(-1, len(NATURAL_NAMES)),
-            bootstrap_checks=obj.get("bootstrap_checks"),
-            restricted=obj.get("restricted", {}),
-            holdout=obj.get("holdout"),
-            profile=PhiProfile.from_dict(obj["profile"]) if obj.get("profile") else None,
-            diagnostics=obj.get("diagnostics") or {},
-            notes=list(obj.get("notes", [])),
-            settings=obj.get("settings", {}),
-        )
-
-
-#: The fields every saved fit has, and their JSON types (what from_json reads without a default).
-_FIT_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "params": dict, "ci": dict, "r2": (int, float), "objective": (int, float), "residuals": list,
-    "kind": str, "phi_identifiable": bool,
-}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------- fitting

@@ -31,3 +31,7 @@ def interval(iv: Iterable[float | None], spec: str = ".3g", open_end: str = "box
     search box clipped it, nothing measured it) reads ``open_end``."""
     lo, hi = iv
     return "[" + ", ".join(open_end if v is None else format(v, spec) for v in (lo, hi)) + "]"
+
+
+#: How the report and the sweep card word :func:`~.diagnose.budget_table`'s ``optimal_vs_widths``.
+OPTIMAL_VS_WIDTHS = {"below": "below the widths", "above": "above the widths", "inside": "inside"}

@@ -6,7 +6,6 @@ an exclusive lock on its directory, with its whole output in `<run_dir>/train.lo
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
 import os
@@ -20,6 +19,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock, SoftFileLock, Timeout
 
 from looped_hf.arguments import RecipeError
 
@@ -73,30 +74,50 @@ def _log_tail(log_path: Path, lines: int = 15) -> str:
 
 
 # --- one process per run at a time ------------------------------------------------------------
-def _try_lock(run_dir: Path) -> int | None:
-    """Take the run's exclusive lock (`<run_dir>/.run.lock`) without waiting: its fd, or None if
-    another process holds it.
+@dataclass
+class RunLock:
+    """A held run lock: the `filelock` lock and its open descriptor (a command run inherits the
+    descriptor, so the lock stays held while it trains even if the sweep dies first). No
+    descriptor where filelock fell back to its marker-file lock (a filesystem without flock)."""
 
-    The kernel drops the lock when the last holder dies, SIGKILL included, so the lock means
-    "someone is training this run right now". A rerun that finds it held (a worker orphaned by a
-    killed sweep, or a second `looped-hf sweep` on the same directory) leaves the run alone and
-    comes back to it, so two processes never train, checkpoint or record the same run at once.
+    lock: FileLock
+    fd: int | None
+
+
+def _try_lock(run_dir: Path) -> RunLock | None:
+    """Take the run's exclusive lock (`<run_dir>/.run.lock`) without waiting, or None if another
+    process (or another lock in this one) holds it.
+
+    `filelock` locks the open file (flock on POSIX, msvcrt on Windows), and the OS drops the lock
+    when the last holder dies, SIGKILL included, so the lock means "someone is training this run
+    right now". A rerun that finds it held (a worker orphaned by a killed sweep, or a second
+    `looped-hf sweep` on the same directory) leaves the run alone and comes back to it, so two
+    processes never train, checkpoint or record the same run at once.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    held: list[int] = []
+
+    def write_holder(fd: int) -> None:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for a person looking
+        held.append(fd)
+
+    # thread_local=False: the sweep may release a lock from another thread than the one that took it.
+    # Where the OS has no file locks at all, FileLock is filelock's marker-file lock: no descriptor.
+    native = {} if issubclass(FileLock, SoftFileLock) else {"on_acquired": write_holder}
+    lock = FileLock(run_dir / LOCK_NAME, thread_local=False, **native)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        lock.acquire(timeout=0)
+    except Timeout:
         return None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for a person looking
-    return fd
+    return RunLock(lock, held[0] if held else None)
 
 
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the last fd of the open file releases the flock
+def _unlock(lock: RunLock | None) -> None:
+    # Releasing unlocks the open file for every descriptor of it, a command child's inherited copy
+    # included: callers release only once that child has exited.
+    if lock is not None:
+        lock.lock.release()
 
 
 def _read_lock_free(run_dir: Path) -> bool:
@@ -295,7 +316,7 @@ class _Job:
     run: PlannedRun
     run_dir: Path
     proc: subprocess.Popen | None = None
-    lock: int | None = None
+    lock: RunLock | None = None
     job: Any = None
     worker: _Worker | None = None
 

@@ -154,8 +154,9 @@ class _Runner:
             with open(run_dir / LOG_NAME, "ab") as log:
                 # The child inherits the lock: it stays held while the run trains, even if this
                 # process dies first.
+                inherit = () if lock.fd is None else (lock.fd,)
                 proc = subprocess.Popen(train_command(recipe_path, n, self.kind), stdout=log,
-                                        stderr=subprocess.STDOUT, pass_fds=(lock,))  # fmt: skip
+                                        stderr=subprocess.STDOUT, pass_fds=inherit)  # fmt: skip
             self.running.append(_Job(run, run_dir, proc=proc, lock=lock))
             lock = None
         finally:
