@@ -58,8 +58,9 @@ ARCHS: dict[str, dict] = {
     "passthrough": dict(input_injection="none", num_prelude_layers=0, state_init="prelude", num_recurrences=2),
     "zeros_start": dict(input_injection="linear", state_init="zeros", num_coda_layers=2, num_recurrences=2),
     # Head sizes the CPU attention does not run: padded to 32 (the softmax scale stays 1/sqrt(head_dim)).
-    # head_dim 4 is make demo's; 16 with GQA and the per-head learnable QK-norm before RoPE.
-    "head_dim_4": dict(head_dim=4, num_attention_heads=4, num_key_value_heads=2),
+    # head_dim 4 in make demo's shape (width 12, 3 heads: rows the RMSNorm kernel does not take, so
+    # PyTorch's op runs them); 16 with GQA and the per-head learnable QK-norm before RoPE.
+    "head_dim_4": dict(hidden_size=12, head_dim=4, num_attention_heads=3, num_key_value_heads=3),
     "head_dim_16": dict(hidden_size=32, qk_norm="learnable_before_rope", num_key_value_heads=2),
 }
 
