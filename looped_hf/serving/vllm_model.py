@@ -80,31 +80,30 @@ _C = getattr(torch.ops, "_C", None)
 _HAS_KERNELS = _C is not None and hasattr(_C, "rms_norm") and hasattr(_C, "rotary_embedding")
 
 
-def _rms_norm_width_multiple() -> int:
-    """The row widths vLLM's RMSNorm kernel takes are the multiples of this (0: none). The CPU kernel
-    reads a row in SIMD vectors and refuses a width that is not a whole number of them (8 floats on
-    x86 today: head_dim 4's QK-norm); probed once, in each dtype the CPU backend serves, rather than
+def _rms_norm_width_multiples() -> dict[torch.dtype, int]:
+    """Per dtype, the row widths vLLM's RMSNorm kernel takes are the multiples of this (absent: none,
+    PyTorch's op runs). The CPU kernel reads a row in SIMD vectors and refuses a width that is not a
+    whole number of them (8 floats on x86 today: head_dim 4's QK-norm); probed once rather than
     assumed, since the vector width is the build's."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
     if not _HAS_KERNELS:
-        return 0
+        return {}
     if not current_platform.is_cpu():
-        return 1
-    needed = 1
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for width in (1, 2, 4, 8, 16, 32, 64, 0):
-            if width == 0:
-                return 0
+        return dict.fromkeys(dtypes, 1)
+    widths = {}
+    for dtype in dtypes:
+        for width in (1, 2, 4, 8, 16, 32, 64):
             try:
                 x = torch.ones(1, width, dtype=dtype)
                 _C.rms_norm(torch.empty_like(x), x, None, 1e-6)
-            except RuntimeError:
+            except (RuntimeError, NotImplementedError):  # a width (or dtype) this build refuses
                 continue
-            needed = max(needed, width)
+            widths[dtype] = width
             break
-    return needed
+    return widths
 
 
-_RMS_NORM_WIDTH = _rms_norm_width_multiple()
+_RMS_NORM_WIDTH = _rms_norm_width_multiples()
 
 
 def attention_head_size(head_dim: int) -> int:
@@ -122,8 +121,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     """RMSNorm over the last dim (``weight`` None: the parameter-free norm) with vLLM's kernel, else
     ``F.rms_norm`` (a width the kernel does not take, or a weight of another dtype). The kernel reads
     ``x`` as contiguous rows, so a strided ``x`` is copied first."""
-    width = x.shape[-1]
-    if _RMS_NORM_WIDTH and width % _RMS_NORM_WIDTH == 0 and (weight is None or weight.dtype == x.dtype):
+    multiple = _RMS_NORM_WIDTH.get(x.dtype)
+    if multiple and x.shape[-1] % multiple == 0 and (weight is None or weight.dtype == x.dtype):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty_like(rows)
         _C.rms_norm(out, rows, weight, eps)
@@ -134,8 +133,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 def _norm(module: LoopedRMSNorm, x: torch.Tensor) -> torch.Tensor:
     """A ``LoopedRMSNorm`` through vLLM's kernel (its own forward where the kernel does not take ``x``:
     see ``_rms_norm``)."""
-    width = x.shape[-1]
-    if _RMS_NORM_WIDTH and width % _RMS_NORM_WIDTH == 0 and module.weight.dtype == x.dtype:
+    multiple = _RMS_NORM_WIDTH.get(x.dtype)
+    if multiple and x.shape[-1] % multiple == 0 and module.weight.dtype == x.dtype:
         return _rms_norm(x, module.weight, module.variance_epsilon)
     return module(x)
 
@@ -151,7 +150,9 @@ def _rope_table(config: LoopedConfig, length: int, dtype: torch.dtype) -> torch.
     return torch.cat([cos[:, :half], sin[:, :half]], dim=-1).to(dtype)
 
 
-def _apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, table: torch.Tensor):
+def _apply_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox RoPE on q and k of shape (tokens, heads * head_dim): vLLM's kernel, in place on q and k
     (views of qkv, or normed copies), q1 cos - q2 sin, q2 cos + q1 sin, which is modeling_looped's
     q cos + rotate_half(q) sin with the same tables. Without the kernel, modeling_looped's op on the
