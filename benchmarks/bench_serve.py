@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serve.py                        # the docs' table (a few minutes on 2 CPU cores)
     python benchmarks/bench_serve.py --hidden 512 --repeats 5 --concurrency 1 8 32 64
+    python benchmarks/bench_serve.py --dtype bfloat16 --skip-kv    # vLLM's default dtype
 
 Three measurements, in one run, in the serving environment (``make serve-setup``):
 
@@ -16,7 +17,8 @@ Three measurements, in one run, in the serving environment (``make serve-setup``
 
 The sides of 1 and 2 are interleaved within each repeat (vLLM looped, ``generate()``, vLLM Llama),
 so drifting load on a shared machine hits all of them; the table gives the median over repeats and
-the spread (min .. max). Models are random (throughput does not depend on the weights), float32.
+the spread (min .. max). Models are random (throughput does not depend on the weights), in
+``--dtype`` (float32 by default; every side, ``generate()`` included, runs in it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 KV_SPACE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE for every engine here; capacities are per this GiB
 KV_CASES = ((1, None), (4, None), (4, 2), (8, None), (8, 2))  # (r, kv_budget)
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # --dtype choices and their bytes per KV number
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,8 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-layers", action="store_true",
                    help="looped layers without QK-norm, logit soft-cap and embedding norm, as Llama's: then only the "
                         "loop (injection, recurrence norm) differs from the Llama")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the models' dtype on every side (vLLM's own default is bfloat16)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
     p.add_argument("--skip-kv", action="store_true", help="skip the KV-capacity table (five engine starts)")
+    p.add_argument("--skip-generate", action="store_true", help="time vLLM only (looped and Llama), not generate()")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="tokens per second of the timed process's CPU time (all its threads), not of wall time: "
+                        "what each side costs, nearly free of other processes' load on a shared machine")  # fmt: skip
     p.add_argument("--generate-python", default=None, metavar="PYTHON",
                    help="interpreter for the generate() side (default: this one)")  # fmt: skip
     p.add_argument("--generate-worker", default=None, help=argparse.SUPPRESS)
@@ -93,11 +102,17 @@ def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
     return root / "looped", root / "llama", looped
 
 
+def _clock(args: argparse.Namespace) -> Callable[[], float]:
+    """Wall time, or with ``--cpu-time`` this process's CPU time (the engine core runs in this process
+    unless VLLM_ENABLE_V1_MULTIPROCESSING=1, whose core's CPU time this clock does not see)."""
+    return time.process_time if args.cpu_time else time.perf_counter
+
+
 def vllm_engine(folder: Path, args: argparse.Namespace, **kwargs: Any) -> Any:
     from vllm import LLM
 
     return LLM(
-        model=str(folder), dtype="float32", skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
+        model=str(folder), dtype=args.dtype, skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
         max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency), **kwargs,
     )  # fmt: skip
 
@@ -119,9 +134,13 @@ class GenerateWorker:
     """``generate()`` on the looped checkpoint in a persistent process (possibly another environment):
     one batched call per request, timed there, so its rate excludes the pipe."""
 
-    def __init__(self, python: str, folder: Path, prompts: list[list[int]], new_tokens: int) -> None:
+    def __init__(
+        self, python: str, folder: Path, prompts: list[list[int]], new_tokens: int, dtype: str, cpu_time: bool
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([python, __file__, "--generate-worker", str(folder)], stdin=subprocess.PIPE,
+        clock = ["--cpu-time"] if cpu_time else []
+        self.proc = subprocess.Popen([python, __file__, "--generate-worker", str(folder), "--dtype", dtype, *clock],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
         self._send({"prompts": prompts, "new_tokens": new_tokens})
 
@@ -143,24 +162,24 @@ class GenerateWorker:
         self.proc.wait(timeout=60)
 
 
-def generate_worker(folder: str) -> int:
+def generate_worker(folder: str, dtype: str, clock: Callable[[], float]) -> int:
     """The worker's loop: the first line sets prompts and length, each next ``{"n": N}`` runs the first N
     prompts as one batch and answers ``{"tokens_per_s": ...}``."""
     import torch
 
     from looped_hf import LoopedForCausalLM
 
-    model = LoopedForCausalLM.from_pretrained(folder).eval()
+    model = LoopedForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     setup = json.loads(sys.stdin.readline())
     prompts, new_tokens = torch.tensor(setup["prompts"]), int(setup["new_tokens"])
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         batch = prompts[: json.loads(line)["n"]]
-        start = time.perf_counter()
+        start = clock()
         with torch.inference_mode():
             out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False, pad_token_id=0,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)  # fmt: skip
-        rate = (out.shape[1] - batch.shape[1]) * batch.shape[0] / (time.perf_counter() - start)
+        rate = (out.shape[1] - batch.shape[1]) * batch.shape[0] / (clock() - start)
         print(json.dumps({"tokens_per_s": rate}), flush=True)
     return 0
 
@@ -175,18 +194,22 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
     prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args)}
-    worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens)
+    worker = None
+    if not args.skip_generate:
+        worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens, args.dtype,
+                                args.cpu_time)  # fmt: skip
+
+    clock = _clock(args)
 
     def run_vllm(name: str, n: int) -> float:
-        start = time.perf_counter()
+        start = clock()
         outs = engines[name].generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:n]], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (clock() - start)
 
-    sides: dict[str, Callable[[int], float]] = {
-        "vllm_looped": lambda n: run_vllm("vllm_looped", n),
-        "generate_looped": worker.tokens_per_s,
-        "vllm_llama": lambda n: run_vllm("vllm_llama", n),
-    }
+    sides: dict[str, Callable[[int], float]] = {"vllm_looped": lambda n: run_vllm("vllm_looped", n)}
+    if worker is not None:
+        sides["generate_looped"] = worker.tokens_per_s
+    sides["vllm_llama"] = lambda n: run_vllm("vllm_llama", n)
     for fn in sides.values():  # warm-up: first calls allocate and (with --compile) compile
         fn(min(args.concurrency))
     results: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.concurrency} for name in sides}
@@ -195,7 +218,8 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
             for name, fn in sides.items():
                 results[name][n].append(fn(n))
         print(f"[bench_serve] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-    worker.close()
+    if worker is not None:
+        worker.close()
     for engine in engines.values():
         close(engine)
     return results
@@ -203,7 +227,7 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
 
 def kv_capacity(args: argparse.Namespace, looped_dir: Path, config: Any) -> list[dict[str, Any]]:
     """vLLM's KV-cache tokens per GiB for each (r, kv_budget) of ``KV_CASES``, and the expected value
-    for P + k*K + C caches of 2 * kv_heads * head_dim float32 numbers per token each."""
+    for P + k*K + C caches of 2 * kv_heads * head_dim numbers (of ``--dtype``) per token each."""
     rows = []
     for r, budget in KV_CASES:
         overrides = {"num_recurrences": r, "kv_budget": budget}
@@ -212,7 +236,7 @@ def kv_capacity(args: argparse.Namespace, looped_dir: Path, config: Any) -> list
         tokens = cache.num_gpu_blocks * cache.block_size
         close(engine)
         slots = config.num_kv_slots(r, budget)
-        per_token = slots * 2 * config.num_key_value_heads * config.head_dim * 4
+        per_token = slots * 2 * config.num_key_value_heads * config.head_dim * DTYPES[args.dtype]
         rows.append({"r": r, "kv_budget": budget, "slots": slots, "tokens_per_gib": tokens / KV_SPACE_GIB,
                      "expected_tokens_per_gib": 2**30 / per_token})  # fmt: skip
     return rows
@@ -228,12 +252,14 @@ def throughput_table(results: dict[str, dict[int, list[float]]]) -> str:
         "| concurrent requests | vLLM, looped | generate(), looped | vLLM, equal-depth Llama | vLLM / generate() | looped / Llama |",
         "|---|---|---|---|---|---|",
     ]
+    timed_generate = "generate_looped" in results  # not with --skip-generate
     for n in results["vllm_looped"]:
         med = {name: statistics.median(results[name][n]) for name in results}
+        generate = spread(results["generate_looped"][n]) if timed_generate else "-"
+        vs_generate = f"{med['vllm_looped'] / med['generate_looped']:.2f}x" if timed_generate else "-"
         lines.append(
-            f"| {n} | {spread(results['vllm_looped'][n])} | {spread(results['generate_looped'][n])} | "
-            f"{spread(results['vllm_llama'][n])} | {med['vllm_looped'] / med['generate_looped']:.2f}x | "
-            f"{med['vllm_looped'] / med['vllm_llama']:.2f} |"
+            f"| {n} | {spread(results['vllm_looped'][n])} | {generate} | {spread(results['vllm_llama'][n])} | "
+            f"{vs_generate} | {med['vllm_looped'] / med['vllm_llama']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -250,7 +276,7 @@ def kv_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.generate_worker:
-        return generate_worker(args.generate_worker)
+        return generate_worker(args.generate_worker, args.dtype, _clock(args))
     if args.hidden % 64 or args.r < 1 or args.repeats < 1 or min(args.concurrency) < 1:
         print(f"bench_serve: --hidden {args.hidden} must be a multiple of 64 (head_dim 64), --r {args.r}, "
               f"--repeats {args.repeats} and --concurrency {args.concurrency} >= 1", file=sys.stderr)  # fmt: skip
@@ -275,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     prelude, block, coda = args.layers
     print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
-          f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; float32, "
+          f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "
           f"{'compiled' if args.compile else 'eager'}, engine core "
           f"{'in this process' if os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0' else 'in its own process'}")  # fmt: skip
     extras = "none (--llama-layers)" if args.llama_layers else "QK-norm, logit soft-cap, embedding norm"
@@ -283,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), looped extras: {extras}, "
           f"vocab {args.vocab}, "
           f"prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median (min .. max) of "
-          f"{args.repeats} repeats\n")  # fmt: skip
+          f"{args.repeats} repeats" + (" (per second of process CPU time)" if args.cpu_time else "") + "\n")  # fmt: skip
     print(throughput_table(results))
     if rows:
         print(f"\nKV cache (VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB} GiB):\n")

@@ -1,6 +1,7 @@
 """Tiny looped checkpoints for the serving tests (vLLM parity, the server test, the benchmark).
 
-vLLM's CPU attention runs head sizes 32, 64, 80, ... only, so the models here have head_dim 32.
+vLLM's CPU attention runs head sizes 32, 64, 80, ... only; the models here have head_dim 32 unless a test
+asks for another (the vLLM model pads those).
 The weights are random with a spread that makes greedy decoding well separated (no near-ties
 between the top two tokens that float rounding could flip), and every injection / lane parameter
 is perturbed so each recurrence differs.

@@ -5,7 +5,8 @@ config, no ``trust_remote_code``), decodes greedily in float32 and must give ``g
 False)``'s tokens on every prompt, and each chosen token's log-probability within 1e-3. Prompts of
 1 to 70 tokens with 32-token KV blocks, so prompts and decodes span several blocks. The
 architectures cover every option ``LoopedConfig`` serves (``ARCHS``), each at its trained r and
-another r, the study's shape at r = 1, 2, 3 and beyond, and kv_budget < r.
+another r, the study's shape at r = 1, 2, 3 and beyond, kv_budget < r, and head sizes vLLM's CPU
+attention does not run (4 and 16: padded to 32 by the model).
 
 vLLM engines start in-process and one after another (a few seconds each after the first). The
 ``generate()`` reference runs in one subprocess for all cases when this interpreter's transformers
@@ -40,7 +41,7 @@ BLOCK_SIZE = 32
 NEW_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-3
 
-# Every option the vLLM model serves, spread over a few checkpoints (all head_dim 32).
+# Every option the vLLM model serves, spread over a few checkpoints (head_dim 32 unless named).
 ARCHS: dict[str, dict] = {
     # The study's defaults: linear injection, QK-norm after RoPE, squared ReLU, soft-cap,
     # embedding and recurrence norms, untied head, GQA (2 heads, 1 KV head).
@@ -56,6 +57,11 @@ ARCHS: dict[str, dict] = {
     "legacy_hyperconnection": dict(looped_format=1, input_injection="hyperconnection", num_recurrences=2),
     "passthrough": dict(input_injection="none", num_prelude_layers=0, state_init="prelude", num_recurrences=2),
     "zeros_start": dict(input_injection="linear", state_init="zeros", num_coda_layers=2, num_recurrences=2),
+    # Head sizes the CPU attention does not run: padded to 32 (the softmax scale stays 1/sqrt(head_dim)).
+    # head_dim 4 in make demo's shape (width 12, 3 heads: rows the RMSNorm kernel does not take, so
+    # PyTorch's op runs them); 16 with GQA and the per-head learnable QK-norm before RoPE.
+    "head_dim_4": dict(hidden_size=12, head_dim=4, num_attention_heads=3, num_key_value_heads=3),
+    "head_dim_16": dict(hidden_size=32, qk_norm="learnable_before_rope", num_key_value_heads=2),
 }
 
 # (arch, num_recurrences, kv_budget): one engine each. None: the checkpoint's r / no budget.
@@ -67,6 +73,7 @@ ENGINES = [
     ("legacy_hyperconnection", None, None),
     ("passthrough", None, None), ("passthrough", 1, None),
     ("zeros_start", None, None), ("zeros_start", 3, 2),
+    ("head_dim_4", None, None), ("head_dim_16", 4, 2),
 ]  # fmt: skip
 
 
@@ -189,11 +196,12 @@ def test_a_request_for_another_r_is_refused_and_the_engines_r_is_accepted(checkp
     [
         ({"state_init": "noise"}, {}, r"state_init='noise'"),
         ({"exit_criterion": "kl"}, {}, r"exit_criterion='kl': per-token adaptive exit is not served"),
-        ({"hidden_size": 32}, {}, r"head_dim=16: vLLM's CPU attention runs head sizes"),
+        ({"head_dim": 576, "num_attention_heads": 1, "num_key_value_heads": 1}, {},
+         r"head_dim=576: vLLM's CPU attention runs head sizes up to 512"),
         ({"input_injection": "hyperconnection"}, {"num_recurrences": 2},
          r"num_recurrences=2: this checkpoint's hyperconnection parameters were trained for num_recurrences=3"),
     ],
-    ids=["noise", "adaptive-exit", "head-dim-16", "hyperconnection-other-r"],
+    ids=["noise", "adaptive-exit", "head-dim-576", "hyperconnection-other-r"],
 )  # fmt: skip
 def test_what_cannot_be_served_exactly_is_refused_with_one_clear_line(arch_overrides, hf_overrides, message, workdir):
     checkpoint = save_serving_checkpoint(workdir / "refused", **arch_overrides)
@@ -208,12 +216,15 @@ def test_servable_problems_names_each_refused_field_and_serves_every_other_optio
         "state_init='noise'": serving_config(state_init="noise"),
         "exit_criterion='cosine'": serving_config(exit_criterion="cosine"),
         "rope_type='dynamic'": serving_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-        "head_dim=16": serving_config(hidden_size=32),
+        "head_dim=576": serving_config(head_dim=576, num_attention_heads=1, num_key_value_heads=1),
     }  # fmt: skip
     for field, config in cases.items():
         (problem,) = servable_problems(config, device="cpu")
         assert field in problem
-    assert servable_problems(serving_config(hidden_size=32)) == []  # head_dim 16 runs off the CPU backend
+    for head_dim in (4, 16, 24, 48, 500):  # padded on CPU to a head size its attention runs
+        config = serving_config(head_dim=head_dim, num_attention_heads=1, num_key_value_heads=1)
+        assert servable_problems(config, device="cpu") == []
+    assert servable_problems(serving_config(head_dim=576, num_attention_heads=1, num_key_value_heads=1)) == []
     (problem,) = servable_problems(serving_config(), pipeline_parallel_size=2)
     assert problem.startswith("pipeline_parallel_size=2")
     (problem,) = servable_problems(serving_config(), tensor_parallel_size=4)
@@ -221,6 +232,20 @@ def test_servable_problems_names_each_refused_field_and_serves_every_other_optio
     with pytest.raises(ValueError, match="cannot be served by vLLM: state_init='noise'.*; exit_criterion='kl'"):
         check_servable(serving_config(state_init="noise", exit_criterion="kl"))
     assert 32 in CPU_HEAD_SIZES and 16 not in CPU_HEAD_SIZES
+
+
+@needs_vllm
+def test_a_head_size_the_cpu_attention_does_not_run_is_padded_to_the_next_one_it_runs() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from looped_hf.serving.vllm_model import attention_head_size
+
+    assert CPU_HEAD_SIZES == tuple(CPUAttentionBackend.get_supported_head_sizes())  # the refusal's list is vLLM's
+    if not current_platform.is_cpu():
+        pytest.skip("the padding is the CPU backend's")
+    sizes = {d: attention_head_size(d) for d in (2, 4, 16, 24, 32, 48, 64, 66, 500, 512)}
+    assert sizes == {2: 32, 4: 32, 16: 32, 24: 32, 32: 32, 48: 64, 64: 64, 66: 80, 500: 512, 512: 512}
 
 
 def test_importing_looped_hf_serving_does_not_import_vllm() -> None:
@@ -233,18 +258,29 @@ def test_importing_looped_hf_serving_does_not_import_vllm() -> None:
 
 
 @needs_vllm
-def test_a_converted_study_checkpoint_builds_its_config_without_remote_code(workdir: Path) -> None:
-    """``looped-hf convert``'s folder reaches the model's checks with no trust_remote_code. The study's
-    fixtures have head_dim 16, which vLLM's CPU attention cannot run: refused with that line (on
-    a GPU the same folder is served)."""
+def test_a_converted_study_checkpoint_serves_without_remote_code_with_generates_tokens(workdir: Path, prompts) -> None:
+    """``looped-hf convert``'s folder is served with no trust_remote_code, and its head_dim 16 (padded
+    to 32 on CPU) gives ``generate()``'s greedy tokens and log-probabilities."""
     from conftest import fixture_path
 
     from looped_hf.convert import convert_nanochat
 
     folder = convert_nanochat(fixture_path("study_checkpoints", "loop4_linear"), workdir / "converted", step=20)
-    from vllm.platforms import current_platform
+    python = reference_python()
+    if python is None:
+        pytest.skip("no interpreter for the generate() reference (set LOOPED_HF_REFERENCE_PYTHON)")
+    from looped_hf import LoopedConfig
 
-    if not current_platform.is_cpu():
-        pytest.skip("the head_dim refusal is the CPU backend's")
-    with pytest.raises(Exception, match=r"head_dim=16: vLLM's CPU attention runs head sizes"):
-        close(make_llm(folder, max_model_len=64))
+    config = LoopedConfig.from_pretrained(folder)
+    assert config.head_dim == 16
+    study_prompts = [[t % config.vocab_size for t in p] for p in prompts[:3]]
+    (reference,) = greedy_references_via(python, [dict(checkpoint=folder, prompts=study_prompts, n=NEW_TOKENS, kwargs={})])
+    llm = make_llm(folder, max_model_len=64)
+    try:
+        outputs = greedy(llm, study_prompts)
+    finally:
+        close(llm)
+    for prompt, out, (tokens, logprobs) in zip(study_prompts, outputs, reference):
+        assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
+        served = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}"

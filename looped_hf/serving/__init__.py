@@ -12,7 +12,8 @@ from typing import Any
 
 VLLM_ARCHITECTURE = "LoopedForCausalLM"
 VLLM_MODEL_CLASS = "looped_hf.serving.vllm_model:LoopedForCausalLM"
-# vLLM's CPU attention backend runs these head sizes only (csrc/cpu attention kernels).
+# vLLM's CPU attention backend runs these head sizes only (CPUAttentionBackend.get_supported_head_sizes);
+# the vLLM model pads any smaller head_dim to the next of them (vllm_model.attention_head_size).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # Rotary variants whose tables depend on the length of the current call (transformers'
 # dynamic_rope_update): vLLM's calls are not generate()'s, so their positions would rotate differently.
@@ -26,7 +27,8 @@ def servable_problems(
     it, one line each naming the field and the value (empty: servable). Everything else that
     ``LoopedConfig`` accepts is served: prelude / block / coda, every injection mode, each QK-norm,
     the soft-cap, the recurrence and embedding norms, tied or untied heads, GQA, padded vocabularies,
-    both looped formats, every hidden_act, rope_table_dtype, kv_budget, r from hf_overrides."""
+    both looped formats, every hidden_act, rope_table_dtype, kv_budget, r from hf_overrides, and on CPU
+    every head_dim up to the largest head size vLLM's CPU attention runs (padded to one it runs)."""
     problems = []
     if config.state_init == "noise":
         problems.append(
@@ -56,8 +58,11 @@ def servable_problems(
             f"tensor_parallel_size={tensor_parallel_size}: must divide num_attention_heads={config.num_attention_heads} "
             f"and num_key_value_heads={config.num_key_value_heads}"
         )
-    if device == "cpu" and config.head_dim not in CPU_HEAD_SIZES:
-        problems.append(f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes {CPU_HEAD_SIZES} only")
+    if device == "cpu" and config.head_dim > max(CPU_HEAD_SIZES):
+        problems.append(
+            f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes up to {max(CPU_HEAD_SIZES)} "
+            "(smaller ones are padded to a size it runs)"
+        )
     return problems
 
 

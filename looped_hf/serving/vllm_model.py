@@ -5,9 +5,17 @@ projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a voc
 embedding and head, and vLLM's paged ``Attention``; the loop itself is modeling_looped's own
 ``LoopedRecurrentBlock``, its block layers run on those. The norm weights, the rotary tables and the
 hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit. In
-float32 the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on those
-values, one call where PyTorch's ops take several per layer and recurrence: equal to
-``generate()``'s ops to float32 rounding (the kernels sum and multiply in another order).
+every dtype the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on
+those values, one call where PyTorch's ops take several per layer and recurrence (RoPE through the
+``cos | sin`` table vLLM's Llama uses, in the model's dtype): in float32 equal to ``generate()``'s ops
+to float32 rounding (the kernels sum and multiply in another order). The modules, the loop object
+and the RoPE table are built once, in ``__init__``.
+
+Head sizes: vLLM's CPU attention runs a few head sizes only (32, 64, 80, ...). Any other head_dim d
+attends at the next one up, H: q, k and v are zero-padded from d to H after RoPE and the QK-norm,
+the softmax scale stays d**-0.5, and the output's padded columns are cropped before o_proj. Exact:
+the zero columns add nothing to q . k, and the padded output columns are a weighted sum of zeros.
+The KV cache holds H numbers per head.
 
 KV cache: one vLLM ``Attention`` per KV slot of ``LoopedConfig.slot_plan(r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
@@ -32,7 +40,6 @@ r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrence
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
@@ -53,6 +60,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from ..configuration_looped import LoopedConfig
@@ -65,18 +73,56 @@ from ..modeling_looped import (
 from ..recurrent_block_looped import LoopedRecurrentBlock
 from . import check_servable
 
-# vLLM's CPU/CUDA kernels (RMSNorm, neox RoPE), used in float32 where they equal looped_hf's ops to
-# float32 rounding: on CPU they replace a dozen small aten ops per layer, the cost that made the
-# looped model slower than the Llama of its depth.
+# vLLM's kernels (RMSNorm, neox RoPE), the ones its Llama's RMSNorm and RoPE dispatch to: on CPU they
+# replace a dozen small aten ops per layer and recurrence, the cost that made the looped model slower
+# than the Llama of its depth. A build without them (no ``_C``) runs PyTorch's ops instead.
 _C = getattr(torch.ops, "_C", None)
 _HAS_KERNELS = _C is not None and hasattr(_C, "rms_norm") and hasattr(_C, "rotary_embedding")
 
 
+def _rms_norm_width_multiples() -> dict[torch.dtype, int]:
+    """Per dtype, the row widths vLLM's RMSNorm kernel takes are the multiples of this (absent: none,
+    PyTorch's op runs). The CPU kernel reads a row in SIMD vectors and refuses a width that is not a
+    whole number of them (8 floats on x86 today: head_dim 4's QK-norm); probed once rather than
+    assumed, since the vector width is the build's."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    if not _HAS_KERNELS:
+        return {}
+    if not current_platform.is_cpu():
+        return dict.fromkeys(dtypes, 1)
+    widths = {}
+    for dtype in dtypes:
+        for width in (1, 2, 4, 8, 16, 32, 64):
+            try:
+                x = torch.ones(1, width, dtype=dtype)
+                _C.rms_norm(torch.empty_like(x), x, None, 1e-6)
+            except (RuntimeError, NotImplementedError):  # a width (or dtype) this build refuses
+                continue
+            widths[dtype] = width
+            break
+    return widths
+
+
+_RMS_NORM_WIDTH = _rms_norm_width_multiples()
+
+
+def attention_head_size(head_dim: int) -> int:
+    """The head size the paged attention runs for a model of ``head_dim``: on CPU the smallest size
+    vLLM's CPU attention backend runs that holds ``head_dim`` (``check_servable`` refuses a head_dim
+    above them all), elsewhere ``head_dim`` itself."""
+    if not current_platform.is_cpu():
+        return head_dim
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return min(size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= head_dim)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim (``weight`` None: the parameter-free norm) with vLLM's kernel in
-    float32, else ``F.rms_norm``. The kernel reads ``x`` as contiguous rows, so a strided ``x`` is
-    copied first."""
-    if _HAS_KERNELS and x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+    """RMSNorm over the last dim (``weight`` None: the parameter-free norm) with vLLM's kernel, else
+    ``F.rms_norm`` (a width the kernel does not take, or a weight of another dtype). The kernel reads
+    ``x`` as contiguous rows, so a strided ``x`` is copied first."""
+    multiple = _RMS_NORM_WIDTH.get(x.dtype)
+    if multiple and x.shape[-1] % multiple == 0 and (weight is None or weight.dtype == x.dtype):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty_like(rows)
         _C.rms_norm(out, rows, weight, eps)
@@ -85,11 +131,40 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 
 def _norm(module: LoopedRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """A ``LoopedRMSNorm`` through ``_rms_norm`` in float32 (its own forward otherwise: the fp32
-    normalise-then-scale order of other dtypes)."""
-    if x.dtype == torch.float32:
+    """A ``LoopedRMSNorm`` through vLLM's kernel (its own forward where the kernel does not take ``x``:
+    see ``_rms_norm``)."""
+    multiple = _RMS_NORM_WIDTH.get(x.dtype)
+    if multiple and x.shape[-1] % multiple == 0 and module.weight.dtype == x.dtype:
         return _rms_norm(x, module.weight, module.variance_epsilon)
     return module(x)
+
+
+def _rope_table(config: LoopedConfig, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``cos | sin`` (first halves: modeling_looped's tables repeat them) per position 0 .. length - 1,
+    from looped_hf's own ``LoopedRotaryEmbedding`` (so the values are the same, rope_table_dtype and
+    scaling included), in ``dtype``: the table vLLM's RoPE kernel reads, as its Llama's
+    ``RotaryEmbedding.cos_sin_cache`` in the model's dtype. Fixed tables only: those that depend on the
+    call's length (dynamic/longrope) are refused by check_servable."""
+    cos, sin = LoopedRotaryEmbedding(config)(torch.empty(0, dtype=torch.float32), torch.arange(length))
+    half = config.head_dim // 2
+    return torch.cat([cos[:, :half], sin[:, :half]], dim=-1).to(dtype)
+
+
+def _apply_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE on q and k of shape (tokens, heads * head_dim): vLLM's kernel, in place on q and k
+    (views of qkv, or normed copies), q1 cos - q2 sin, q2 cos + q1 sin, which is modeling_looped's
+    q cos + rotate_half(q) sin with the same tables. Without the kernel, modeling_looped's op on the
+    table's rows. Returns (q, k)."""
+    if _HAS_KERNELS:
+        _C.rotary_embedding(positions, q, k, head_dim, table, True)
+        return q, k
+    num_tokens = q.shape[0]
+    cos, sin = table[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    q, k = apply_rotary_pos_emb(q.view(num_tokens, -1, head_dim), k.view(num_tokens, -1, head_dim), cos, sin)
+    return q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
 
 
 class _LoopedAttention(nn.Module):
@@ -100,6 +175,7 @@ class _LoopedAttention(nn.Module):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.head_dim = config.head_dim
+        self.attn_head_size = attention_head_size(config.head_dim)  # > head_dim: padded (module docstring)
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = max(1, config.num_key_value_heads // tp)
         self.q_size = self.num_heads * self.head_dim
@@ -118,30 +194,23 @@ class _LoopedAttention(nn.Module):
             self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, ...], attn: Attention
-    ) -> torch.Tensor:
-        """``rope`` is ``(cos_sin_cache,)`` for vLLM's in-place RoPE kernel (float32, tables that do
-        not depend on the sequence length), else ``(cos, sin)`` per token for modeling_looped's op."""
+    def _pad(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """(tokens, heads * head_dim) -> (tokens, heads * attn_head_size), each head zero-padded."""
+        num_tokens = x.shape[0]
+        padded = F.pad(x.view(num_tokens, heads, self.head_dim), (0, self.attn_head_size - self.head_dim))
+        return padded.view(num_tokens, -1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """``rope``: the model's ``cos | sin`` table (``_rope_table``)."""
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
         if self.qk_norm == "learnable_before_rope":
             q = _norm(self.q_norm, q.view(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
             k = _norm(self.k_norm, k.view(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
-        if len(rope) == 1:
-            # In place on q and k (views of qkv, or the normed copies): q1 cos - q2 sin, q2 cos + q1 sin,
-            # modeling_looped's q cos + rotate_half(q) sin with the same tables.
-            _C.rotary_embedding(positions, q, k, self.head_dim, rope[0], True)
-        else:
-            cos, sin = rope
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            # (tokens, heads, head_dim) with tables (tokens, head_dim): modeling_looped's order of ops.
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        q, k = _apply_rope(positions, q, k, self.head_dim, rope)
         if self.qk_norm == "after_rope":
-            if len(rope) == 1:
+            if _HAS_KERNELS:
                 # q and k are still adjacent in qkv (roped in place): one norm over their heads.
                 qk = qkv[:, : self.q_size + self.kv_size].reshape(-1, self.head_dim)
                 qk = _rms_norm(qk, None, self.qk_norm_eps).view(num_tokens, -1)
@@ -149,7 +218,11 @@ class _LoopedAttention(nn.Module):
             else:
                 q = _rms_norm(q.reshape(-1, self.head_dim), None, self.qk_norm_eps).view(num_tokens, -1)
                 k = _rms_norm(k.reshape(-1, self.head_dim), None, self.qk_norm_eps).view(num_tokens, -1)
-        out = attn(q, k, v)
+        if self.attn_head_size == self.head_dim:
+            out = attn(q, k, v)
+        else:
+            out = attn(self._pad(q, self.num_heads), self._pad(k, self.num_kv_heads), self._pad(v, self.num_kv_heads))
+            out = out.view(num_tokens, self.num_heads, self.attn_head_size)[..., : self.head_dim].reshape(num_tokens, -1)
         out, _ = self.o_proj(out)
         return out
 
@@ -188,21 +261,20 @@ class _LoopedDecoderLayer(nn.Module):
         self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, ...], attn: Attention
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, attn: Attention) -> torch.Tensor:
         h = h + self.self_attn(_norm(self.input_layernorm, h), positions, rope, attn)
         return h + self.mlp(_norm(self.post_attention_layernorm, h))
 
 
 class _KVSlot(nn.Module):
-    """One KV-cache slot: a module named ``kv_slots.{slot}`` holding vLLM's ``Attention``."""
+    """One KV-cache slot: a module named ``kv_slots.{slot}`` holding vLLM's ``Attention``, at the
+    attention head size (padded head_dim; the softmax scale is the true head_dim's)."""
 
     def __init__(self, config: LoopedConfig, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.attn = Attention(
-            config.num_attention_heads // tp, config.head_dim, config.head_dim**-0.5,
+            config.num_attention_heads // tp, attention_head_size(config.head_dim), config.head_dim**-0.5,
             num_kv_heads=max(1, config.num_key_value_heads // tp), cache_config=vllm_config.cache_config,
             quant_config=vllm_config.quant_config, prefix=f"{prefix}.attn",
         )  # fmt: skip
@@ -212,13 +284,25 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
     """modeling_looped's loop (``LoopedRecurrentBlock``: initial state, injection, hyperconnection
     lanes, recurrence norm), its block layers run on vLLM's layers: each attends through the vLLM
     ``Attention`` of its planned slot, which writes the paged cache itself (no transformers cache,
-    nothing to crop, no exit, inference only)."""
+    nothing to crop, no exit, inference only). Built once with the model; ``run`` hands it the
+    call's positions and RoPE table."""
 
-    def __init__(self, model: LoopedVllmModel, positions: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, model: LoopedVllmModel) -> None:
         super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
-        self.kv_slots, self.positions, self.rope = model.kv_slots, positions, rope
+        self.kv_slots = model.kv_slots
+        self.positions: torch.Tensor | None = None
+        self.rope: torch.Tensor | None = None
         if model.recurrence_norm is not None:
-            self.recurrence_norm = functools.partial(_norm, model.recurrence_norm)
+            norm = model.recurrence_norm
+            self.recurrence_norm = lambda x: _norm(norm, x)
+
+    def run(self, e: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """The state the coda reads, from the prelude output ``e``."""
+        self.positions, self.rope = positions, rope
+        try:
+            return self(e, exit_rule=None, predict=None, output_recurrent_states=False)[0]
+        finally:
+            self.positions = self.rope = None  # no tensor of a finished call kept alive
 
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         return layer(x, self.positions, self.rope, self.kv_slots[self.plan.block(step, j)].attn)
@@ -233,7 +317,8 @@ class LoopedVllmModel(nn.Module):
         config: LoopedConfig = vllm_config.model_config.hf_config
         parallel = vllm_config.parallel_config
         check_servable(config, pipeline_parallel_size=parallel.pipeline_parallel_size,
-                       tensor_parallel_size=parallel.tensor_parallel_size)
+                       tensor_parallel_size=parallel.tensor_parallel_size,
+                       device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
         quant_config = vllm_config.quant_config
         self.config = config
         self.plan = config.slot_plan()
@@ -254,21 +339,13 @@ class LoopedVllmModel(nn.Module):
         self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
         self.recurrence_norm = norm() if config.recurrence_norm else None
         self.norm = norm()
-        self.rotary_emb = LoopedRotaryEmbedding(config)
-        # vLLM's RoPE kernel reads cos | sin (first halves: the tables repeat them) per position from
-        # one table; built here from looped_hf's own module, so the values are the same. Only in
-        # float32 (tables that depend on the call's length, dynamic/longrope, are refused by
-        # check_servable above, so every served table is fixed).
-        rope_cache = None
-        if _HAS_KERNELS and vllm_config.model_config.dtype == torch.float32:
-            length = max(config.max_position_embeddings, vllm_config.model_config.max_model_len)
-            cos, sin = self.rotary_emb(torch.empty(0, dtype=torch.float32), torch.arange(length))
-            half = config.head_dim // 2
-            rope_cache = torch.cat([cos[:, :half], sin[:, :half]], dim=-1)
-        self.register_buffer("rope_cache", rope_cache, persistent=False)
+        model_config = vllm_config.model_config
+        length = max(config.max_position_embeddings, model_config.max_model_len)
+        self.register_buffer("rope_cache", _rope_table(config, length, model_config.dtype), persistent=False)
         self.kv_slots = nn.ModuleList(
             _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}") for slot in range(self.plan.num_slots)
         )
+        self.loop = _VllmRecurrentBlock(self)  # not a module: it runs the modules above by name
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -280,14 +357,13 @@ class LoopedVllmModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        plan = self.plan
+        plan, rope = self.plan, self.rope_cache
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        rope = (self.rope_cache,) if self.rope_cache is not None else self.rotary_emb(h, positions)
         if self.embedding_norm is not None:
             h = _norm(self.embedding_norm, h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.prelude(j)].attn)
-        h = _VllmRecurrentBlock(self, positions, rope)(h, exit_rule=None, predict=None, output_recurrent_states=False)[0]
+        h = self.loop.run(h, positions, rope)
         for j, layer in enumerate(self.coda_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.coda(j)].attn)
         return _norm(self.norm, h)
