@@ -155,13 +155,17 @@ def load_run(
     except ValueError as err:  # CheckpointError: not looped, truncated weights, a refused config value
         raise TestTimeError(str(err)) from None
     try:
-        heldout = heldout_from_recipe(dict(data) if data is not None else record.get("recipe") or {}, tokenizer)
+        heldout = heldout_from_recipe(
+            dict(data) if data is not None else record.get("recipe") or {}, tokenizer
+        )
     except (ValueError, FileNotFoundError) as err:
         if data is None:
             raise
         raise TestTimeError(f"--data {data.get('dataset')!r}: {first_line(err)}") from None
     if data is not None and len(heldout) == 0:
-        raise TestTimeError(f"--data {data.get('dataset')!r}: no held-out block of seq_len={data.get('seq_len')} tokens")
+        raise TestTimeError(
+            f"--data {data.get('dataset')!r}: no held-out block of seq_len={data.get('seq_len')} tokens"
+        )
     return model, tokenizer, heldout, record
 
 
@@ -452,11 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     data = None
     if args.data is not None:
         data = {"dataset": args.data}
-        data.update({k: v for k, v in (("seq_len", args.seq_len), ("eval_blocks", args.eval_blocks)) if v is not None})
+        data.update(
+            {k: v for k, v in (("seq_len", args.seq_len), ("eval_blocks", args.eval_blocks)) if v is not None}
+        )
     curves = []
     try:
         for run_dir in args.run_dirs:
-            curve = evaluate_recurrences(run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data)
+            curve = evaluate_recurrences(
+                run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
+            )
             paths = write_curve(curve, run_dir)
             print(
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"

@@ -126,10 +126,16 @@ def test_test_time_curve_runs_on_the_converted_folder(
     assert record == {}
     decoded = decoding_heldout_loss(model, heldout, batch_size=4, max_blocks=2, num_recurrences=2)
     plain = decoding_heldout_loss(model, heldout.select(range(2)), batch_size=4)  # at the trained r
-    assert math.isfinite(decoded["loss"]) and decoded["eval_tokens"] == 2 * 31 and plain["loss"] != decoded["loss"]
+    assert (
+        math.isfinite(decoded["loss"])
+        and decoded["eval_tokens"] == 2 * 31
+        and plain["loss"] != decoded["loss"]
+    )
 
 
-def test_test_time_refuses_seq_len_without_data_and_names_bad_data(folders: dict, tmp_path: Path, capsys) -> None:
+def test_test_time_refuses_seq_len_without_data_and_names_bad_data(
+    folders: dict, tmp_path: Path, capsys
+) -> None:
     from looped_hf.cli import main
 
     folder = folders["huginn-tiny"]
@@ -165,7 +171,9 @@ def test_eval_at_every_r_on_the_converted_folder(name: str, folders: dict, tmp_p
     assert all(math.isfinite(loss) for loss in losses) and len(set(losses)) == 4  # r changes the scores
     assert main([*argv, "--recurrences", "4", "--kv-budget", "2"]) == 0
     budget = json.loads((out / RESULTS_JSON).read_text())
-    assert budget["settings"]["kv_budget"] == 2 and math.isfinite(budget["rows"][0]["tasks"]["addition_2d"]["loss"])
+    assert budget["settings"]["kv_budget"] == 2 and math.isfinite(
+        budget["rows"][0]["tasks"]["addition_2d"]["loss"]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +205,11 @@ def test_lora_fine_tuning_through_the_trainer(name: str, folders: dict, tmp_path
     trainer = Trainer(model=lora, args=args, train_dataset=data)
     result = trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses) and math.isfinite(result.training_loss)
+    assert (
+        len(losses) == 3
+        and all(math.isfinite(loss) for loss in losses)
+        and math.isfinite(result.training_loss)
+    )
     after = dict(lora.named_parameters())
     moved = [k for k in before if "lora_" in k and not torch.equal(before[k], after[k].detach())]
     assert any("lora_B" in k for k in moved) and any("lora_A" in k for k in moved)
