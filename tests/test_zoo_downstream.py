@@ -7,7 +7,8 @@ checkpoint (``tests/fixtures/zoo``, see ``tests/zoo_helpers.py``) the way a user
 converted models is tested with the serving code.
 
 The fixtures carry no tokenizer (256 tokens, not the byte tokenizer's 258): a character tokenizer
-of exactly 256 tokens is saved into each converted folder, as a user ships the released model's.
+of exactly 256 tokens is saved into a copy of each native folder, as a released model's folder has
+its tokenizer, and ``looped-hf convert`` carries it into the converted folder.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from __future__ import annotations
 import json
 import lzma
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO
-from zoo_helpers import ZOO_FORMATS, convert_zoo, save_char_tokenizer
+from zoo_helpers import ZOO, ZOO_FORMATS, convert_zoo, save_char_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,14 +32,16 @@ TRAINED_R = 4  # every fixture's mean_recurrence / total_ut_steps
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each fixture converted by ``looped-hf convert FORMAT``, with a 256-token tokenizer beside it."""
+    """Each fixture, given a 256-token tokenizer as a released checkpoint's folder has one, converted
+    by ``looped-hf convert FORMAT``: the tokenizer travels into the converted folder."""
     root = tmp_path_factory.mktemp("zoo-downstream")
     out = {}
     for name in NAMES:
-        folder = convert_zoo(name, root / name)
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        save_char_tokenizer(folder, vocab)
-        out[name] = folder
+        source = root / "native" / name
+        shutil.copytree(ZOO / name, source)
+        save_char_tokenizer(source, json.loads((source / "config.json").read_text())["vocab_size"])
+        out[name] = convert_zoo(name, root / name, source)
+        assert (out[name] / "tokenizer.json").is_file() and (out[name] / "tokenizer_config.json").is_file()
     return out
 
 
@@ -102,8 +106,6 @@ def test_test_time_curve_runs_on_the_converted_folder(
 
     monkeypatch.setenv("LOOPED_HF_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / name
-    import shutil
-
     shutil.copytree(folders[name], folder)  # test-time writes into the folder
     assert main(["test-time", str(folder)]) == 2
     err = capsys.readouterr().err
@@ -229,3 +231,18 @@ def test_lora_fine_tuning_through_the_trainer(name: str, folders: dict, tmp_path
         again = reloaded(probe).logits
     assert torch.allclose(again, tuned, atol=1e-5, rtol=0), (again - tuned).abs().max()
     assert (tuned - untuned).abs().max() > 1e-4  # the adapter is really applied
+
+
+def test_a_converted_folder_without_a_tokenizer_is_named_in_one_line(tmp_path: Path, capsys) -> None:
+    """The fixture as it is (no tokenizer files): eval and test-time say the folder has no tokenizer
+    and how to give it one, before the model loads, instead of transformers' bare backend error."""
+    from looped_hf.cli import main
+
+    folder = convert_zoo("retrofit-llama-tiny", tmp_path / "converted")
+    capsys.readouterr()
+    assert main(["eval", str(folder), "--bundle", "builtin", "--out", str(tmp_path / "eval")]) == 2
+    assert main(["test-time", str(folder), "--data", str(tmp_path / "x.jsonl")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "has no tokenizer" in line and "tokenizer.save_pretrained" in line and str(folder) in line

@@ -4,7 +4,8 @@
 The zoo fixtures have a 256-token vocabulary and no tokenizer files (their original code was run on
 token ids); looped_hf's byte tokenizer has 258 tokens (256 bytes + EOS + PAD), which the models'
 embeddings cannot hold. ``save_char_tokenizer`` writes a tokenizers-library tokenizer of exactly
-``vocab_size`` tokens into a folder, so eval and test-time read text through the folder's own
+``vocab_size`` tokens into a folder (a copy of a native checkpoint, whose tokenizer the converter
+carries over, or a converted one), so eval and test-time read text through the folder's own
 tokenizer, as they would for a released model's.
 """
 
@@ -25,11 +26,12 @@ ZOO_FORMATS = {
 EOS, PAD, UNK = "<|endoftext|>", "<pad>", "<unk>"
 
 
-def convert_zoo(name: str, out: Path) -> Path:
-    """``looped-hf convert FORMAT tests/fixtures/zoo/NAME --out OUT``; returns ``out``."""
+def convert_zoo(name: str, out: Path, source: Path | None = None) -> Path:
+    """``looped-hf convert FORMAT SOURCE --out OUT`` with fixture ``name``'s format; ``source``
+    defaults to ``tests/fixtures/zoo/NAME`` (a copy can carry extra files, e.g. a tokenizer)."""
     from looped_hf.convert import main
 
-    assert main([ZOO_FORMATS[name], str(ZOO / name), "--out", str(out)]) == 0
+    assert main([ZOO_FORMATS[name], str(source or ZOO / name), "--out", str(out)]) == 0
     return out
 
 
