@@ -246,3 +246,8 @@ def test_a_converted_folder_without_a_tokenizer_is_named_in_one_line(tmp_path: P
     assert len(lines) == 2, lines
     for line in lines:
         assert "has no tokenizer" in line and "tokenizer.save_pretrained" in line and str(folder) in line
+    # The built-in bundle's options are checked before the checkpoint is read (here: before its
+    # missing tokenizer is found).
+    assert main(["eval", str(folder), "--bundle", "builtin", "--builtin-examples", "4",
+                 "--out", str(tmp_path / "eval")]) == 2  # fmt: skip
+    assert "n_examples=4: need an integer >= 6" in capsys.readouterr().err
