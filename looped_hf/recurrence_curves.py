@@ -3,6 +3,7 @@
     looped-hf test-time runs/tiny                          # r = 1 .. 4 x trained r
     looped-hf test-time runs/tiny runs/tiny_sampled_r --compare plots/test_time.png
     looped-hf test-time runs/tiny --max-factor 8 --batch-size 32
+    looped-hf test-time huginn-looped --data heldout.txt --seq-len 512   # a converted checkpoint
 
 A looped model can run its block any number of times at inference; whether more recurrences
 help, and how far past the trained r they keep helping, is what a user choosing r needs to know
@@ -20,6 +21,12 @@ directory:
 ``decoding_heldout_loss`` measures the held-out loss as decoding sees it (one token at a time
 through a cache), for the settings that act only there: a KV budget and adaptive exit
 (`benchmarks/bench_test_time.py`).
+
+A checkpoint that was not trained here (one written by ``looped-hf convert``) has no run record
+and so no recipe to rebuild a held-out split from: ``--data`` names the text to measure on (a local
+file or a Hub dataset, as the recipe's ``dataset``), tokenized with the checkpoint's own tokenizer;
+the trained r is the config's ``num_recurrences``. ``--data`` on a run directory measures on that
+text instead of the run's split (the run record's loss is then not shown beside it).
 
 The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
 next to the checkpoint. Models whose parameters are indexed by recurrence step (hyperconnections)
@@ -40,7 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from looped_hf.cli import positive_int
-from looped_hf.fileio import check_checkpoint_dir, check_finished_run, check_output_path
+from looped_hf.fileio import (
+    RECORD_NAME,
+    check_checkpoint_dir,
+    check_finished_run,
+    check_output_path,
+    first_line,
+)
 
 PathLike = str | os.PathLike[str]
 
@@ -67,7 +80,16 @@ def recurrence_grid(trained_r: int, max_factor: int = DEFAULT_MAX_FACTOR) -> lis
     return list(range(1, max_factor * trained_r + 1))
 
 
-def _read_record(run_dir: Path) -> dict[str, Any]:
+def _read_record(run_dir: Path, required: bool = True) -> dict[str, Any]:
+    """The run record of a finished run; ``required=False``: ``{}`` for a folder without one (a
+    converted checkpoint measured on ``--data``), a record that is there must still be a finished run's."""
+    if run_dir.is_dir() and not (run_dir / RECORD_NAME).exists():
+        if not required:
+            return {}
+        raise TestTimeError(
+            f"{run_dir} is not a finished run directory: no {RECORD_NAME} (for a checkpoint not trained "
+            "here, e.g. a converted one, pass --data with held-out text)"
+        )
     try:
         return check_finished_run(run_dir) or {}
     except ValueError as err:
@@ -118,21 +140,37 @@ def heldout_curve(
     return rows
 
 
-def load_run(run_dir: PathLike) -> tuple[Any, Any, Any, dict[str, Any]]:
+def load_run(
+    run_dir: PathLike, data: Mapping[str, Any] | None = None
+) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(model in eval mode, tokenizer, held-out split, run record) of a finished run directory.
 
     The held-out split is rebuilt from the run's recipe (as ``looped-hf publish --verify`` does),
-    so it is the split the run record's ``loss`` was measured on."""
+    so it is the split the run record's ``loss`` was measured on. ``data``: data fields of a recipe
+    (``dataset``, ``seq_len``, ``eval_blocks``, ...) to build the held-out split from instead; with
+    it the folder needs no run record (the record is then ``{}``), so a converted checkpoint works."""
     from looped_hf.data import heldout_from_recipe
     from looped_hf.evaluation.runner import load_pretrained
 
     path = Path(run_dir)
-    record = _read_record(path)
+    record = _read_record(path, required=data is None)
     try:
         model, tokenizer = load_pretrained(path)
     except ValueError as err:  # CheckpointError: not looped, truncated weights, a refused config value
         raise TestTimeError(str(err)) from None
-    return model, tokenizer, heldout_from_recipe(record.get("recipe") or {}, tokenizer), record
+    try:
+        heldout = heldout_from_recipe(
+            dict(data) if data is not None else record.get("recipe") or {}, tokenizer
+        )
+    except (ValueError, FileNotFoundError) as err:
+        if data is None:
+            raise
+        raise TestTimeError(f"--data {data.get('dataset')!r}: {first_line(err)}") from None
+    if data is not None and len(heldout) == 0:
+        raise TestTimeError(
+            f"--data {data.get('dataset')!r}: no held-out block of seq_len={data.get('seq_len')} tokens"
+        )
+    return model, tokenizer, heldout, record
 
 
 def decoding_heldout_loss(
@@ -174,6 +212,7 @@ def evaluate_recurrences(
     max_factor: int = DEFAULT_MAX_FACTOR,
     recurrences: Sequence[int] | None = None,
     batch_size: int | None = None,
+    data: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The test-time scaling curve of a finished run directory (see the module docstring); writes nothing.
 
@@ -182,13 +221,16 @@ def evaluate_recurrences(
         max_factor: r runs from 1 to ``max_factor`` x the trained r.
         recurrences: explicit r values instead (sorted, each >= 1).
         batch_size: held-out blocks per forward (default: the run's ``per_device_eval_batch_size``).
+        data: recipe data fields to measure on instead of the run's held-out split (see
+            :func:`load_run`); a folder without a run record (a converted checkpoint) needs it.
 
     Returns:
         A JSON-ready dict: ``rows`` (one per r), ``trained_num_recurrences``, ``recurrence_sampling``,
         ``variant``, ``recorded_loss`` (the run record's loss at the trained r) and provenance.
 
     Raises:
-        TestTimeError: not a finished run, an r-locked or loop-less model, bad ``recurrences``.
+        TestTimeError: not a finished run (and no ``data``), an r-locked or loop-less model, bad
+            ``recurrences``.
     """
     import torch
 
@@ -196,7 +238,7 @@ def evaluate_recurrences(
     from looped_hf.train import versions
 
     path = Path(run_dir)
-    model, _, heldout, record = load_run(path)
+    model, _, heldout, record = load_run(path, data)
     config = model.config
     trained = int(config.num_recurrences)
     if recurrences is None:
@@ -228,7 +270,9 @@ def evaluate_recurrences(
         "backprop_recurrences": config.backprop_recurrences,
         "seq_len": len(heldout[0]["input_ids"]),
         "heldout_blocks": len(heldout),
-        "recorded_loss": record.get("loss"),
+        # Measured on other blocks than the record's loss when ``data`` is given: not shown beside it.
+        "recorded_loss": record.get("loss") if data is None else None,
+        "heldout_data": None if data is None else dict(data),
         "loss_at_trained_r": at_trained["loss"] if at_trained else None,
         "best": {"num_recurrences": best["num_recurrences"], "loss": best["loss"]},
         "rows": rows,
@@ -272,7 +316,7 @@ def summary_sentence(curve: Mapping[str, Any]) -> str:
     parts = [f"lowest held-out loss {best['loss']:.4f} at r = {best['num_recurrences']}"]
     if ref is not None:
         parts.append(f"{ref:.4f} at the trained r = {trained}")
-        for r in (2 * trained, max(rows)):
+        for r in sorted({2 * trained, max(rows)}):  # once each: at --max-factor 2 they are one r
             if r in rows and r != trained:
                 parts.append(f"{_signed(rows[r]['loss'] - ref)} at r = {r}")
     sampling = curve.get("recurrence_sampling") or "fixed"
@@ -361,6 +405,15 @@ def _parser() -> argparse.ArgumentParser:
         help="held-out blocks per forward (the run's eval batch)",
     )  # fmt: skip
     p.add_argument(
+        "--data", default=None, metavar="DATASET",
+        help="held-out text to measure on (a local text/JSONL/... file or a Hub dataset, as a recipe's dataset), "
+        "tokenized with the checkpoint's tokenizer; needed for a folder without run_record.json (a converted one)",
+    )  # fmt: skip
+    p.add_argument("--seq-len", type=positive_int("--seq-len"), default=None,
+                   help="with --data: tokens per held-out block (256)")  # fmt: skip
+    p.add_argument("--eval-blocks", type=positive_int("--eval-blocks"), default=None,
+                   help="with --data: held-out blocks (64)")  # fmt: skip
+    p.add_argument(
         "--compare", default=None, metavar="PNG", help="also draw every run's curve in one plot here"
     )
     return p
@@ -371,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:  # every run and output path before any curve is measured, not after the first
         for run_dir in args.run_dirs:
-            _read_record(Path(run_dir))  # a finished run (a missing folder is named here too)
+            _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
             check_checkpoint_dir(run_dir)  # looped, weights not truncated
             check_output_path(run_dir, "RUN_DIR", directory=True)
         if args.compare is not None:
@@ -379,10 +432,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"looped-hf test-time: {err}", file=sys.stderr)
         return 2
+    if args.data is None and (args.seq_len is not None or args.eval_blocks is not None):
+        print("looped-hf test-time: --seq-len / --eval-blocks apply to --data only (a run directory's "
+              "held-out split is its recipe's)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.seq_len is not None and args.seq_len < 2:
+        print(f"looped-hf test-time: --seq-len {args.seq_len}: must be >= 2", file=sys.stderr)
+        return 2
+    data = None
+    if args.data is not None:
+        data = {"dataset": args.data}
+        data.update(
+            {k: v for k, v in (("seq_len", args.seq_len), ("eval_blocks", args.eval_blocks)) if v is not None}
+        )
     curves = []
     try:
         for run_dir in args.run_dirs:
-            curve = evaluate_recurrences(run_dir, max_factor=args.max_factor, batch_size=args.batch_size)
+            curve = evaluate_recurrences(
+                run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
+            )
             paths = write_curve(curve, run_dir)
             print(
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"

@@ -74,3 +74,24 @@ def test_every_format_names_a_module_with_a_converter() -> None:
 
     for name, (module, help_) in FORMATS.items():
         assert callable(importlib.import_module(module).convert_cli) and help_, name
+
+
+def test_tokenizer_bytes_is_the_built_in_one_with_its_vocabulary_check(tmp_path: Path, capsys) -> None:
+    """``--tokenizer bytes`` names looped_hf's byte tokenizer (issue 38: wherever a tokenizer is asked
+    for), not a Hub repo called "bytes"; its 258 tokens still have to be the model's vocabulary."""
+    from looped_hf.convert.nanochat import load_study_tokenizer
+    from looped_hf.data import load_tokenizer
+
+    src = _study_copy(tmp_path)
+    assert main(["nanochat", str(src), "--out", str(tmp_path / "hub"), "--tokenizer", "bytes"]) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer 'bytes' has 258 tokens but model_config.vocab_size=256" in err, err
+    assert not (tmp_path / "hub").exists()
+    # Where the sizes fit it is the built-in tokenizer itself, token for token.
+    notes: list[str] = []
+    tokenizer = load_study_tokenizer("bytes", 258, notes)
+    assert tokenizer.get_vocab() == load_tokenizer("bytes").get_vocab() and notes == []
+    assert tokenizer("hi")["input_ids"] == load_tokenizer("bytes")("hi")["input_ids"]
+    # One short of the study's vocabulary: the study's special token is added, as for any tokenizer.
+    study = load_study_tokenizer("bytes", 259, notes)
+    assert study.convert_tokens_to_ids("<|assistant_end|>") == 258 and "added the study's" in notes[0]

@@ -142,3 +142,17 @@ def test_the_old_module_name_still_imports_with_a_deprecation_warning():
     from looped_hf.test_time import evaluate_recurrences  # the names old code imports
 
     assert evaluate_recurrences is curves.evaluate_recurrences
+
+
+def test_data_names_the_held_out_text_instead_of_the_runs_recipe(run_dir, tiny_recipe):
+    """``data`` (the CLI's --data) builds the held-out split from those fields: given the recipe's own
+    data fields it is the run's split again, so the trained r gives the recorded loss, but the curve
+    does not claim the record's loss as its own."""
+    fields = {k: tiny_recipe[k] for k in ("dataset", "seq_len", "eval_blocks", "data_cache_dir")}
+    curve = evaluate_recurrences(run_dir, recurrences=[2], data=fields)
+    record = json.loads((Path(run_dir) / "run_record.json").read_text())
+    assert curve["loss_at_trained_r"] == pytest.approx(record["loss"], abs=1e-6)
+    assert curve["recorded_loss"] is None and curve["heldout_data"] == fields
+    shorter = evaluate_recurrences(run_dir, recurrences=[2], data={**fields, "seq_len": 16, "eval_blocks": 3})
+    assert shorter["seq_len"] == 16 and shorter["heldout_blocks"] == 3
+    assert shorter["rows"][0]["eval_tokens"] == 3 * 15

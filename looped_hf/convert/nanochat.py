@@ -444,14 +444,19 @@ def find_tokenizer(ckpt_dir: PathLike, vocab_size: int, notes: list[str]) -> str
 
 
 def load_study_tokenizer(name: str, vocab_size: int, notes: list[str] | None = None) -> Any:
-    """``AutoTokenizer.from_pretrained(name)``, with the study's special tokens added when the
+    """``AutoTokenizer.from_pretrained(name)`` (a built-in name, ``bytes`` or ``embedded``, through
+    ``looped_hf.data.load_tokenizer``), with the study's special tokens added when the
     tokenizer is short of exactly them (its ``get_tokenizer`` adds ``<|assistant_end|>`` to the
     Llama-2 tokenizer); then it must have ``vocab_size`` tokens, as the study's ``build_model`` checks."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from looped_hf.data.tokenizer import BYTES, EMBEDDED, load_tokenizer, split_tokenizer_spec
+
     notes = [] if notes is None else notes
     try:
-        if Path(name).is_file():  # a tokenizers file, as nanochat's Tokenizer.save writes it
+        if split_tokenizer_spec(name)[0] in (EMBEDDED, BYTES):  # a built-in name, never a Hub lookup
+            tokenizer = load_tokenizer(name)
+        elif Path(name).is_file():  # a tokenizers file, as nanochat's Tokenizer.save writes it
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(name))
         else:
             tokenizer = AutoTokenizer.from_pretrained(name)

@@ -117,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
         ), "--out", directory=True)  # fmt: skip
         manager = check_lm_eval_tasks(lm_eval_tasks, args.lm_eval_include) if lm_eval_tasks else None
-        model, tokenizer, info = load_checkpoint(args.checkpoint)
-        model.to(device)
         bundles = [
             load_bundle(
                 write_builtin_bundle(out / "builtin_bundle", args.builtin_examples)
@@ -134,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise BundleError(f"--tasks {missing}: in none of the bundles given")
             bundles = [b.select([t.label for t in b.tasks if t.label in wanted]) for b in bundles]
             bundles = [b for b in bundles if any(t.label in wanted for t in b.tasks)]
+        # The bundles and --tasks are read first: a bad one is refused without loading the model.
+        model, tokenizer, info = load_checkpoint(args.checkpoint)
+        model.to(device)
         settings = {
             "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,
             "min_recurrences": args.min_recurrences, "kv_budget": args.kv_budget,

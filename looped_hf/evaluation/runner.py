@@ -29,6 +29,14 @@ from .scoring import (
 )
 
 PathLike = str | os.PathLike[str]
+#: Files any transformers tokenizer is saved as; a local folder with none of them has no tokenizer.
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
 #: The settings of generate()/forward that change what the model computes per token at a given r.
 CALL_SETTINGS = ("exit_criterion", "exit_threshold", "min_recurrences", "kv_budget")
 
@@ -56,6 +64,14 @@ def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
 
     if Path(checkpoint).is_dir():
         check_checkpoint_dir(checkpoint)
+        # Said before the model loads, in words a user can act on: transformers' own error for an
+        # absent tokenizer ("Couldn't instantiate the backend tokenizer from one of: ...") names neither.
+        if not any((Path(checkpoint) / name).is_file() for name in TOKENIZER_FILE_NAMES):
+            raise CheckpointError(
+                f"checkpoint {str(checkpoint)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILE_NAMES)}): "
+                "save the model's tokenizer into it with tokenizer.save_pretrained (looped-hf convert copies "
+                "the source folder's)"
+            )
     try:
         model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
