@@ -422,6 +422,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 ok, 2 a run directory or option that cannot be measured."""
     args = _parser().parse_args(argv)
+    if args.data is None and (args.seq_len is not None or args.eval_blocks is not None):
+        print("looped-hf test-time: --seq-len / --eval-blocks apply to --data only (a run directory's "
+              "held-out split is its recipe's)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.seq_len is not None and args.seq_len < 2:
+        print(f"looped-hf test-time: --seq-len {args.seq_len}: must be >= 2", file=sys.stderr)
+        return 2
     try:  # every run and output path before any curve is measured, not after the first
         for run_dir in args.run_dirs:
             _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
@@ -431,13 +438,6 @@ def main(argv: list[str] | None = None) -> int:
             check_output_path(args.compare, "--compare")
     except ValueError as err:
         print(f"looped-hf test-time: {err}", file=sys.stderr)
-        return 2
-    if args.data is None and (args.seq_len is not None or args.eval_blocks is not None):
-        print("looped-hf test-time: --seq-len / --eval-blocks apply to --data only (a run directory's "
-              "held-out split is its recipe's)", file=sys.stderr)  # fmt: skip
-        return 2
-    if args.seq_len is not None and args.seq_len < 2:
-        print(f"looped-hf test-time: --seq-len {args.seq_len}: must be >= 2", file=sys.stderr)
         return 2
     data = None
     if args.data is not None:
