@@ -111,7 +111,7 @@ def test_a_run_directory_serves_its_publish_folder_when_there_is_one(tmp_path, c
         (["{llama}"], ["model_type='llama'"]),
         (["{truncated}"], ["model.safetensors", "truncated"]),
         (["{noise}"], ["state_init='noise'"]),
-        (["{head16}"], ["head_dim=16"]),
+        (["{head576}"], ["head_dim=576"]),
         (["{hyper}", "-r", "4"], ["num_recurrences=4", "hyperconnection"]),
         (["{no_tokenizer}"], ["no tokenizer"]),
     ],
@@ -125,7 +125,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, folder, capsys, monkeypatch,
     paths["truncated"] = _config_folder(tmp_path / "truncated")
     (paths["truncated"] / "model.safetensors").write_bytes(EMPTY_SAFETENSORS[:5])
     paths["noise"] = _config_folder(tmp_path / "noise", state_init="noise")
-    paths["head16"] = _config_folder(tmp_path / "head16", hidden_size=32)
+    paths["head576"] = _config_folder(tmp_path / "head576", hidden_size=576, num_attention_heads=1)
     paths["hyper"] = _config_folder(tmp_path / "hyper", input_injection="hyperconnection")
     paths["no_tokenizer"] = _config_folder(tmp_path / "no_tok")
     for name in ("tokenizer.json", "tokenizer_config.json"):

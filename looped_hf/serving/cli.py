@@ -191,6 +191,17 @@ def available_memory() -> int | None:
     return None
 
 
+def _stored_head_size(head_dim: int) -> int:
+    """The head size vLLM's KV cache stores: on CPU the padded size the vLLM model runs
+    (``vllm_model.attention_head_size``); ``head_dim`` where vLLM is not importable (the estimate
+    is then only used by tests: serving itself needs vLLM)."""
+    try:
+        from .vllm_model import attention_head_size
+    except ImportError:
+        return head_dim
+    return attention_head_size(head_dim)
+
+
 def kv_cache_space(config: Any, vllm_args: list[str], available: int | None) -> tuple[int, str] | None:
     """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for a CPU server of ``config`` (at its served r and
     kv_budget) and the one line that says why; None when the user chose (a KV size or memory
@@ -204,7 +215,7 @@ def kv_cache_space(config: Any, vllm_args: list[str], available: int | None) -> 
     if _vllm_flag(vllm_args, "--kv-cache-memory-bytes", "--gpu-memory-utilization") is not None or available is None:
         return None
     plan = config.slot_plan()
-    per_token = plan.num_slots * 2 * config.num_key_value_heads * config.head_dim * 4
+    per_token = plan.num_slots * 2 * config.num_key_value_heads * _stored_head_size(config.head_dim) * 4
     max_len = _as_int(_vllm_flag(vllm_args, "--max-model-len"), config.max_position_embeddings)
     seqs = _as_int(_vllm_flag(vllm_args, "--max-num-seqs"), CPU_DEFAULT_MAX_NUM_SEQS)
     workers = max(1, _as_int(_vllm_flag(vllm_args, "--tensor-parallel-size", "-tp"), 1))
