@@ -13,8 +13,8 @@ keys are the fields of:
   schedule and a training length in tokens or FLOPs.
 
 Command-line flags (`--num_recurrences 8`) override the file. A data or training value is checked
-against its field's declarations (type, ``metadata["validator"]``, ``metadata["choices"]``:
-`looped_hf.field_checks`), a model value by `LoopedConfig` itself; then the dataclasses check how
+against its field's declarations (type and rule, ``Annotated[int, AT_LEAST_1]``;
+``metadata["choices"]``: `looped_hf.field_checks`), a model value by `LoopedConfig` itself; then the dataclasses check how
 fields go together. An unknown key, a value of the wrong kind or range, or a budget that cannot
 buy one optimizer step fails before any training with one line that names the recipe field and
 its value (and the file's line); `looped-hf train RECIPE --check` runs every check and trains
@@ -35,7 +35,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
@@ -54,6 +54,7 @@ from looped_hf.field_checks import (
     check_declared_fields,
     check_value,
     declared_fields,
+    field_rule,
     names_dir,
     names_file,
     non_empty,
@@ -190,8 +191,8 @@ class ModelArguments:
 
 
 def _declare(name: str, **metadata: Any) -> Any:
-    """A TrainingArguments field declared again with its rule (``validator``, ``choices``): its
-    default and help stay transformers'."""
+    """A TrainingArguments field declared again (its rule goes in the annotation, ``choices`` here):
+    its default and help stay transformers'."""
     parent = TrainingArguments.__dataclass_fields__[name]
     if parent.default_factory is not dataclasses.MISSING:
         return field(default_factory=parent.default_factory, metadata={**parent.metadata, **metadata})
@@ -209,36 +210,36 @@ class LoopedTrainingArguments(TrainingArguments):
 
     # TrainingArguments' fields that a recipe gets wrong most easily, declared again with their
     # rule (`_declare`: transformers' default and help), so --check and --help read it here.
-    max_steps: int = _declare("max_steps", validator=steps_or_unset)
-    num_train_epochs: float = _declare("num_train_epochs", validator=POSITIVE)
-    per_device_train_batch_size: int = _declare("per_device_train_batch_size", validator=AT_LEAST_1)
-    per_device_eval_batch_size: int = _declare("per_device_eval_batch_size", validator=AT_LEAST_1)
-    gradient_accumulation_steps: int = _declare("gradient_accumulation_steps", validator=AT_LEAST_1)
-    eval_accumulation_steps: int | None = _declare("eval_accumulation_steps", validator=AT_LEAST_1)
-    learning_rate: float = _declare("learning_rate", validator=POSITIVE)
-    weight_decay: float = _declare("weight_decay", validator=NON_NEGATIVE)
-    max_grad_norm: float = _declare("max_grad_norm", validator=NON_NEGATIVE)
-    label_smoothing_factor: float = _declare("label_smoothing_factor", validator=below_one)
-    warmup_steps: float = _declare("warmup_steps", validator=NON_NEGATIVE)
-    neftune_noise_alpha: float | None = _declare("neftune_noise_alpha", validator=POSITIVE)
-    logging_steps: float = _declare("logging_steps", validator=POSITIVE)
-    save_steps: float = _declare("save_steps", validator=POSITIVE)
-    eval_steps: float | None = _declare("eval_steps", validator=POSITIVE)
-    eval_delay: float = _declare("eval_delay", validator=NON_NEGATIVE)
-    save_total_limit: int | None = _declare("save_total_limit", validator=AT_LEAST_0)
-    torch_empty_cache_steps: int | None = _declare("torch_empty_cache_steps", validator=AT_LEAST_1)
-    seed: int = _declare("seed", validator=SEED)
-    data_seed: int | None = _declare("data_seed", validator=SEED)
-    dataloader_num_workers: int = _declare("dataloader_num_workers", validator=AT_LEAST_0)
-    dataloader_prefetch_factor: int | None = _declare("dataloader_prefetch_factor", validator=AT_LEAST_1)
-    ddp_timeout: int = _declare("ddp_timeout", validator=AT_LEAST_1)
-    ddp_bucket_cap_mb: int | None = _declare("ddp_bucket_cap_mb", validator=AT_LEAST_1)
-    run_name: str | None = _declare("run_name", validator=non_empty)
-    resume_from_checkpoint: str | None = _declare("resume_from_checkpoint", validator=names_dir)
+    max_steps: Annotated[int, steps_or_unset] = _declare("max_steps")
+    num_train_epochs: Annotated[float, POSITIVE] = _declare("num_train_epochs")
+    per_device_train_batch_size: Annotated[int, AT_LEAST_1] = _declare("per_device_train_batch_size")
+    per_device_eval_batch_size: Annotated[int, AT_LEAST_1] = _declare("per_device_eval_batch_size")
+    gradient_accumulation_steps: Annotated[int, AT_LEAST_1] = _declare("gradient_accumulation_steps")
+    eval_accumulation_steps: Annotated[int | None, AT_LEAST_1] = _declare("eval_accumulation_steps")
+    learning_rate: Annotated[float, POSITIVE] = _declare("learning_rate")
+    weight_decay: Annotated[float, NON_NEGATIVE] = _declare("weight_decay")
+    max_grad_norm: Annotated[float, NON_NEGATIVE] = _declare("max_grad_norm")
+    label_smoothing_factor: Annotated[float, below_one] = _declare("label_smoothing_factor")
+    warmup_steps: Annotated[float, NON_NEGATIVE] = _declare("warmup_steps")
+    neftune_noise_alpha: Annotated[float | None, POSITIVE] = _declare("neftune_noise_alpha")
+    logging_steps: Annotated[float, POSITIVE] = _declare("logging_steps")
+    save_steps: Annotated[float, POSITIVE] = _declare("save_steps")
+    eval_steps: Annotated[float | None, POSITIVE] = _declare("eval_steps")
+    eval_delay: Annotated[float, NON_NEGATIVE] = _declare("eval_delay")
+    save_total_limit: Annotated[int | None, AT_LEAST_0] = _declare("save_total_limit")
+    torch_empty_cache_steps: Annotated[int | None, AT_LEAST_1] = _declare("torch_empty_cache_steps")
+    seed: Annotated[int, SEED] = _declare("seed")
+    data_seed: Annotated[int | None, SEED] = _declare("data_seed")
+    dataloader_num_workers: Annotated[int, AT_LEAST_0] = _declare("dataloader_num_workers")
+    dataloader_prefetch_factor: Annotated[int | None, AT_LEAST_1] = _declare("dataloader_prefetch_factor")
+    ddp_timeout: Annotated[int, AT_LEAST_1] = _declare("ddp_timeout")
+    ddp_bucket_cap_mb: Annotated[int | None, AT_LEAST_1] = _declare("ddp_bucket_cap_mb")
+    run_name: Annotated[str | None, non_empty] = _declare("run_name")
+    resume_from_checkpoint: Annotated[str | None, names_dir] = _declare("resume_from_checkpoint")
     # A string names a JSON file that transformers opens.
-    accelerator_config: dict | str | None = _declare("accelerator_config", validator=names_file)
-    deepspeed: dict | str | None = _declare("deepspeed", validator=names_file)
-    fsdp_config: dict[str, Any] | str | None = _declare("fsdp_config", validator=names_file)
+    accelerator_config: Annotated[dict | str | None, names_file] = _declare("accelerator_config")
+    deepspeed: Annotated[dict | str | None, names_file] = _declare("deepspeed")
+    fsdp_config: Annotated[dict[str, Any] | str | None, names_file] = _declare("fsdp_config")
     # Choices transformers checks only once training starts; declared, they fail up front.
     report_to: None | str | list[str] = _declare("report_to", choices=("all", "none", *sorted(INTEGRATION_TO_CALLBACK)))
     include_num_input_tokens_seen: str | bool = _declare(
@@ -251,22 +252,22 @@ class LoopedTrainingArguments(TrainingArguments):
         "torch_compile_mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
     )
 
-    output_dir: str | None = field(
-        default="runs/looped", metadata={"help": "The run directory.", "validator": non_empty}
+    output_dir: Annotated[str | None, non_empty] = field(
+        default="runs/looped", metadata={"help": "The run directory."}
     )
     # Unset (None) until __post_init__ knows the optimizer: so a value the recipe writes, even
     # TrainingArguments' own 0.9, is told apart from one it leaves to the optimizer's default.
-    adam_beta1: float | None = field(
+    adam_beta1: Annotated[float | None, below_one] = field(
         default=None,
-        metadata={"help": "AdamW beta1; unset: 0.9, the study's 0.8 under muonh.", "validator": below_one},
+        metadata={"help": "AdamW beta1; unset: 0.9, the study's 0.8 under muonh."},
     )
-    adam_beta2: float | None = field(
+    adam_beta2: Annotated[float | None, below_one] = field(
         default=None,
-        metadata={"help": "AdamW beta2; unset: 0.999, the study's 0.95 under muonh.", "validator": below_one},
+        metadata={"help": "AdamW beta2; unset: 0.999, the study's 0.95 under muonh."},
     )
-    adam_epsilon: float | None = field(
+    adam_epsilon: Annotated[float | None, POSITIVE] = field(
         default=None,
-        metadata={"help": "AdamW epsilon; unset: 1e-8, the study's 1e-10 under muonh.", "validator": POSITIVE},
+        metadata={"help": "AdamW epsilon; unset: 1e-8, the study's 1e-10 under muonh."},
     )
     optimizer: str = field(
         default="adamw",
@@ -281,23 +282,23 @@ class LoopedTrainingArguments(TrainingArguments):
             "learning_rate and weight_decay are not used (an error if set)."
         },
     )
-    muon_learning_rate: float = field(
+    muon_learning_rate: Annotated[float, POSITIVE] = field(
         default=0.014,
         metadata={
-            "validator": POSITIVE, "help": "Matrix lr of muon / muonh (the study's 0.014, scripts/base_train.py --matrix-lr)."
+            "help": "Matrix lr of muon / muonh (the study's 0.014, scripts/base_train.py --matrix-lr)."
         },
     )
-    embedding_learning_rate: float = field(
-        default=0.3, metadata={"validator": POSITIVE, "help": "muonh: AdamW lr of the token embedding (the study's 0.3)."}
+    embedding_learning_rate: Annotated[float, POSITIVE] = field(
+        default=0.3, metadata={"help": "muonh: AdamW lr of the token embedding (the study's 0.3)."}
     )
-    lm_head_learning_rate: float = field(
-        default=0.004, metadata={"validator": POSITIVE, "help": "muonh: AdamW lr of lm_head (the study's unembedding lr 0.004)."}
+    lm_head_learning_rate: Annotated[float, POSITIVE] = field(
+        default=0.004, metadata={"help": "muonh: AdamW lr of lm_head (the study's unembedding lr 0.004)."}
     )
-    norm_learning_rate: float = field(
-        default=0.005, metadata={"validator": POSITIVE, "help": "muonh: AdamW lr of every RMSNorm scale (the study's 0.005)."}
+    norm_learning_rate: Annotated[float, POSITIVE] = field(
+        default=0.005, metadata={"help": "muonh: AdamW lr of every RMSNorm scale (the study's 0.005)."}
     )
-    hyperconnection_learning_rate: float = field(
-        default=0.01, metadata={"validator": POSITIVE, "help": "AdamW lr of the hyperconnection mixing parameters (study: 0.01)."}
+    hyperconnection_learning_rate: Annotated[float, POSITIVE] = field(
+        default=0.01, metadata={"help": "AdamW lr of the hyperconnection mixing parameters (study: 0.01)."}
     )
     lr_scaling: str | None = field(
         default=None,
@@ -317,14 +318,14 @@ class LoopedTrainingArguments(TrainingArguments):
             "trainer: Trainer's own lr_scheduler_type."
         },
     )
-    final_lr_ratio: float = field(default=0.1, metadata={"validator": UNIT, "help": "Last lr / peak lr for the study schedule."})
-    train_tokens: int | None = field(
-        default=None, metadata={"validator": AT_LEAST_1, "help": "Train for ceil(train_tokens / tokens_per_step) optimizer steps."}
+    final_lr_ratio: Annotated[float, UNIT] = field(default=0.1, metadata={"help": "Last lr / peak lr for the study schedule."})
+    train_tokens: Annotated[int | None, AT_LEAST_1] = field(
+        default=None, metadata={"help": "Train for ceil(train_tokens / tokens_per_step) optimizer steps."}
     )
-    train_flops_budget: float | None = field(
+    train_flops_budget: Annotated[float | None, POSITIVE] = field(
         default=None,
         metadata={
-            "validator": POSITIVE, "help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."
+            "help": "Train for budget / training_flops_per_token tokens (whole steps: train_steps_rounding)."
         },
     )
     train_steps_rounding: str = field(
@@ -335,31 +336,31 @@ class LoopedTrainingArguments(TrainingArguments):
             "study's base_train.py (round(C / (flops_per_token x B)))."
         },
     )
-    torch_num_threads: int | None = field(
+    torch_num_threads: Annotated[int | None, AT_LEAST_1] = field(
         default=None,
         metadata={
-            "validator": AT_LEAST_1, "help": "CPU threads for torch (None: torch's default). On a small or shared CPU, 1 avoids "
+            "help": "CPU threads for torch (None: torch's default). On a small or shared CPU, 1 avoids "
             "OpenMP oversubscription, which slows tiny models several-fold."
         },
     )
-    peak_flops: float | None = field(
+    peak_flops: Annotated[float | None, POSITIVE] = field(
         default=None,
         metadata={
-            "validator": POSITIVE, "help": "Dense bf16 peak of one training device in FLOP/s, for the MFU the run logs (e.g. 989e12 for "
+            "help": "Dense bf16 peak of one training device in FLOP/s, for the MFU the run logs (e.g. 989e12 for "
             "an H100 SXM). None: looped_hf.hardware's table by device name; a CPU or an unlisted GPU then logs "
             "tokens/s and model FLOPs/s but no MFU."
         },
     )
-    run_id: str | None = field(
-        default=None, metadata={"validator": non_empty, "help": "Name of the run (default: output_dir's name)."}
+    run_id: Annotated[str | None, non_empty] = field(
+        default=None, metadata={"help": "Name of the run (default: output_dir's name)."}
     )
-    arch: str | None = field(
-        default=None, metadata={"validator": non_empty, "help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."}
+    arch: Annotated[str | None, non_empty] = field(
+        default=None, metadata={"help": "Label: 'base' for r=1 or N_rec=0, else 'loop<r>'."}
     )
-    variant: str = field(
+    variant: Annotated[str, non_empty] = field(
         default="base",
         metadata={
-            "validator": non_empty, "help": "Sweep variant: base, truncated, hyperconnection; a run with a sampled r is 'sampled_r' "
+            "help": "Sweep variant: base, truncated, hyperconnection; a run with a sampled r is 'sampled_r' "
             "(set for it when left at base) or any name containing 'sampled', so a fit never mixes it into "
             "a fixed-r sweep."
         },
@@ -375,8 +376,8 @@ class LoopedTrainingArguments(TrainingArguments):
             "Evaluation runs at num_recurrences."
         },
     )
-    results_file: str | None = field(
-        default=None, metadata={"validator": non_empty, "help": "Also append the run record to this JSONL file (atomic, locked)."}
+    results_file: Annotated[str | None, non_empty] = field(
+        default=None, metadata={"help": "Also append the run record to this JSONL file (atomic, locked)."}
     )
 
     def __post_init__(self):
@@ -500,7 +501,7 @@ def _config_docs() -> dict[str, str]:
 def _model_help(name: str, f: dataclasses.Field, annotation: Any) -> str:
     """--help of a model flag, from `LoopedConfig`'s declaration: type, range or choices, default."""
     choices = [c for c in field_choices(annotation) if c is not None]
-    rule = f.metadata.get("validator")
+    rule = field_rule(LoopedConfig, name)
     kind = f"one of {', '.join(map(str, choices))}" if choices else _describe(rule) if rule else ""
     default = f.default if f.default is not dataclasses.MISSING else None
     return " ".join(p for p in (kind and f"{kind};", f"default {default}.", _config_docs().get(name, "")) if p)
@@ -523,16 +524,20 @@ class _RecipeParser(HfArgumentParser):
             group.add_argument(*flags, help=_model_help(name, f, f.type), **kwargs)
         group.add_argument("--attn_implementation", type=str, default=argparse.SUPPRESS, help=ATTN_HELP)
 
-    @staticmethod
-    def _parse_dataclass_field(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
-        # "validator" is huggingface_hub's metadata key, not an argparse keyword: shown in the help.
-        metadata = dict(f.metadata)
-        rule = metadata.pop("validator", None)
+    def _add_dataclass_arguments(self, dtype: type) -> None:
+        self._dtype = dtype  # `_parse_dataclass_field` is given a field alone; its rule is on the class
+        super()._add_dataclass_arguments(dtype)
+
+    def _parse_dataclass_field(self, parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+        # The field's rule (its annotation's, which HfArgumentParser does not read) is shown in the help.
+        rule = field_rule(self._dtype, f.name)
         if rule is not None:
-            metadata["help"] = f"{metadata.get('help', '')} ({_describe(rule)})".strip()
-        clone = copy.copy(f)
-        clone.metadata = types.MappingProxyType(metadata)
-        HfArgumentParser._parse_dataclass_field(parser, clone)
+            clone = copy.copy(f)
+            clone.metadata = types.MappingProxyType(
+                {**f.metadata, "help": f"{f.metadata.get('help', '')} ({_describe(rule)})".strip()}
+            )
+            f = clone
+        HfArgumentParser._parse_dataclass_field(parser, f)
 
     # argparse exits the process on a bad value; a library call should raise instead.
     def error(self, message: str):
@@ -568,8 +573,8 @@ def _shared_parser() -> HfArgumentParser:
 
 
 @functools.cache
-def _declared() -> dict[str, tuple[dataclasses.Field, Any]]:
-    """The data and training fields with their annotations (what `check_value` reads)."""
+def _declared() -> dict[str, tuple[dataclasses.Field, Any, Any]]:
+    """The data and training fields with their types and rules (what `check_value` reads)."""
     return {**declared_fields(_data_arguments_class()), **declared_fields(LoopedTrainingArguments)}
 
 
@@ -577,7 +582,7 @@ def recipe_field_types() -> dict[str, Any]:
     """Every field a recipe may set, with its type annotation (model, data, training)."""
     # LoopedConfig's annotations are objects already (its module has no postponed annotations).
     return {**{name: f.type for name, f in model_fields().items()}, "attn_implementation": str | None,
-            **{name: annotation for name, (_, annotation) in _declared().items()}}  # fmt: skip
+            **{name: annotation for name, (_, annotation, _) in _declared().items()}}  # fmt: skip
 
 
 def read_recipe_text(path: str | os.PathLike, what: str = "recipe") -> str:

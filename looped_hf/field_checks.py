@@ -1,9 +1,11 @@
 """The rules the data and training fields of a recipe declare, and the one check that reads them.
 
-A field declares its type in its annotation, its range or rule in ``metadata["validator"]`` (a
-callable that raises ``ValueError``, huggingface_hub's ``validated_field`` convention, so
-`LoopedConfig`'s ``Interval`` serves here too) and its choices in ``metadata["choices"]``
-(`HfArgumentParser`'s convention, which ``--help`` shows). `check_value` checks one value against
+A field declares its type and its range or rule in its annotation, ``Annotated[int | None, AT_LEAST_1]``
+(the rule: a callable that raises ``ValueError``, so `LoopedConfig`'s ``Interval`` serves here too;
+`field_rule` reads it), and its choices in ``metadata["choices"]`` (`HfArgumentParser`'s convention,
+which ``--help`` shows). The metadata holds argparse's keywords only, so a plain
+``HfArgumentParser(DataArguments)`` builds (it resolves annotations without their ``Annotated``
+extras and passes every metadata key to ``add_argument``). `check_value` checks one value against
 them: pydantic (lax: ``"64"`` for an integer, ``1.5e8`` for an integer, ``"true"`` for a boolean;
 never NaN or infinity) for the type, then the rule, then the choices. Model fields are
 `LoopedConfig`'s, which validates itself. This module imports no dataclass of a recipe, so both
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +29,9 @@ class RecipeError(ValueError):
     """A recipe (YAML file or flags) that cannot be trained; the message names the field."""
 
 
-# Declarations shared by the recipe dataclasses (``metadata={"validator": ...}``).
+# Rules shared by the recipe dataclasses (``Annotated[float, POSITIVE]``). They are module globals
+# of the declaring module too: under ``from __future__ import annotations`` the annotation is a
+# string that `typing.get_type_hints` evaluates in the module's namespace.
 AT_LEAST_0, AT_LEAST_1 = Interval(0, None, integer=True), Interval(1, None, integer=True)
 NON_NEGATIVE, POSITIVE = Interval(0, None), Interval(0, None, low_open=True)
 UNIT = Interval(0, 1)
@@ -125,10 +130,43 @@ def _numbers(value: Any) -> list[Any]:
     return []
 
 
-def check_value(name: str, value: Any, field: dataclasses.Field, annotation: Any, where: str) -> Any:
-    """Check one value against its field's declarations; return it as the type asks ("64" as 64).
-    Raises `RecipeError` with one line: where, field, value and why. The rule applies to each
-    number of a list or mapping."""
+@functools.cache
+def _annotations(dtype: type) -> dict[str, Any]:
+    """A class's resolved annotations with their ``Annotated`` extras."""
+    try:
+        return typing.get_type_hints(dtype, include_extras=True)
+    except NameError:
+        # Annotations that name what only type checkers import (transformers' PreTrainedConfig
+        # names torch): such a class (LoopedConfig) declares its rules in huggingface_hub's
+        # metadata. A recipe dataclass always resolves: HfArgumentParser cannot parse it otherwise.
+        return {}
+
+
+def _rules(annotation: Any) -> list[Any]:
+    """The callables an annotation's ``Annotated`` carries: ``Annotated[int | None, R]``, or
+    ``Annotated[int, R] | None`` (a union member's)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return [extra for extra in annotation.__metadata__ if callable(extra)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [rule for member in typing.get_args(annotation) for rule in _rules(member)]
+    return []
+
+
+def field_rule(dtype: type, name: str) -> Any:
+    """The rule a field of `dtype` declares: the callable (or tuple of callables) in its
+    ``Annotated`` annotation, else huggingface_hub's ``metadata["validator"]`` (``validated_field``:
+    `LoopedConfig`'s ``@strict`` fields); None when it declares none."""
+    rules = _rules(_annotations(dtype).get(name))
+    if not rules:
+        declared = getattr(dtype, "__dataclass_fields__", {}).get(name)
+        return declared.metadata.get("validator") if declared is not None else None
+    return rules[0] if len(rules) == 1 else tuple(rules)
+
+
+def check_value(name: str, value: Any, field: dataclasses.Field, annotation: Any, rule: Any, where: str) -> Any:
+    """Check one value against its field's declarations (`declared_fields`: the field, its type
+    and its rule); return it as the type asks ("64" as 64). Raises `RecipeError` with one line:
+    where, field, value and why. The rule applies to each number of a list or mapping."""
 
     def bad(why: str) -> RecipeError:
         return RecipeError(f"{where}: {name}={show(value)}: {why}")
@@ -145,7 +183,6 @@ def check_value(name: str, value: Any, field: dataclasses.Field, annotation: Any
         raise bad("must not be a boolean")
     if type(value) is int and type(checked) is float and checked == value:
         checked = value  # 0 stays 0 where a number is asked, as TrainingArguments' own defaults
-    rule = field.metadata.get("validator")
     for x in _numbers(checked):
         if isinstance(x, int) and not -(2**63) <= x < 2**63:
             raise bad("is too large: integers must fit 64 bits (numpy, torch)")
@@ -163,10 +200,11 @@ def check_value(name: str, value: Any, field: dataclasses.Field, annotation: Any
 
 
 @functools.cache
-def declared_fields(dtype: type) -> dict[str, tuple[dataclasses.Field, Any]]:
-    """Each init field of a recipe dataclass with its resolved annotation."""
+def declared_fields(dtype: type) -> dict[str, tuple[dataclasses.Field, Any, Any]]:
+    """Each init field of a recipe dataclass with its resolved type (``Annotated`` stripped: what
+    pydantic checks) and its rule (`field_rule`)."""
     hints = typing.get_type_hints(dtype)
-    return {f.name: (f, hints.get(f.name, Any)) for f in dataclasses.fields(dtype) if f.init}
+    return {f.name: (f, hints.get(f.name, Any), field_rule(dtype, f.name)) for f in dataclasses.fields(dtype) if f.init}
 
 
 def check_declared_fields(obj: Any) -> None:
@@ -175,6 +213,6 @@ def check_declared_fields(obj: Any) -> None:
     the class, the field and the value."""
     dtype = type(obj)
     own = set(vars(dtype).get("__annotations__", {}))
-    for name, (field, annotation) in declared_fields(dtype).items():
-        if name in own or "validator" in field.metadata or "choices" in field.metadata:
-            setattr(obj, name, check_value(name, getattr(obj, name), field, annotation, dtype.__name__))
+    for name, (field, annotation, rule) in declared_fields(dtype).items():
+        if name in own or rule is not None or "choices" in field.metadata:
+            setattr(obj, name, check_value(name, getattr(obj, name), field, annotation, rule, dtype.__name__))

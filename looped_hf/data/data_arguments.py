@@ -2,12 +2,15 @@
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Annotated
 
 # One way only: this module reads the corpus module, which never imports it back.
 from looped_hf.configuration_looped import Interval
 from looped_hf.field_checks import AT_LEAST_0, AT_LEAST_1, SEED, check_declared_fields, non_empty, open_unit
 
 from .corpus import EMBEDDED, default_cache_dir
+
+AT_LEAST_2 = Interval(2, None, integer=True)  # a block predicts its next token: two at least
 
 # DataArguments fields that only shape text -> blocks; prepacked data rejects non-default values.
 _TEXT_ONLY_FIELDS = ("dataset_config", "text_column", "text_sample_by", "streaming_eval_fraction",
@@ -18,72 +21,72 @@ _TEXT_ONLY_FIELDS = ("dataset_config", "text_column", "text_sample_by", "streami
 class DataArguments:
     """Where the training text comes from and how it becomes blocks (parsed by ``HfArgumentParser``)."""
 
-    dataset: str | None = field(
+    dataset: Annotated[str | None, non_empty] = field(
         default=None,
-        metadata={"validator": non_empty, "help": "None or 'embedded': the shipped public-domain classics. Otherwise a Hub dataset "
+        metadata={"help": "None or 'embedded': the shipped public-domain classics. Otherwise a Hub dataset "
                   "name, or a local text/JSON/JSONL/CSV/parquet file or a directory of them."},
     )  # fmt: skip
-    dataset_config: str | None = field(
-        default=None, metadata={"validator": non_empty, "help": "Hub dataset configuration name (load_dataset's `name`)."}
+    dataset_config: Annotated[str | None, non_empty] = field(
+        default=None, metadata={"help": "Hub dataset configuration name (load_dataset's `name`)."}
     )
-    dataset_split: str = field(
+    dataset_split: Annotated[str, non_empty] = field(
         default="train",
         metadata={
-            "validator": non_empty, "help": "Hub split to read (local files form one 'train' split); held-out is carved out of it."
+            "help": "Hub split to read (local files form one 'train' split); held-out is carved out of it."
         },
     )
-    dataset_revision: str | None = field(
-        default=None, metadata={"validator": non_empty, "help": "Hub dataset revision (commit/tag) to pin; part of the cache key."}
+    dataset_revision: Annotated[str | None, non_empty] = field(
+        default=None, metadata={"help": "Hub dataset revision (commit/tag) to pin; part of the cache key."}
     )
-    text_column: str = field(default="text", metadata={"validator": non_empty, "help": "Column holding the document text."})
-    text_sample_by: str = field(
+    text_column: Annotated[str, non_empty] = field(default="text", metadata={"help": "Column holding the document text."})
+    text_sample_by: Annotated[str, non_empty] = field(
         default="paragraph",
         metadata={"choices": ("line", "paragraph", "document"),
-                  "validator": non_empty, "help": "For .txt inputs, what one document is: a line, a paragraph or the whole file."},
+                  "help": "For .txt inputs, what one document is: a line, a paragraph or the whole file."},
     )
     streaming: bool = field(
         default=False,
         metadata={"help": "Stream the dataset (for large Hub datasets): the train set is an IterableDataset "
                   "tokenized on the fly; only the held-out set is cached. Needs Trainer max_steps."},
     )  # fmt: skip
-    streaming_eval_fraction: float = field(
+    streaming_eval_fraction: Annotated[float, open_unit] = field(
         default=0.01,
-        metadata={"validator": open_unit, "help": "Streaming only: fraction of documents (by hash) reserved for the held-out split."},
+        metadata={"help": "Streaming only: fraction of documents (by hash) reserved for the held-out split."},
     )
-    shuffle_buffer: int = field(
+    shuffle_buffer: Annotated[int, AT_LEAST_0] = field(
         default=1000,
-        metadata={"validator": AT_LEAST_0, "help": "Streaming only: shuffle buffer (in blocks) for the train stream; 0 = off."},
+        metadata={"help": "Streaming only: shuffle buffer (in blocks) for the train stream; 0 = off."},
     )
-    tokenizer: str | None = field(
+    tokenizer: Annotated[str | None, non_empty] = field(
         default=None,
-        metadata={"validator": non_empty, "help": "None or 'embedded': the shipped 4096-token BPE; 'bytes': byte-level (258 tokens); "
+        metadata={"help": "None or 'embedded': the shipped 4096-token BPE; 'bytes': byte-level (258 tokens); "
                   "a Hub tokenizer name; a local tokenizer directory or tokenizer.json file."},
     )  # fmt: skip
-    seq_len: int = field(default=256, metadata={"validator": Interval(2, None, integer=True), "help": "Tokens per packed block (>= 2)."})
-    eval_blocks: int = field(
+    seq_len: Annotated[int, AT_LEAST_2] = field(default=256, metadata={"help": "Tokens per packed block (>= 2)."})
+    eval_blocks: Annotated[int, AT_LEAST_1] = field(
         default=64,
-        metadata={"validator": AT_LEAST_1, "help": "Held-out blocks of seq_len tokens (fixed size, disjoint from training)."},
+        metadata={"help": "Held-out blocks of seq_len tokens (fixed size, disjoint from training)."},
     )
-    split_seed: int = field(
-        default=0, metadata={"validator": SEED, "help": "Seed of the document hash that decides the train / held-out split."}
+    split_seed: Annotated[int, SEED] = field(
+        default=0, metadata={"help": "Seed of the document hash that decides the train / held-out split."}
     )
     stratify_column: str | None = field(
         default="source",
         metadata={"help": "If the dataset has this column, the held-out documents alternate between its "
                   "values (e.g. the embedded corpus's 'source'). None or '' to disable."},
     )  # fmt: skip
-    pack_batch_docs: int = field(
+    pack_batch_docs: Annotated[int, AT_LEAST_1] = field(
         default=10_000,
-        metadata={"validator": AT_LEAST_1, "help": "Documents concatenated per packing batch; the remainder (< seq_len tokens) of each "
+        metadata={"help": "Documents concatenated per packing batch; the remainder (< seq_len tokens) of each "
                   "batch is dropped."},
     )  # fmt: skip
-    data_cache_dir: str | None = field(
+    data_cache_dir: Annotated[str | None, non_empty] = field(
         default=None,
         metadata={
-            "validator": non_empty, "help": "Cache for tokenized data; default $LOOPED_HF_CACHE/data or ~/.cache/looped_hf/data."
+            "help": "Cache for tokenized data; default $LOOPED_HF_CACHE/data or ~/.cache/looped_hf/data."
         },
     )
-    num_proc: int | None = field(default=None, metadata={"validator": AT_LEAST_1, "help": "Processes for tokenization (None = 1)."})
+    num_proc: Annotated[int | None, AT_LEAST_1] = field(default=None, metadata={"help": "Processes for tokenization (None = 1)."})
     prepacked: bool = field(
         default=False,
         metadata={"help": "dataset is already tokenized and packed in the study's format (a local directory or "
@@ -92,9 +95,9 @@ class DataArguments:
                   "dataset_split is the train split, the held-out set is the first eval_blocks rows of "
                   "eval_split. Text settings (text_column, stratify_column, ...) do not apply."},
     )  # fmt: skip
-    eval_split: str = field(
+    eval_split: Annotated[str, non_empty] = field(
         default="val",
-        metadata={"validator": non_empty, "help": "prepacked only: the split whose first eval_blocks rows are the held-out set."},
+        metadata={"help": "prepacked only: the split whose first eval_blocks rows are the held-out set."},
     )
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from looped_hf.arguments import RecipeError, load_yaml, steps_for_tokens, yaml_key_lines
 from looped_hf.field_checks import AT_LEAST_0, AT_LEAST_1, POSITIVE, SEED, check_value, declared_fields
@@ -22,43 +22,43 @@ EXECUTORS = ("local", "subprocess", "accelerate", "submitit")
 class SweepArguments:
     """The `sweep:` section of a sweep recipe (the rest of the file is the per-run recipe)."""
 
-    budgets: list[float] = field(default_factory=list, metadata={"validator": POSITIVE})
+    budgets: Annotated[list[float], POSITIVE] = field(default_factory=list)
     """Training-FLOP budgets C (the model's `training_flops_per_token` x tokens)."""
-    widths: list[list[int]] | list[int] = field(default_factory=list, metadata={"validator": AT_LEAST_1})
+    widths: Annotated[list[list[int]] | list[int], AT_LEAST_1] = field(default_factory=list)
     """Hidden sizes d: one list per budget (index-aligned with `budgets`), or one list for all."""
-    recurrences: list[int] = field(default_factory=lambda: [1, 2, 4, 8], metadata={"validator": AT_LEAST_1})
+    recurrences: Annotated[list[int], AT_LEAST_1] = field(default_factory=lambda: [1, 2, 4, 8])
     """The r values; each must divide `effective_depth - prelude - coda` (r = 1 always fits)."""
-    effective_depth: int = field(default=20, metadata={"validator": AT_LEAST_1})
+    effective_depth: Annotated[int, AT_LEAST_1] = field(default=20)
     """Layer applications per token, the same for every r (the study: 20)."""
-    prelude: int = field(default=2, metadata={"validator": AT_LEAST_0})
+    prelude: Annotated[int, AT_LEAST_0] = field(default=2)
     """Prelude layers of the looped models (r > 1); r = 1 has none."""
-    coda: int = field(default=2, metadata={"validator": AT_LEAST_0})
+    coda: Annotated[int, AT_LEAST_0] = field(default=2)
     """Coda layers of the looped models (r > 1); r = 1 has none."""
-    head_dim: int = field(default=128, metadata={"validator": AT_LEAST_1})
+    head_dim: Annotated[int, AT_LEAST_1] = field(default=128)
     """Per-head width; heads = d / head_dim (the study: 128, d = 64 s)."""
     injection: str = "linear"
     """Input injection of the looped models (the study: linear)."""
     variant: str = "base"
     """"base"; "truncated" (backprop through the last ceil(r/2) recurrences); "hyperconnection"."""
-    hyperconnection_lanes: int = field(default=2, metadata={"validator": AT_LEAST_1})
+    hyperconnection_lanes: Annotated[int, AT_LEAST_1] = field(default=2)
     """Lanes for the hyperconnection variant (the study: 2)."""
-    learning_rate_by_r: dict[int, float] | None = field(default=None, metadata={"validator": POSITIVE})
+    learning_rate_by_r: Annotated[dict[int, float] | None, POSITIVE] = field(default=None)
     """AdamW / Muon recipes: the `learning_rate` of each r (every r of `recurrences` listed), so
     every architecture trains at its own tuned lr, as the study's HyperP gives looped and plain
     models their own reference (D_REF). None: the recipe's `learning_rate` for all. Not with
     muonh, whose lrs HyperP computes per run."""
-    seeds: list[int] = field(default_factory=lambda: [0], metadata={"validator": SEED})
+    seeds: Annotated[list[int], SEED] = field(default_factory=lambda: [0])
     """One run per seed per cell (the study: one seed); run ids get `-s<seed>` if several."""
-    vocab_size: int | None = field(default=None, metadata={"validator": AT_LEAST_1})
+    vocab_size: Annotated[int | None, AT_LEAST_1] = field(default=None)
     """Plan with this vocabulary size instead of loading the tokenizer (offline dry runs of Hub
     tokenizers); the runs themselves always use the tokenizer's size."""
     executor: str = "local"
     """local: in this process (fast; exceptions are caught). subprocess: one `python -m
     looped_hf.train` per run (a crash cannot take the sweep down). accelerate: one `accelerate
     launch --num_processes N` per run. submitit: one SLURM (or local) job per run."""
-    num_processes: int = field(default=1, metadata={"validator": AT_LEAST_1})
+    num_processes: Annotated[int, AT_LEAST_1] = field(default=1)
     """Processes per run (accelerate / submitit); part of tokens_per_step."""
-    checkpoints_per_run: int = field(default=4, metadata={"validator": AT_LEAST_0})
+    checkpoints_per_run: Annotated[int, AT_LEAST_0] = field(default=4)
     """Trainer checkpoints per run (the last one is kept), so a killed run resumes mid-way."""
     submitit: dict[str, Any] = field(default_factory=dict)
     """Passed to `submitit.AutoExecutor.update_parameters` (e.g. slurm_partition, timeout_min,
