@@ -64,9 +64,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
     p.add_argument("--skip-kv", action="store_true", help="skip the KV-capacity table (five engine starts)")
     p.add_argument("--skip-generate", action="store_true", help="time vLLM only (looped and Llama), not generate()")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="tokens per second of the timed process's CPU time (all its threads), not of wall time: "
-                        "what each side costs, nearly free of other processes' load on a shared machine")  # fmt: skip
     p.add_argument("--generate-python", default=None, metavar="PYTHON",
                    help="interpreter for the generate() side (default: this one)")  # fmt: skip
     p.add_argument("--generate-worker", default=None, help=argparse.SUPPRESS)
@@ -102,12 +99,6 @@ def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
     return root / "looped", root / "llama", looped
 
 
-def _clock(args: argparse.Namespace) -> Callable[[], float]:
-    """Wall time, or with ``--cpu-time`` this process's CPU time (the engine core runs in this process
-    unless VLLM_ENABLE_V1_MULTIPROCESSING=1, whose core's CPU time this clock does not see)."""
-    return time.process_time if args.cpu_time else time.perf_counter
-
-
 def vllm_engine(folder: Path, args: argparse.Namespace, **kwargs: Any) -> Any:
     from vllm import LLM
 
@@ -134,12 +125,9 @@ class GenerateWorker:
     """``generate()`` on the looped checkpoint in a persistent process (possibly another environment):
     one batched call per request, timed there, so its rate excludes the pipe."""
 
-    def __init__(
-        self, python: str, folder: Path, prompts: list[list[int]], new_tokens: int, dtype: str, cpu_time: bool
-    ) -> None:
+    def __init__(self, python: str, folder: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        clock = ["--cpu-time"] if cpu_time else []
-        self.proc = subprocess.Popen([python, __file__, "--generate-worker", str(folder), "--dtype", dtype, *clock],
+        self.proc = subprocess.Popen([python, __file__, "--generate-worker", str(folder), "--dtype", dtype],
                                      stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
         self._send({"prompts": prompts, "new_tokens": new_tokens})
@@ -162,7 +150,7 @@ class GenerateWorker:
         self.proc.wait(timeout=60)
 
 
-def generate_worker(folder: str, dtype: str, clock: Callable[[], float]) -> int:
+def generate_worker(folder: str, dtype: str) -> int:
     """The worker's loop: the first line sets prompts and length, each next ``{"n": N}`` runs the first N
     prompts as one batch and answers ``{"tokens_per_s": ...}``."""
     import torch
@@ -175,11 +163,11 @@ def generate_worker(folder: str, dtype: str, clock: Callable[[], float]) -> int:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         batch = prompts[: json.loads(line)["n"]]
-        start = clock()
+        start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False, pad_token_id=0,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)  # fmt: skip
-        rate = (out.shape[1] - batch.shape[1]) * batch.shape[0] / (clock() - start)
+        rate = (out.shape[1] - batch.shape[1]) * batch.shape[0] / (time.perf_counter() - start)
         print(json.dumps({"tokens_per_s": rate}), flush=True)
     return 0
 
@@ -196,15 +184,12 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
     engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args)}
     worker = None
     if not args.skip_generate:
-        worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens, args.dtype,
-                                args.cpu_time)  # fmt: skip
-
-    clock = _clock(args)
+        worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens, args.dtype)
 
     def run_vllm(name: str, n: int) -> float:
-        start = clock()
+        start = time.perf_counter()
         outs = engines[name].generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:n]], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (clock() - start)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
     sides: dict[str, Callable[[int], float]] = {"vllm_looped": lambda n: run_vllm("vllm_looped", n)}
     if worker is not None:
@@ -276,7 +261,7 @@ def kv_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.generate_worker:
-        return generate_worker(args.generate_worker, args.dtype, _clock(args))
+        return generate_worker(args.generate_worker, args.dtype)
     if args.hidden % 64 or args.r < 1 or args.repeats < 1 or min(args.concurrency) < 1:
         print(f"bench_serve: --hidden {args.hidden} must be a multiple of 64 (head_dim 64), --r {args.r}, "
               f"--repeats {args.repeats} and --concurrency {args.concurrency} >= 1", file=sys.stderr)  # fmt: skip
@@ -309,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), looped extras: {extras}, "
           f"vocab {args.vocab}, "
           f"prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median (min .. max) of "
-          f"{args.repeats} repeats" + (" (per second of process CPU time)" if args.cpu_time else "") + "\n")  # fmt: skip
+          f"{args.repeats} repeats\n")  # fmt: skip
     print(throughput_table(results))
     if rows:
         print(f"\nKV cache (VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB} GiB):\n")

@@ -248,6 +248,43 @@ def test_a_head_size_the_cpu_attention_does_not_run_is_padded_to_the_next_one_it
     assert sizes == {2: 32, 4: 32, 16: 32, 24: 32, 32: 32, 48: 64, 64: 64, 66: 80, 500: 512, 512: 512}
 
 
+@needs_vllm
+def test_bfloat16_runs_vllms_rmsnorm_and_rope_kernels(monkeypatch) -> None:
+    """vLLM's default dtype takes the kernels too (not PyTorch's ops), with looped_hf's values."""
+    from looped_hf.modeling_looped import LoopedRMSNorm
+    from looped_hf.serving import vllm_model
+
+    if not vllm_model._HAS_KERNELS:
+        pytest.skip("this vLLM build has no _C kernels")
+    calls: list[str] = []
+
+    class CountingOps:
+        def __getattr__(self, name: str):
+            op = getattr(torch.ops._C, name)
+            return lambda *args: (calls.append(name), op(*args))[1]
+
+    monkeypatch.setattr(vllm_model, "_C", CountingOps())
+    torch.manual_seed(0)
+    norm = LoopedRMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(vllm_model._norm(norm, x).float(), norm(x).float(), atol=3e-2, rtol=2e-2)
+    config = serving_config(num_attention_heads=2, num_key_value_heads=1)
+    table = vllm_model._rope_table(config, 16, torch.bfloat16)
+    q, k = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(5, 32, dtype=torch.bfloat16)
+    positions = torch.arange(5) + 3
+    roped_q, roped_k = vllm_model._apply_rope(positions, q.clone(), k.clone(), 32, table)
+    assert calls == ["rms_norm", "rotary_embedding"]
+    half = table.float()[positions]
+    cos, sin = half.chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+    qh = q.float().view(5, 2, 32)
+    expected = qh * cos + torch.cat([-qh[..., 16:], qh[..., :16]], -1) * sin
+    torch.testing.assert_close(roped_q.float().view(5, 2, 32), expected, atol=3e-2, rtol=2e-2)
+    assert roped_k.shape == k.shape
+
+
 def test_importing_looped_hf_serving_does_not_import_vllm() -> None:
     import subprocess
     import sys
