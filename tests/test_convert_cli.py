@@ -77,7 +77,7 @@ def test_every_format_names_a_module_with_a_converter() -> None:
 
 
 def test_tokenizer_bytes_is_the_built_in_one_with_its_vocabulary_check(tmp_path: Path, capsys) -> None:
-    """``--tokenizer bytes`` names looped_hf's byte tokenizer (issue 38: wherever a tokenizer is asked
+    """``--tokenizer bytes`` names looped_hf's byte tokenizer (wherever a tokenizer is asked
     for), not a Hub repo called "bytes"; its 258 tokens still have to be the model's vocabulary."""
     from looped_hf.convert.nanochat import load_study_tokenizer
     from looped_hf.data import load_tokenizer

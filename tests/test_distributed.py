@@ -33,9 +33,19 @@ def test_shipped_accelerate_configs_load_and_wrap_the_models_layers():
     assert ddp.distributed_type == "MULTI_GPU" and ddp.mixed_precision == "no"
     fsdp = ClusterConfig.from_yaml_file(ACCELERATE / "fsdp2.yaml")
     assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
-    model = LoopedForCausalLM(LoopedConfig(vocab_size=64, hidden_size=32, num_attention_heads=2))
-    # The class accelerate wraps as one FSDP unit is the one the model declares unsplittable.
-    assert {fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"]} == set(model._no_split_modules)
+    # No class named: accelerate wraps the model's `_no_split_modules` that the model instantiates,
+    # so every norm placement's decoder layer becomes one FSDP unit.
+    assert fsdp.fsdp_config.get("fsdp_transformer_layer_cls_to_wrap") is None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    for placement in ("pre", "sandwich", "sublayer_output", "pre_and_output"):
+        model = LoopedForCausalLM(LoopedConfig(vocab_size=64, hidden_size=32, num_attention_heads=2,
+                                               norm_placement=placement))  # fmt: skip
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        plugin.set_auto_wrap_policy(model)
+        layers = {type(m).__name__ for m in model.modules() if type(m).__name__ in model._no_split_modules}
+        assert set(plugin.transformer_cls_names_to_wrap) == layers
+        assert len(layers) == 1
 
 
 def _train(tiny_recipe: dict, tmp_path, name: str, batch: int, launcher: list[str]) -> tuple[list, list, dict]:

@@ -1,4 +1,4 @@
-"""Everything downstream of ``looped-hf convert`` works on each converted zoo model (issue 39, item 4).
+"""Everything downstream of ``looped-hf convert`` works on each converted zoo model.
 
 Huginn-0125, the two retrofitted-recurrence variants and Ouro, each converted from its tiny native
 checkpoint (``tests/fixtures/zoo``, see ``tests/zoo_helpers.py``) the way a user converts one, then:
