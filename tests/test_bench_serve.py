@@ -47,7 +47,7 @@ def test_the_generate_worker_answers_each_batch(bench, tmp_path) -> None:
     config = LoopedConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_prelude_layers=1,
                           num_recurrent_layers=1, num_coda_layers=1, num_recurrences=2)  # fmt: skip
     LoopedForCausalLM(config).save_pretrained(tmp_path / "m")
-    worker = bench.GenerateWorker(bench.generate_python(None), tmp_path / "m", [[1, 2, 3], [4, 5, 6]], new_tokens=3)
+    worker = bench.GenerateWorker(bench.generate_python(None), tmp_path / "m", [[1, 2, 3], [4, 5, 6]], new_tokens=3, dtype="float32")
     try:
         rates = [worker.tokens_per_s(n) for n in (1, 2)]
     finally:
