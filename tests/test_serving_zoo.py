@@ -11,12 +11,15 @@ multiplier, the post-loop norm (the final norm's weight), the recurrence norm sh
 norm, whole-stack looping, and Ouro's exit gate read at threshold 1.0 (the converter's; the last
 loop's logits) and 0.5 (each token at its own exit step).
 
-The converted folders have no tokenizer (the fixtures have none): the engines take token ids
-(``skip_tokenizer_init``), as test_serving_parity's do.
+The fixtures have no tokenizer, so each converted folder gets a tiny word-level one of the model's
+vocabulary (what a converted folder carries when its source has one): the engines load it, and
+``looped-hf serve`` accepts each folder (its checks, without starting a server).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -71,7 +74,18 @@ def converted(workdir: Path) -> dict[str, Path]:
     for name in MODELS:
         assert main([formats[name], str(DATA / name), "--out", str(workdir / name)]) == 0
         folders[name] = workdir / name
+        save_tokenizer(folders[name])
     return folders
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of ``VOCAB`` tokens ("t0" .. "t255") saved into ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +130,7 @@ def test_each_converted_config_is_servable_and_what_is_not_is_refused_in_one_lin
 @pytest.mark.parametrize("case", ENGINES, ids=engine_id)
 def test_vllm_serves_each_converted_model_with_generates_tokens_and_logprobs(case, converted, prompts, references):
     model, over = case
-    llm = make_llm(converted[model], over, max_model_len=128)
+    llm = make_llm(converted[model], over, max_model_len=128, skip_tokenizer_init=False)
     try:
         vllm_config = llm.llm_engine.vllm_config
         plan = vllm_config.model_config.hf_config.slot_plan()
@@ -138,3 +152,22 @@ def test_the_other_engines_settings_change_what_is_served(references) -> None:
     for model in MODELS:
         first, second = (references[engine_id(case)] for case in ENGINES if case[0] == model)
         assert first != second, model
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_looped_hf_serve_accepts_each_converted_folder_and_refuses_what_vllm_cannot_serve(name, converted, capsys):
+    from looped_hf.serving import cli as serve_cli
+
+    assert serve_cli.main([str(converted[name]), "-r", "6", "--kv-budget", "2", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert """--hf-overrides '{"num_recurrences":6,"kv_budget":2}'""" in out, err
+    edit = {"ouro-tiny": {"exit_gate_output": "weighted"}, "huginn-tiny": {"state_init": "truncated_normal"}}
+    if name in edit:
+        refused = converted[name].parent / f"{name}-refused"
+        shutil.copytree(converted[name], refused, dirs_exist_ok=True)
+        config = json.loads((refused / "config.json").read_text())
+        (refused / "config.json").write_text(json.dumps({**config, **edit[name]}))
+        assert serve_cli.main([str(refused), "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        field, value = next(iter(edit[name].items()))
+        assert len(err.splitlines()) == 1 and f"{field}={value!r}" in err, err
