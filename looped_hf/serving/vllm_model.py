@@ -3,8 +3,13 @@
 The forward is ``modeling_looped.LoopedModel``'s, op for op, on vLLM's layers: tensor-parallel
 projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a vocabulary-parallel
 embedding and head, and vLLM's paged ``Attention``; the loop itself is modeling_looped's own
-``LoopedRecurrentBlock``, its block layers run on those. The norm weights, the rotary tables and the
-hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit. In
+``LoopedRecurrentBlock``, its block layers run on those, and each layer's norms and residual adds are
+modeling_looped's own decoder-layer forward for the config's ``norm_placement`` (pre-norm, sandwich,
+sublayer-output, pre-and-output), run on a module whose attention and MLP are vLLM's. The norm
+weights, the rotary tables and the hyperconnection gains are looped_hf's own modules, so their
+values are the same bit for bit; the embedding multiplier, the post-loop norm, a recurrence norm
+that is the final norm (``LoopedModel.loop_norms``) and Ouro's exit gate (its "threshold" readout:
+each token's state at its exit step, picked after the loop) run as in ``generate()``. In
 every dtype the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on
 those values, one call where PyTorch's ops take several per layer and recurrence (RoPE through the
 ``cos | sin`` table vLLM's Llama uses, in the model's dtype): in float32 equal to ``generate()``'s ops
