@@ -26,14 +26,29 @@ def servable_problems(
     """Every reason the native vLLM model cannot serve ``config`` exactly as ``generate()`` computes
     it, one line each naming the field and the value (empty: servable). Everything else that
     ``LoopedConfig`` accepts is served: prelude / block / coda, every injection mode, each QK-norm,
-    the soft-cap, the recurrence and embedding norms, tied or untied heads, GQA, padded vocabularies,
-    both looped formats, every hidden_act, rope_table_dtype, kv_budget, r from hf_overrides, and on CPU
-    every head_dim up to the largest head size vLLM's CPU attention runs (padded to one it runs)."""
+    each norm placement, q/k bias, the embedding multiplier, the post-loop norm, the recurrence norm
+    (own or the final norm's weight), the exit gate's "last" and "threshold" readouts (every recurrence
+    runs; each token reads its exit step's state), the soft-cap, the embedding norm, tied or untied
+    heads, GQA, padded vocabularies, both looped formats, every hidden_act, rope_table_dtype,
+    kv_budget, r from hf_overrides, the deterministic truncated-normal state (std 0), and on CPU every
+    head_dim up to the largest head size vLLM's CPU attention runs (padded to one it runs)."""
     problems = []
     if config.state_init == "noise":
         problems.append(
             "state_init='noise': h_0 is drawn from the global RNG on every forward, so vLLM's forward calls "
             "cannot reproduce generate(); serve a checkpoint with state_init 'prelude' or 'zeros'"
+        )
+    std = getattr(config, "state_init_std", 0)
+    if config.state_init == "truncated_normal" and std > 0:
+        problems.append(
+            f"state_init='truncated_normal' with state_init_std={std!r}: h_0 is drawn from the global RNG on every "
+            "forward, so vLLM's forward calls cannot reproduce generate(); convert with the deterministic zero "
+            "state (state_init 'zeros')"
+        )
+    if getattr(config, "exit_gate", False) and config.exit_gate_output == "weighted":
+        problems.append(
+            "exit_gate_output='weighted': the expected logits over every recurrence are not served by vLLM (its "
+            "head reads one state per token); serve exit_gate_output 'last' or 'threshold' at a fixed r"
         )
     if config.exit_criterion is not None:
         problems.append(
@@ -57,6 +72,11 @@ def servable_problems(
         problems.append(
             f"tensor_parallel_size={tensor_parallel_size}: must divide num_attention_heads={config.num_attention_heads} "
             f"and num_key_value_heads={config.num_key_value_heads}"
+        )
+    if tensor_parallel_size != 1 and getattr(config, "qk_norm", None) == "learnable_projection_before_rope":
+        problems.append(
+            f"tensor_parallel_size={tensor_parallel_size}: qk_norm='learnable_projection_before_rope' normalises "
+            "over every head of q and k at once, which a tensor-parallel shard does not hold; serve on one device"
         )
     if device == "cpu" and config.head_dim > max(CPU_HEAD_SIZES):
         problems.append(

@@ -3,8 +3,13 @@
 The forward is ``modeling_looped.LoopedModel``'s, op for op, on vLLM's layers: tensor-parallel
 projections (q/k/v and the gated MLP's two inputs fused, as vLLM's Llama), a vocabulary-parallel
 embedding and head, and vLLM's paged ``Attention``; the loop itself is modeling_looped's own
-``LoopedRecurrentBlock``, its block layers run on those. The norm weights, the rotary tables and the
-hyperconnection gains are looped_hf's own modules, so their values are the same bit for bit. In
+``LoopedRecurrentBlock``, its block layers run on those, and each layer's norms and residual adds are
+modeling_looped's own decoder-layer forward for the config's ``norm_placement`` (pre-norm, sandwich,
+sublayer-output, pre-and-output), run on a module whose attention and MLP are vLLM's. The norm
+weights, the rotary tables and the hyperconnection gains are looped_hf's own modules, so their
+values are the same bit for bit; the embedding multiplier, the post-loop norm, a recurrence norm
+that is the final norm (``LoopedModel.loop_norms``) and Ouro's exit gate (its "threshold" readout:
+each token's state at its exit step, picked after the loop) run as in ``generate()``. In
 every dtype the RMSNorms (the parameter-free QK-norm included) and RoPE run as vLLM's kernels on
 those values, one call where PyTorch's ops take several per layer and recurrence (RoPE through the
 ``cos | sin`` table vLLM's Llama uses, in the model's dtype): in float32 equal to ``generate()``'s ops
@@ -65,10 +70,14 @@ from vllm.sequence import IntermediateTensors
 
 from ..configuration_looped import LoopedConfig
 from ..modeling_looped import (
+    DECODER_LAYERS,
     LoopedHyperConnection,
+    LoopedModel,
     LoopedRMSNorm,
     LoopedRotaryEmbedding,
     apply_rotary_pos_emb,
+    exit_gate_probabilities,
+    threshold_exit_steps,
 )
 from ..recurrent_block_looped import LoopedRecurrentBlock
 from . import check_servable
@@ -130,13 +139,16 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _norm(module: LoopedRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """A ``LoopedRMSNorm`` through vLLM's kernel (its own forward where the kernel does not take ``x``:
-    see ``_rms_norm``)."""
-    multiple = _RMS_NORM_WIDTH.get(x.dtype)
-    if multiple and x.shape[-1] % multiple == 0 and module.weight.dtype == x.dtype:
-        return _rms_norm(x, module.weight, module.variance_epsilon)
-    return module(x)
+class _KernelRMSNorm(LoopedRMSNorm):
+    """``LoopedRMSNorm`` (same weight name and values) whose forward is vLLM's kernel where it takes
+    ``x`` (``_rms_norm``), else its own: the decoder layers' own residual code (modeling_looped's placements) and the
+    loop call these norms as modules."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        multiple = _RMS_NORM_WIDTH.get(hidden_states.dtype)
+        if multiple and hidden_states.shape[-1] % multiple == 0 and self.weight.dtype == hidden_states.dtype:
+            return _rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
 
 
 def _rope_table(config: LoopedConfig, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -180,10 +192,16 @@ class _LoopedAttention(nn.Module):
         self.num_kv_heads = max(1, config.num_key_value_heads // tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        qk_bias_only = config.qk_bias and not config.attention_bias
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=config.attention_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+            bias=config.attention_bias or config.qk_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )  # fmt: skip
+        if qk_bias_only:
+            # qk_bias (Huginn): the fused projection has one bias for q, k and v; the checkpoint fills
+            # q's and k's parts, v's stays zero (vLLM allocates parameters uninitialised).
+            with torch.no_grad():
+                self.qkv_proj.bias.zero_()
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias,
             quant_config=quant_config, prefix=f"{prefix}.o_proj",
@@ -191,8 +209,13 @@ class _LoopedAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.qk_norm_eps = config.rms_norm_eps
         if self.qk_norm == "learnable_before_rope":
-            self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = _KernelRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = _KernelRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        elif self.qk_norm == "learnable_projection_before_rope":
+            # OLMo-2's: one norm over all heads of q (of k). Its RMS spans every head, so it needs the
+            # whole projection: check_servable refuses tensor parallelism with it.
+            self.q_norm = _KernelRMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = _KernelRMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
 
     def _pad(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """(tokens, heads * head_dim) -> (tokens, heads * attn_head_size), each head zero-padded."""
@@ -200,14 +223,23 @@ class _LoopedAttention(nn.Module):
         padded = F.pad(x.view(num_tokens, heads, self.head_dim), (0, self.attn_head_size - self.head_dim))
         return padded.view(num_tokens, -1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """``rope``: the model's ``cos | sin`` table (``_rope_table``)."""
+    def forward(
+        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: None,
+        attn: Attention, cache_index: int = 0,
+    ) -> tuple[torch.Tensor, None]:
+        """``LoopedAttention``'s call signature, so modeling_looped's decoder layers call it as their own:
+        ``position_embeddings`` is (positions, the model's ``cos | sin`` table, ``_rope_table``), the
+        cache is the vLLM ``Attention`` of the application's slot (no mask: vLLM's metadata has it).
+        Returns (output, None)."""
+        positions, rope = position_embeddings
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
         if self.qk_norm == "learnable_before_rope":
-            q = _norm(self.q_norm, q.view(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
-            k = _norm(self.k_norm, k.view(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
+        elif self.qk_norm == "learnable_projection_before_rope":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = _apply_rope(positions, q, k, self.head_dim, rope)
         if self.qk_norm == "after_rope":
             if _HAS_KERNELS:
@@ -224,7 +256,7 @@ class _LoopedAttention(nn.Module):
             out = attn(self._pad(q, self.num_heads), self._pad(k, self.num_kv_heads), self._pad(v, self.num_kv_heads))
             out = out.view(num_tokens, self.num_heads, self.attn_head_size)[..., : self.head_dim].reshape(num_tokens, -1)
         out, _ = self.o_proj(out)
-        return out
+        return out, None
 
 
 class _LoopedMLP(nn.Module):
@@ -254,16 +286,23 @@ class _LoopedMLP(nn.Module):
 
 
 class _LoopedDecoderLayer(nn.Module):
+    """One decoder layer on vLLM's projections: its norms and residual adds are modeling_looped's own
+    for the config's ``norm_placement`` (``DECODER_LAYERS``: pre-norm, sandwich, sublayer-output,
+    pre-and-output), whose forward runs on this module as is; only the attention (``_LoopedAttention``,
+    which takes the slot's vLLM ``Attention`` where the transformers layer takes its cache) and the
+    MLP are vLLM's. The norms keep the placement's names, so the checkpoint's weights load by name."""
+
     def __init__(self, config: LoopedConfig, quant_config, prefix: str) -> None:
         super().__init__()
+        placement = DECODER_LAYERS[config.norm_placement]
+        self.residual_forward = placement.forward  # modeling_looped's, called with this module as self
         self.self_attn = _LoopedAttention(config, quant_config, f"{prefix}.self_attn")
         self.mlp = _LoopedMLP(config, quant_config, f"{prefix}.mlp")
-        self.input_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        for name in placement.norm_names:
+            setattr(self, name, _KernelRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, attn: Attention) -> torch.Tensor:
-        h = h + self.self_attn(_norm(self.input_layernorm, h), positions, rope, attn)
-        return h + self.mlp(_norm(self.post_attention_layernorm, h))
+        return self.residual_forward(self, h, None, (positions, rope), attn, 0)[0]
 
 
 class _KVSlot(nn.Module):
@@ -288,19 +327,21 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
     call's positions and RoPE table."""
 
     def __init__(self, model: LoopedVllmModel) -> None:
+        # The recurrence norm is the model's own or (recurrence_norm_weight "final") its final norm,
+        # both kernel norms: the base class reads them by name.
         super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
         self.kv_slots = model.kv_slots
         self.positions: torch.Tensor | None = None
         self.rope: torch.Tensor | None = None
-        if model.recurrence_norm is not None:
-            norm = model.recurrence_norm
-            self.recurrence_norm = lambda x: _norm(norm, x)
 
-    def run(self, e: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """The state the coda reads, from the prelude output ``e``."""
+    def run(self, e: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, keep_states: bool = False,
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """(the state the coda reads, from the prelude output ``e``; the state after every recurrence
+        when ``keep_states``, for the exit gate)."""
         self.positions, self.rope = positions, rope
         try:
-            return self(e, exit_rule=None, predict=None, output_recurrent_states=False)[0]
+            h, states, _ = self(e, exit_rule=None, predict=None, output_recurrent_states=keep_states)
+            return h, states
         finally:
             self.positions = self.rope = None  # no tensor of a finished call kept alive
 
@@ -324,7 +365,7 @@ class LoopedVllmModel(nn.Module):
         self.plan = config.slot_plan()
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")  # fmt: skip
-        norm = lambda: LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
+        norm = lambda: _KernelRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
         self.embedding_norm = norm() if config.embedding_norm else None
 
         def stack(name: str, n: int) -> nn.ModuleList:
@@ -337,8 +378,19 @@ class LoopedVllmModel(nn.Module):
         if config.input_injection == "linear":
             self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
-        self.recurrence_norm = norm() if config.recurrence_norm else None
+        # The norms under LoopedModel's names and sharing (a "final" norm is model.norm itself, no
+        # module of its own): see LoopedModel.loop_norms, which the forward calls on this model.
+        own = config.recurrence_norm and config.recurrence_norm_weight == "own"
+        self.recurrence_norm = norm() if own else None
+        self.post_loop_norm = norm() if config.post_loop_norm == "own" else None
         self.norm = norm()
+        # Ouro's exit gate. Its "threshold" readout picks each token's state at its exit step after the
+        # loop (every recurrence runs and writes its KV either way, as in generate()): exact, at the
+        # engine's r. "last" reads the r-th state; "weighted" is refused (check_servable).
+        self.exit_gate = nn.Linear(config.hidden_size, 1, bias=True) if config.exit_gate else None
+        self.exit_threshold = None
+        if config.exit_gate and config.exit_gate_output == "threshold":
+            self.exit_threshold = float(config.exit_gate_threshold)
         model_config = vllm_config.model_config
         length = max(config.max_position_embeddings, model_config.max_model_len)
         self.register_buffer("rope_cache", _rope_table(config, length, model_config.dtype), persistent=False)
@@ -346,6 +398,8 @@ class LoopedVllmModel(nn.Module):
             _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}") for slot in range(self.plan.num_slots)
         )
         self.loop = _VllmRecurrentBlock(self)  # not a module: it runs the modules above by name
+
+    loop_norms = LoopedModel.loop_norms  # (recurrence, post-loop, final) norm, from the same attributes
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -359,14 +413,27 @@ class LoopedVllmModel(nn.Module):
     ) -> torch.Tensor:
         plan, rope = self.plan, self.rope_cache
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        multiplier = self.config.embedding_multiplier
+        if multiplier != 1.0:
+            h = h * multiplier  # after the lookup: the tied head reads the table unscaled
         if self.embedding_norm is not None:
-            h = _norm(self.embedding_norm, h)
+            h = self.embedding_norm(h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.prelude(j)].attn)
-        h = self.loop.run(h, positions, rope)
+        h, states = self.loop.run(h, positions, rope, keep_states=self.exit_threshold is not None)
+        _, post_loop, final = self.loop_norms()
+        if self.exit_threshold is not None:
+            # generate()'s threshold readout (LoopedForCausalLM._exit_gate_readout), per token: the
+            # state at the first step whose exit CDF reaches the threshold (no coda: the config refuses
+            # one with this readout). The norms after the loop are row-wise, so they run on the pick.
+            probabilities = exit_gate_probabilities(self.exit_gate, states)
+            steps = threshold_exit_steps(probabilities, self.exit_threshold)
+            h = torch.stack(states, dim=1).gather(1, steps.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
+        if post_loop is not None:
+            h = post_loop(h)
         for j, layer in enumerate(self.coda_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.coda(j)].attn)
-        return _norm(self.norm, h)
+        return self.norm(h) if final is not None else h
 
 
 class LoopedForCausalLM(nn.Module):
