@@ -33,7 +33,14 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from looped_hf.configuration_looped import INIT_SCHEMES, QK_NORMS, LoopedConfig
+from looped_hf.configuration_looped import (
+    EXIT_GATE_OUTPUTS,
+    INIT_SCHEMES,
+    NORM_PLACEMENTS,
+    QK_NORMS,
+    SHARED_NORM_WEIGHTS,
+    LoopedConfig,
+)
 from looped_hf.field_checks import (
     FIELD_LIMITS,
     TYPE_OVERRIDES,
@@ -141,6 +148,34 @@ class ModelArguments:
         },
     )
 
+    # The published designs' options (LoopedConfig's docstring says what each does); the sweep's
+    # probe recipes (recipes/iso_depth_tiny_sandwich.yaml, _ouro.yaml) set them for every run.
+    norm_placement: str = field(
+        default="pre",
+        metadata={"choices": NORM_PLACEMENTS, "help": "Where a layer's norms sit: pre (the study), sandwich "
+                  "(Huginn), sublayer_output (OLMo-2), pre_and_output (Ouro)."},
+    )  # fmt: skip
+    embedding_multiplier: float = field(default=1.0, metadata={"help": "Scale of the token embeddings."})
+    post_loop_norm: str | None = field(
+        default=None,
+        metadata={"choices": SHARED_NORM_WEIGHTS, "help": "RMSNorm after the loop: own weight, final (the final "
+                  "norm's), or None."},
+    )  # fmt: skip
+    recurrence_norm_weight: str = field(
+        default="own",
+        metadata={"choices": SHARED_NORM_WEIGHTS, "help": "The recurrence norm's weight: own, or final (Ouro)."},
+    )
+    qk_bias: bool = field(default=False, metadata={"help": "A bias on q and k only (Huginn)."})
+    exit_gate: bool = field(default=False, metadata={"help": "Ouro's learned exit gate, Linear(hidden -> 1)."})
+    exit_gate_output: str = field(
+        default="last",
+        metadata={"choices": EXIT_GATE_OUTPUTS, "help": "The gate's readout: last, threshold, weighted."},
+    )
+    exit_gate_threshold: float = field(default=0.5, metadata={"help": "Exit CDF threshold of the readout."})
+    exit_gate_entropy_beta: float | None = field(
+        default=None, metadata={"help": "Ouro's loss sum_t p_t L_t - beta H(p); None: the loss of the logits."}
+    )
+
     attn_implementation: str | None = field(
         default=None,
         metadata={"help": "Attention kernel. None / auto: the study's rule (FlashAttention-3 on Hopper, -2 on "
@@ -221,6 +256,15 @@ class ModelArguments:
                 initializer_range=self.initializer_range,
                 pad_vocab_size_to_multiple_of=self.pad_vocab_size_to_multiple_of,
                 rope_table_dtype=self.rope_table_dtype,
+                norm_placement=self.norm_placement,
+                embedding_multiplier=self.embedding_multiplier,
+                post_loop_norm=self.post_loop_norm,
+                recurrence_norm_weight=self.recurrence_norm_weight,
+                qk_bias=self.qk_bias,
+                exit_gate=self.exit_gate,
+                exit_gate_output=self.exit_gate_output,
+                exit_gate_threshold=self.exit_gate_threshold,
+                exit_gate_entropy_beta=self.exit_gate_entropy_beta,
                 bos_token_id=bos_token_id,
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
