@@ -102,7 +102,15 @@ def _flops_terms(
     # do we (and the embedding multiplier, elementwise too).
     norms = (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None), base.norm)
     scalars = sum(p.numel() for m in norms if m is not None for p in m.parameters())
-    return r, r_grad, params["once"] - scalars + n_head, n_rec, config.num_attention_heads * config.head_dim
+    # The exit gate reads every recurrence but the last (the last step takes the remainder of the
+    # exit distribution whatever its gate says: modeling_looped.exit_gate_probabilities), so it
+    # runs r - 1 times, not r as N_rec does. The step it skips is the last, which always carries
+    # gradient, so taking its parameters off the once-per-token term (6x in training, 2x in
+    # inference) is exact. A FlopCounterMode check is in tests/test_probes.py.
+    gate = getattr(base, "exit_gate", None)
+    skipped = sum(p.numel() for p in gate.parameters()) if gate is not None else 0
+    n_once_head = params["once"] - scalars - skipped + n_head
+    return r, r_grad, n_once_head, n_rec, config.num_attention_heads * config.head_dim
 
 
 def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: int | None = None) -> float:
@@ -117,7 +125,8 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
                                                        readout); not the model-level norm
                                                        scales (elementwise)
       + (6 * r_grad + 2 * r_nograd) * N_rec            the block + injection (hyperconnections:
-                                                       (N^2 + 2N) d per step, as the study);
+                                                       (N^2 + 2N) d per step, as the study) + exit
+                                                       gate (r - 1 times: it skips the last step);
                                                        with truncated backprop only
                                                        the last k = r_grad steps train; the
                                                        first r - k run forward only (2x)

@@ -258,9 +258,15 @@ def heldout_loss(
         ids = torch.as_tensor(rows, dtype=torch.long, device=device)
         labels = ids.clone()
         out = model(input_ids=ids, labels=labels, num_recurrences=num_recurrences)
+        loss = out.loss
+        if getattr(model.config, "exit_gate_entropy_beta", None) is not None:
+            # An exit gate trained with Ouro's objective returns sum_t p_t L_t - beta H(p) as its
+            # loss (the entropy bonus lowers it); held out, the model is judged by the
+            # cross-entropy of the logits it returns, as every other model is.
+            loss = model.loss_function(logits=out.logits, labels=labels, vocab_size=model.config.vocab_size)
         # The model's loss is the mean over the shifted targets: B x (T - 1) of them.
         n = (labels[:, 1:] != -100).sum()
-        total += torch.stack([out.loss.double() * n, n.double()])
+        total += torch.stack([loss.double() * n, n.double()])
     if accelerator is not None and world > 1:
         total = accelerator.reduce(total, reduction="sum")
     model.train(was_training)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from looped_hf.scaling import compare_fits, fit_scaling_law, load_runs
 from looped_hf.scaling.cli import main as fit_cli
@@ -335,3 +336,140 @@ def test_fit_report_and_comparison_judge_the_truncated_probe_by_one_rule() -> No
     c = comparison_verdict(fake)
     assert c["trusted"] == "profile" and c["line"].startswith("decides: delta phi < 0")
     assert "the intervals disagree; the profile interval is trusted" in c["line"]
+
+
+# ----------------------------------------------------------------------------- published designs
+# recipes/iso_depth_tiny_sandwich.yaml (Huginn's sandwich block) and iso_depth_tiny_ouro.yaml (Ouro's
+# normed whole-stack loop with its exit gate): what the sweep plans for each, counted by hand.
+V, T = 258, 64  # byte tokens (256 + 2 specials), seq_len 64
+
+
+def _tiny_plan(name: str):
+    from looped_hf.sweep.plan import make_plan
+
+    return {run.run_id: run for run in make_plan(REPO / "recipes" / f"{name}.yaml").runs}
+
+
+def _layer(d: int, norms: int) -> int:
+    """One decoder layer of the tiny recipes: q, k, v, o (d x d each, no bias, parameter-free
+    QK-norm), the squared-ReLU MLP (d -> 4d -> d) and `norms` RMSNorm scales of width d."""
+    return 4 * d * d + 8 * d * d + norms * d
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_probe_plans_count_each_designs_parameters_and_flops_by_hand() -> None:
+    """`looped-hf sweep RECIPE --dry-run`'s n_once / n_rec / FLOPs per token for d = 12, r = 2,
+    written out from the design (heads of 4: h * q = d)."""
+    d, attention = 12, 12 * 12 * T  # 12 h q T per layer application with gradient
+    base = _tiny_plan("iso_depth_tiny")["loop2-w12-b0"]  # P/K/C 1/4/1, linear injection, pre-norm
+    sandwich = _tiny_plan("iso_depth_tiny_sandwich")["loop2-w12-b0"]
+    ouro = _tiny_plan("iso_depth_tiny_ouro")
+    # Base: prelude + coda layers and three model-level norms (embedding, recurrence, final) once;
+    # the block and the d x 2d injection per recurrence.
+    assert (base.n_once, base.n_rec) == (2 * _layer(d, 2) + 3 * d, 4 * _layer(d, 2) + 2 * d * d)
+    # Sandwich: the same model with two more norm scales in every layer, counted where it sits.
+    assert (sandwich.n_once, sandwich.n_rec) == (2 * _layer(d, 4) + 3 * d, 4 * _layer(d, 4) + 2 * d * d)
+    assert (sandwich.num_prelude_layers, sandwich.num_recurrent_layers, sandwich.num_coda_layers) == (1, 4, 1)
+    # The FLOPs: the study's 6N with the layers' norm scales counted as the study does (model-level
+    # norms are not), the head once, attention over P + C + r K applications.
+    assert sandwich.flops_per_token == 6 * (2 * _layer(d, 4) + V * d) + 6 * 2 * sandwich.n_rec + attention * (1 + 1 + 2 * 4)
+    assert sandwich.flops_per_token - base.flops_per_token == 6 * (2 + 2 * 4) * 2 * d
+    # Ouro, r = 2: no prelude or coda (the iso-depth layout with prelude = coda = 0), four norms a
+    # layer, the gate (d weights + bias) in N_rec; N_once is the final norm alone, which also closes
+    # every loop (one tensor). Training with Ouro's loss reads every step's logits: the head runs r
+    # times; the gate runs r - 1 times (the last step takes the remainder).
+    loop2 = ouro["loop2-w12-b0"]
+    assert (loop2.num_prelude_layers, loop2.num_recurrent_layers, loop2.num_coda_layers) == (0, 4, 0)
+    assert loop2.input_injection == "none"
+    assert (loop2.n_once, loop2.n_rec) == (d, 4 * _layer(d, 4) + d + 1)
+    assert loop2.flops_per_token == 6 * 2 * V * d + 6 * 2 * loop2.n_rec - 6 * (d + 1) + attention * 2 * 4
+    # r = 1 (the plain decoder of the sweep, with Ouro's norms and gate): the gate never runs.
+    one = ouro["base-w12-b0"]
+    assert (one.n_once, one.n_rec) == (d, 8 * _layer(d, 4) + d + 1)
+    assert one.flops_per_token == 6 * V * d + 6 * 8 * _layer(d, 4) + attention * 8
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(("name", "run_id"), [("iso_depth_tiny_sandwich", "base-w8-b0"),
+                                              ("iso_depth_tiny_ouro", "loop2-w8-b0"),
+                                              ("iso_depth_tiny_ouro", "loop4-w8-b0")])  # fmt: skip
+def test_probe_flop_formula_counts_what_runs(name: str, run_id: str) -> None:
+    """The planned FLOPs per token against torch's FlopCounterMode over one training step of the
+    run's own model (eager attention: its matmuls are counted at full T, as the formula).
+    The counter sees matmuls only; the formula also counts the layers' norm scales as 6N (the
+    study's convention) and the gate's bias: that, and nothing else, is the difference. Designs
+    without the linear injection (the model computes its W_e e part once; the study counts it r
+    times)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.arguments import parse_recipe
+
+    run = _tiny_plan(name)[run_id]
+    model_args, data_args, _ = parse_recipe({k: v for k, v in run.recipe.items()})
+    config = model_args.to_config(V, data_args.seq_len)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = LoopedForCausalLM(config).train()
+    ids = torch.randint(0, V, (2, T))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = counter.get_total_flops() / ids.numel()
+    base, r = model.model, run.num_recurrences
+    norm_scales = lambda layers: sum(p.numel() for n, p in layers.named_parameters() if "norm" in n)  # noqa: E731
+    elementwise = 6 * (norm_scales(base.prelude_layers) + norm_scales(base.coda_layers)) + 6 * r * norm_scales(
+        base.recurrent_layers
+    )
+    if base.exit_gate is not None:
+        elementwise += 6 * (r - 1) * base.exit_gate.bias.numel()
+    assert run.flops_per_token == measured + elementwise
+    assert run.flops_per_token == model.training_flops_per_token(T)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_probe_recipes_reach_the_model_and_ouro_is_judged_by_its_logits() -> None:
+    """The sweep passes the design's fields to every run's config; the held-out loss of a model
+    trained with Ouro's objective is the cross-entropy of its returned logits, not the objective."""
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.arguments import parse_recipe
+    from looped_hf.train import heldout_loss
+
+    def config(name: str, run_id: str):
+        model_args, data_args, _ = parse_recipe(dict(_tiny_plan(name)[run_id].recipe))
+        return model_args.to_config(V, data_args.seq_len)
+
+    sandwich = config("iso_depth_tiny_sandwich", "loop4-w8-b1")
+    assert sandwich.norm_placement == "sandwich" and sandwich.input_injection == "linear"
+    ouro = config("iso_depth_tiny_ouro", "loop4-w8-b1")
+    assert (ouro.norm_placement, ouro.recurrence_norm_weight, ouro.embedding_norm, ouro.exit_gate) == (
+        "pre_and_output", "final", False, True
+    )
+    assert ouro.exit_gate_entropy_beta == 0.1 and ouro.num_prelude_layers == ouro.num_coda_layers == 0
+    torch.manual_seed(0)
+    model = LoopedForCausalLM(ouro).eval()
+    ids = torch.randint(0, V, (4, T))
+    with torch.no_grad():
+        objective = model(input_ids=ids, labels=ids).loss
+        logits = model(input_ids=ids).logits
+    cross_entropy = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1))
+    rows = {"input_ids": ids.tolist()}
+
+    class Blocks:
+        def __len__(self) -> int:
+            return len(ids)
+
+        def __getitem__(self, index: list[int]) -> dict:
+            return {"input_ids": [rows["input_ids"][i] for i in index]}
+
+    held_out, n = heldout_loss(model, Blocks(), batch_size=2)
+    assert n == 4 * (T - 1)
+    assert held_out == pytest.approx(cross_entropy.item(), rel=1e-6)
+    assert abs(held_out - objective.item()) > 1e-3  # the objective's entropy bonus is not in it
+
+
+def test_a_bad_design_value_in_a_probe_recipe_is_named() -> None:
+    from looped_hf.arguments import parse_recipe
+    from looped_hf.field_checks import RecipeError
+
+    with pytest.raises(RecipeError, match="norm_placement.*'sideways'"):
+        parse_recipe({"norm_placement": "sideways"})
