@@ -386,14 +386,20 @@ def make_plan(
             raise RecipeError(
                 f"{where}: field {name!r} is set by the sweep (see the sweep: section); remove it"
             )
-    # Parsing the shared part checks every field name and value once, before any run starts.
-    # Precision flags do not change the plan, and TrainingArguments rejects bf16 on a machine
-    # without a GPU: drop them so a GPU recipe can be planned (--dry-run) anywhere.
+    # Parsing the shared part checks every field name and value once, before any run starts, in
+    # the shape every run shares (the sweep's prelude, coda and injection: a design option may
+    # depend on them, e.g. Ouro's gate loss needs no coda). Precision flags do not change the
+    # plan, and TrainingArguments rejects bf16 on a machine without a GPU: drop them so a GPU
+    # recipe can be planned (--dry-run) anywhere.
+    shared_shape = {"num_prelude_layers": sweep.prelude, "num_coda_layers": sweep.coda, "input_injection": sweep.injection}
     model_args, data_args, training_args = parse_recipe(
         {
-            k: v
-            for k, v in data.items()
-            if k not in ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval")
+            **{
+                k: v
+                for k, v in data.items()
+                if k not in ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval")
+            },
+            **shared_shape,
         },
         where=where,
         lines=None if isinstance(recipe, dict) else yaml_key_lines(recipe, text),
