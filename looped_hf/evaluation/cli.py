@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from looped_hf.cli import positive_int
-from looped_hf.fileio import check_output_path, first_line
+from looped_hf.fileio import check_checkpoint_dir, check_output_path, first_line
 
 from .builtin import BUILTIN_NAME, DEFAULT_EXAMPLES, write_builtin_bundle
 from .bundle import BundleError, load_bundle
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         # Everything that can be checked is checked before the model is loaded or a task scored.
         device = _check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         local = Path(args.checkpoint).is_dir()
+        if local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
+            check_checkpoint_dir(args.checkpoint)
         out = check_output_path(Path(args.out) if args.out else (
             Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
         ), "--out", directory=True)  # fmt: skip
