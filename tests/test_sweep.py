@@ -375,8 +375,9 @@ def test_a_command_run_keeps_its_lock_when_the_sweep_dies(tmp_path):
         "import os, pathlib, subprocess, sys\n"
         "from looped_hf.sweep import _try_lock\n"
         "lock = _try_lock(pathlib.Path(sys.argv[1]))\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'],\n"
-        "                         stdin=subprocess.PIPE, pass_fds=(lock.fd,))\n"
+        # The child sleeps (not reading a pipe the dying sweep would close): it outlives the sweep.
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+        "                         pass_fds=(lock.fd,))\n"
         "print(child.pid, flush=True)\n"
         "os._exit(0)\n"
     )
