@@ -137,6 +137,20 @@ def greedy(llm, prompts: list[list[int]], **params) -> list:
     return [out.outputs[0] for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling)]
 
 
+def assert_one_attention_per_slot(vllm_config, plan) -> None:
+    """One vLLM Attention per KV slot, named with exactly the slot's integer: P + min(k, r)*K + C."""
+    attention = sorted(name for name in vllm_config.compilation_config.static_forward_context if "attn" in name)
+    assert attention == sorted(f"model.kv_slots.{slot}.attn" for slot in range(plan.num_slots))
+
+
+def assert_served_as_generate(prompts, outputs, reference) -> None:
+    """vLLM's greedy tokens equal generate()'s, and their logprobs agree within LOGPROB_TOLERANCE."""
+    for prompt, out, (tokens, logprobs) in zip(prompts, outputs, reference):
+        assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
+        served = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}"
+
+
 def close(llm) -> None:
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine.engine_core, "shutdown") else None
     del llm
@@ -152,19 +166,14 @@ def test_vllm_greedy_tokens_and_logprobs_equal_generate(case, checkpoints, promp
         vllm_config = llm.llm_engine.vllm_config
         config = vllm_config.model_config.hf_config
         plan = config.slot_plan()
-        # One vLLM Attention per KV slot, named with exactly the slot's integer: P + min(k, r)*K + C.
-        attention = sorted(name for name in vllm_config.compilation_config.static_forward_context if "attn" in name)
-        assert attention == sorted(f"model.kv_slots.{slot}.attn" for slot in range(plan.num_slots))
+        assert_one_attention_per_slot(vllm_config, plan)
         if plan.shares_slots:  # the plugin keeps the prompt in one forward call, as generate() does
             assert not vllm_config.cache_config.enable_prefix_caching
             assert not vllm_config.scheduler_config.enable_chunked_prefill
         outputs = greedy(llm, prompts)
     finally:
         close(llm)
-    for prompt, out, (tokens, logprobs) in zip(prompts, outputs, references[engine_id(case)]):
-        assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
-        served = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}"
+    assert_served_as_generate(prompts, outputs, references[engine_id(case)])
 
 
 @needs_vllm
@@ -318,7 +327,4 @@ def test_a_converted_study_checkpoint_serves_without_remote_code_with_generates_
         outputs = greedy(llm, study_prompts)
     finally:
         close(llm)
-    for prompt, out, (tokens, logprobs) in zip(study_prompts, outputs, reference):
-        assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
-        served = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}"
+    assert_served_as_generate(study_prompts, outputs, reference)

@@ -27,7 +27,14 @@ import pytest
 import torch
 from conftest import fixture_path
 from serving_helpers import greedy_references_via, reference_python, vllm_env
-from test_serving_parity import LOGPROB_TOLERANCE, close, greedy, make_llm, needs_vllm
+from test_serving_parity import (
+    assert_one_attention_per_slot,
+    assert_served_as_generate,
+    close,
+    greedy,
+    make_llm,
+    needs_vllm,
+)
 
 from looped_hf.serving import servable_problems
 
@@ -134,16 +141,11 @@ def test_vllm_serves_each_converted_model_with_generates_tokens_and_logprobs(cas
     try:
         vllm_config = llm.llm_engine.vllm_config
         plan = vllm_config.model_config.hf_config.slot_plan()
-        # One KV cache per layer application (per slot of the plan: P + min(k, r)*K + C).
-        attention = sorted(name for name in vllm_config.compilation_config.static_forward_context if "attn" in name)
-        assert attention == sorted(f"model.kv_slots.{slot}.attn" for slot in range(plan.num_slots))
+        assert_one_attention_per_slot(vllm_config, plan)  # one KV cache per layer application
         outputs = greedy(llm, prompts)
     finally:
         close(llm)
-    for prompt, out, (tokens, logprobs) in zip(prompts, outputs, references[engine_id(case)]):
-        assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
-        served = [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) < LOGPROB_TOLERANCE, f"prompt of {len(prompt)}"
+    assert_served_as_generate(prompts, outputs, references[engine_id(case)])
 
 
 @needs_vllm
