@@ -111,12 +111,14 @@ def check_tied_head(weights: dict[str, torch.Tensor], config: Any, source: str) 
     weights["lm_head.weight"] = embedding
 
 
-def build_model(config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, source: PathLike) -> Any:
+def build_model(config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, source: PathLike,
+                transform: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None) -> Any:  # fmt: skip
     """A ``LoopedForCausalLM`` (eval mode, in ``dtype``) holding ``weights``, which must fill it exactly.
 
     The model is first built on the meta device (no memory) and the weights checked against it,
     so a config whose sizes the checkpoint does not hold (a vocab_size x hidden_size that would
-    not fit in memory) is refused naming the fields, before anything is allocated."""
+    not fit in memory) is refused naming the fields, before anything is allocated. ``transform``
+    (a reparametrisation that needs the checked shapes) is applied to the weights after the check."""
     from transformers.initialization import no_init_weights
 
     from looped_hf import LoopedForCausalLM
@@ -129,17 +131,20 @@ def build_model(config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.d
             shell = LoopedForCausalLM._from_config(config, dtype=dtype)
     except (RuntimeError, ValueError, OverflowError) as err:
         raise ConversionError(f"{source}: a model of {sizes} cannot be built ({first_line(err)})") from None
-    needed = sum(p.numel() for p in shell.parameters())
-    held = sum(t.numel() for t in weights.values())
-    if needed > held:
-        raise ConversionError(f"{source}: the config describes {needed:.3g} parameters ({sizes}) but the checkpoint "
-                              f"holds {held:.3g}: refused before allocating")  # fmt: skip
-    check_against_model(weights, shell, source)
+    try:
+        check_against_model(weights, shell, source)
+    except ConversionError as err:
+        needed, held = sum(p.numel() for p in shell.parameters()), sum(t.numel() for t in weights.values())
+        if needed <= held:
+            raise
+        # Name the fields that size the model: a vocab_size or hidden_size typo is the usual cause.
+        raise ConversionError(f"{err}; the config describes {needed:.3g} parameters ({sizes}), the checkpoint "
+                              f"holds {held:.3g}: refused before allocating") from None  # fmt: skip
     with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
         model = LoopedForCausalLM._from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
         model.tie_weights()  # one tensor, as from_pretrained makes it; the state dict names it twice
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(weights if transform is None else transform(weights), strict=True)
     return model.eval()
 
 

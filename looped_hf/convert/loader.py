@@ -123,6 +123,11 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
+def _named(where: str, key: str) -> str:
+    """How a field is named in a one-line error: ``config.json rope_theta``, ``model_config.n_embd``."""
+    return f"{where} {key}" if where.endswith(".json") else f"{where}.{key}"
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -141,7 +146,7 @@ def config_int(cfg: Mapping[str, Any], key: str, minimum: int, where: str = "con
         return default
     value = cfg[key]
     if not _is_int(value) or value < minimum:
-        raise ConversionError(f"{where} {key}={value!r}: expected an integer >= {minimum}")
+        raise ConversionError(f"{_named(where, key)}={value!r}: expected an integer >= {minimum}")
     return value
 
 
@@ -154,7 +159,7 @@ def config_number(cfg: Mapping[str, Any], key: str, minimum: float, where: str =
         return default
     value = cfg[key]
     if not _is_number(value) or value < minimum:
-        raise ConversionError(f"{where} {key}={value!r}: expected a finite number >= {minimum}")
+        raise ConversionError(f"{_named(where, key)}={value!r}: expected a finite number >= {minimum}")
     return float(value)
 
 
@@ -165,7 +170,7 @@ def config_bool(cfg: Mapping[str, Any], key: str, default: bool, where: str = "c
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConversionError(f"{where} {key}={value!r}: expected true or false")
+        raise ConversionError(f"{_named(where, key)}={value!r}: expected true or false")
     return value
 
 
@@ -173,7 +178,7 @@ def check_recurrences(r: int, key: str, where: str = "config.json") -> int:
     """A trained r within :func:`max_num_recurrences` (the forward of a larger one never ends)."""
     ceiling = max_num_recurrences()
     if r > ceiling:
-        raise ConversionError(f"{where} {key}={r}: above the ceiling of {ceiling} recurrences (each is a pass "
+        raise ConversionError(f"{_named(where, key)}={r}: above the ceiling of {ceiling} recurrences (each is a pass "
                               "through the recurrent block for every token; is the config corrupt?)")  # fmt: skip
     return r
 
@@ -184,8 +189,9 @@ def check_known_keys(cfg: Mapping[str, Any], known: Collection[str], what: str,
     ``HF_BOOKKEEPING_KEYS`` is refused by name. ``what`` names the source format."""
     unknown = sorted(set(cfg) - set(known) - HF_BOOKKEEPING_KEYS)
     if unknown:
-        raise ConversionError(f"{where} {unknown[0]}={cfg[unknown[0]]!r}: unknown {what} config key (not converted: "
-                              "it might change the forward)")  # fmt: skip
+        raise ConversionError(f"{_named(where, unknown[0])}={cfg[unknown[0]]!r}: unknown {what} config key (keys "
+                              f"{unknown} are unknown to this converter; not converted, as they might change the "
+                              "forward)")  # fmt: skip
 
 
 def token_ids(source: Mapping[str, Any], vocab_size: int, where: str) -> dict[str, int | list[int]]:
@@ -199,7 +205,7 @@ def token_ids(source: Mapping[str, Any], vocab_size: int, where: str) -> dict[st
             continue
         items = value if isinstance(value, list) else [value]
         if not items or not all(_is_int(item) and 0 <= item < vocab_size for item in items):
-            raise ConversionError(f"{where} {key}={value!r}: expected a token id in [0, {vocab_size}) "
+            raise ConversionError(f"{_named(where, key)}={value!r}: expected a token id in [0, {vocab_size}) "
                                   f"(vocab_size={vocab_size}), or a list of them")  # fmt: skip
         ids[key] = value
     return ids
