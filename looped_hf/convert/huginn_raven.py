@@ -334,7 +334,8 @@ def raven_state_dict(tensors: Checkpoint | Mapping[str, torch.Tensor], config: A
                 out[prefix + "self_attn.o_proj.weight"] = tensor
             elif name == "mlp.fc.weight":
                 if tensor.shape[0] != 2 * inter:
-                    raise ConversionError(f"{key} of shape {tuple(tensor.shape)}: expected {2 * inter} rows")
+                    raise ConversionError(f"{key} of shape {tuple(tensor.shape)}: expected 2 x intermediate_size="
+                                          f"{inter} rows (config.json intermediate_size)")  # fmt: skip
                 gate, up = tensor.chunk(2, dim=0)  # silu(first half) * second half
                 out[prefix + "mlp.gate_proj.weight"] = gate
                 out[prefix + "mlp.up_proj.weight"] = up

@@ -85,7 +85,9 @@ def _warn_cost(recurrences: list[int], trained: int) -> None:
               "trained model's block compute per item", file=sys.stderr)  # fmt: skip
 
 
-def check_exit_flags(config: Any, criterion: str | None, threshold: float | None, minimum: int | None) -> None:
+def check_exit_flags(
+    config: Any, criterion: str | None, threshold: float | None, minimum: int | None
+) -> None:
     """The adaptive-exit flags against the model's config, before any forward, by the config's own
     rule (`LoopedConfig.exit_settings`: a NaN or negative threshold is a ValueError naming it). A
     threshold that no criterion reads (neither --exit-criterion nor the config's) is refused too:
