@@ -58,7 +58,9 @@ def shard(folder: Path, parts: int = 2) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny"])
-def test_a_sharded_folder_reads_every_tensor_from_the_shard_the_index_names(name: str, tmp_path: Path) -> None:
+def test_a_sharded_folder_reads_every_tensor_from_the_shard_the_index_names(
+    name: str, tmp_path: Path
+) -> None:
     single = Checkpoint(ZOO / name)
     folder = copy_checkpoint(name, tmp_path / name)
     weight_map = shard(folder, parts=3)
@@ -117,8 +119,12 @@ def test_rope_scaling_becomes_rope_parameters_with_each_types_keys() -> None:
     assert rope_parameters(llama3, 5e5) == {**llama3, "rope_theta": 5e5}
     assert rope_parameters({"type": "linear", "factor": 2.0}, 1e4) == {
         "factor": 2.0, "rope_type": "linear", "rope_theta": 1e4}  # fmt: skip
-    assert rope_parameters(None, 1e4) == rope_parameters({}, 1e4) == {"rope_type": "default", "rope_theta": 1e4}
-    with pytest.raises(ConversionError, match=r"rope_scaling has no 'high_freq_factor': rope_type 'llama3' needs"):
+    assert (
+        rope_parameters(None, 1e4) == rope_parameters({}, 1e4) == {"rope_type": "default", "rope_theta": 1e4}
+    )
+    with pytest.raises(
+        ConversionError, match=r"rope_scaling has no 'high_freq_factor': rope_type 'llama3' needs"
+    ):
         rope_parameters({k: v for k, v in llama3.items() if k != "high_freq_factor"}, 5e5)
     with pytest.raises(ConversionError, match=r"rope_scaling.factor=0.5: expected a number >= 1"):
         rope_parameters({"rope_type": "dynamic", "factor": 0.5}, 1e4)
@@ -131,7 +137,9 @@ def test_token_ids_may_be_lists_inside_the_vocabulary() -> None:
     assert token_ids({"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": None}, 10, "g.json") == {
         "bos_token_id": 1, "eos_token_id": [2, 3]}  # fmt: skip
     for bad in (10, -1, True, "2", [], [1, 99]):
-        with pytest.raises(ConversionError, match=r"g.json eos_token_id=.*: expected a token id in \[0, 10\)"):
+        with pytest.raises(
+            ConversionError, match=r"g.json eos_token_id=.*: expected a token id in \[0, 10\)"
+        ):
             token_ids({"eos_token_id": bad}, 10, "g.json")
 
 
@@ -140,6 +148,8 @@ def test_flags_and_unknown_keys_are_checked_by_one_rule() -> None:
     with pytest.raises(ConversionError, match=r"config.json tie=1: expected true or false"):
         config_bool({"tie": 1}, "tie", False)
     check_known_keys({"architectures": [], "transformers_version": "5", "width": 3}, {"width"}, "demo")
-    with pytest.raises(ConversionError, match=r"config.json zeta=1: unknown demo config key \(keys \['zeta'\]"):
+    with pytest.raises(
+        ConversionError, match=r"config.json zeta=1: unknown demo config key \(keys \['zeta'\]"
+    ):
         check_known_keys({"width": 3, "zeta": 1}, {"width"}, "demo")
     assert max_num_recurrences() >= 64
