@@ -88,7 +88,7 @@ _STAGES = {"prelude": "prelude_layers", "core_block": "recurrent_layers", "coda"
 _NO_EFFECT = frozenset({
     "activation_checkpoint_impl", "architecture_class_name", "block_class_name", "effective_expected_depth",
     "init_orthogonal", "init_strategy", "mlp_class_name", "n_layers", "nonlin_name", "norm_class_name",
-    "padding_multiple", "sampling_scheme", "state_init", "test_time_noise_type", "attention_bias",
+    "padding_multiple", "sampling_scheme", "state_init", "test_time_noise_type",
 })  # fmt: skip
 #: The keys ``raven_config`` reads (every other key, beside ``_NO_EFFECT``, is refused).
 _READ = frozenset({

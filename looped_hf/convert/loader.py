@@ -74,7 +74,7 @@ _JSON_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "s
 HF_BOOKKEEPING_KEYS = frozenset({
     "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
-    "initializer_range", "_from_model_config",
+    "initializer_range", "_from_model_config", "_attn_implementation_autoset",
 })  # fmt: skip
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: Keys each RoPE type needs (transformers' ``validate_rope`` raises for a missing one only when a
