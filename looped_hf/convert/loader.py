@@ -44,7 +44,6 @@ Nothing here writes, except :meth:`Checkpoint.copy_tokenizer` into the folder it
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -56,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .. import fileio
 from ..fileio import CheckpointError, check_safetensors, first_line, sha256_file
 from .common import ConversionError
 
@@ -112,15 +112,12 @@ def max_num_recurrences() -> int:
 # Checked values of a source config
 # --------------------------------------------------------------------------------------------
 def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; anything else (unreadable, not UTF-8 JSON, a list) is a
+    """The JSON object in ``path`` (``fileio.read_json_object``); anything else is a
     ``ConversionError`` naming the file."""
     try:
-        value = json.loads(path.read_bytes())
-    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
-        raise ConversionError(f"{path}: not a readable JSON file ({first_line(err)})") from None
-    if not isinstance(value, dict):
-        raise ConversionError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
+        return fileio.read_json_object(path)
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
 
 
 def _named(where: str, key: str) -> str:
@@ -136,31 +133,33 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def config_int(cfg: Mapping[str, Any], key: str, minimum: int, where: str = "config.json",
-               default: Any = ...) -> int:  # fmt: skip
-    """``cfg[key]`` as an integer >= ``minimum`` (``default`` when absent, if given); else a
-    ``ConversionError`` naming ``where``, the key and the value."""
+def _config_value(cfg: Mapping[str, Any], key: str, ok: bool, expected: str, where: str, default: Any) -> Any:
+    """``cfg[key]`` when ``ok`` says it is valid (``default`` when absent, if given), else one line."""
     if key not in cfg:
         if default is ...:
             raise ConversionError(f"{where} has no {key!r}")
         return default
-    value = cfg[key]
-    if not _is_int(value) or value < minimum:
-        raise ConversionError(f"{_named(where, key)}={value!r}: expected an integer >= {minimum}")
-    return value
+    if not ok:
+        raise ConversionError(f"{_named(where, key)}={cfg[key]!r}: expected {expected}")
+    return cfg[key]
+
+
+def config_int(cfg: Mapping[str, Any], key: str, minimum: int, where: str = "config.json",
+               default: Any = ...) -> int:  # fmt: skip
+    """``cfg[key]`` as an integer >= ``minimum`` (``default`` when absent, if given); else a
+    ``ConversionError`` naming ``where``, the key and the value."""
+    value = cfg.get(key)
+    return _config_value(
+        cfg, key, _is_int(value) and value >= minimum, f"an integer >= {minimum}", where, default
+    )
 
 
 def config_number(cfg: Mapping[str, Any], key: str, minimum: float, where: str = "config.json",
                   default: Any = ...) -> float:  # fmt: skip
     """``cfg[key]`` as a finite number >= ``minimum`` (``default`` when absent, if given)."""
-    if key not in cfg:
-        if default is ...:
-            raise ConversionError(f"{where} has no {key!r}")
-        return default
-    value = cfg[key]
-    if not _is_number(value) or value < minimum:
-        raise ConversionError(f"{_named(where, key)}={value!r}: expected a finite number >= {minimum}")
-    return float(value)
+    value = cfg.get(key)
+    ok = _is_number(value) and value >= minimum
+    return float(_config_value(cfg, key, ok, f"a finite number >= {minimum}", where, default))
 
 
 def config_bool(cfg: Mapping[str, Any], key: str, default: bool, where: str = "config.json") -> bool:
