@@ -22,6 +22,7 @@ from looped_hf.convert.loader import (
     Checkpoint,
     check_known_keys,
     config_bool,
+    config_rope_parameters,
     max_num_recurrences,
     rope_parameters,
     token_ids,
@@ -153,3 +154,38 @@ def test_flags_and_unknown_keys_are_checked_by_one_rule() -> None:
     ):
         check_known_keys({"width": 3, "zeta": 1}, {"width"}, "demo")
     assert max_num_recurrences() >= 64
+
+
+def test_a_transformers_5_config_gives_its_rope_parameters_checked_alike() -> None:
+    v5 = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+    assert config_rope_parameters(v5) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    v4 = {"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert config_rope_parameters(v4) == config_rope_parameters(v5)
+    assert config_rope_parameters({}) == {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(
+        ConversionError, match=r"config.json rope_parameters has no 'factor': rope_type 'yarn'"
+    ):
+        config_rope_parameters({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    with pytest.raises(
+        ConversionError, match=r"config.json rope_parameters.rope_theta=-1: expected a finite"
+    ):
+        config_rope_parameters({"rope_parameters": {"rope_type": "default", "rope_theta": -1}})
+    with pytest.raises(ConversionError, match=r"config.json has no 'rope_theta'"):
+        config_rope_parameters({}, default_theta=...)
+
+
+def test_the_vocabulary_defaults_to_the_configs_for_the_token_and_tokenizer_checks(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    folder = copy_checkpoint("ouro-tiny", tmp_path / "ouro")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 255]}))
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(257)}, unk_token="w0")).save(
+        str(folder / "tokenizer.json")
+    )
+    ckpt = Checkpoint(folder)
+    assert ckpt.generation_token_ids() == {"eos_token_id": [1, 255]}
+    with pytest.raises(
+        ConversionError, match=r"the tokenizer has 257 tokens, more than the model's vocab_size=256"
+    ):
+        ckpt.copy_tokenizer(tmp_path / "dst")
+    assert ckpt.check_tokenizer(300) == 257 and not (tmp_path / "dst").exists()

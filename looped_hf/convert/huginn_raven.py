@@ -63,6 +63,7 @@ from .loader import (
     config_bool,
     config_int,
     config_number,
+    config_rope_parameters,
     rope_parameters,
     token_ids,
 )
@@ -136,7 +137,7 @@ def _rope_parameters(cfg: Mapping[str, Any], variant: str) -> dict[str, Any]:
             raise ConversionError(f"config.json rope_scaling={cfg['rope_scaling']!r}: Huginn's RoPE table "
                                   "(precompute_freqs_cis) has no scaling, so this value has no meaning for it")  # fmt: skip
         return rope_parameters(None, config_number(cfg, "rope_base", 0))
-    return rope_parameters(cfg.get("rope_scaling"), config_number(cfg, "rope_theta", 0))
+    return config_rope_parameters(cfg, default_theta=...)  # rope_theta required
 
 
 def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros") -> Any:

@@ -210,7 +210,9 @@ def token_ids(source: Mapping[str, Any], vocab_size: int, where: str) -> dict[st
     return ids
 
 
-def rope_parameters(scaling: Any, theta: float, where: str = "config.json") -> dict[str, Any]:
+def rope_parameters(
+    scaling: Any, theta: float, where: str = "config.json", field: str = "rope_scaling"
+) -> dict[str, Any]:
     """transformers-5 ``rope_parameters`` from a transformers-4 ``rope_scaling`` (None, {} or an
     object with ``rope_type`` or the legacy ``type``) and ``rope_theta``. The type must be one
     ``ROPE_REQUIRED_KEYS`` lists, with its keys, each a positive number (the factor lists of
@@ -218,14 +220,14 @@ def rope_parameters(scaling: Any, theta: float, where: str = "config.json") -> d
     if scaling is None or scaling == {}:
         return {"rope_type": "default", "rope_theta": theta}
     if not isinstance(scaling, dict):
-        raise ConversionError(f"{where} rope_scaling={scaling!r}: expected an object or null")
+        raise ConversionError(f"{where} {field}={scaling!r}: expected an object or null")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_REQUIRED_KEYS:
-        raise ConversionError(f"{where} rope_scaling.rope_type={rope_type!r}: unknown or not converted "
+        raise ConversionError(f"{where} {field}.rope_type={rope_type!r}: unknown or not converted "
                               f"(one of {sorted(ROPE_REQUIRED_KEYS)})")  # fmt: skip
     for key in ROPE_REQUIRED_KEYS[rope_type]:
         if key not in scaling:
-            raise ConversionError(f"{where} rope_scaling has no {key!r}: rope_type {rope_type!r} needs "
+            raise ConversionError(f"{where} {field} has no {key!r}: rope_type {rope_type!r} needs "
                                   f"{list(ROPE_REQUIRED_KEYS[rope_type])}")  # fmt: skip
         value = scaling[key]
         if key in ("short_factor", "long_factor"):
@@ -238,11 +240,27 @@ def rope_parameters(scaling: Any, theta: float, where: str = "config.json") -> d
         else:
             ok, expected = _is_number(value) and value > 0, "a number > 0"
         if not ok:
-            raise ConversionError(f"{where} rope_scaling.{key}={value!r}: expected {expected}")
+            raise ConversionError(f"{where} {field}.{key}={value!r}: expected {expected}")
     if rope_type in ("linear", "dynamic", "yarn", "llama3") and scaling["factor"] < 1:
-        raise ConversionError(f"{where} rope_scaling.factor={scaling['factor']!r}: expected a number >= 1")
+        raise ConversionError(f"{where} {field}.factor={scaling['factor']!r}: expected a number >= 1")
     params = {key: value for key, value in scaling.items() if key != "type"}
     return {**params, "rope_type": rope_type, "rope_theta": theta}
+
+
+def config_rope_parameters(cfg: Mapping[str, Any], where: str = "config.json", theta_key: str = "rope_theta",
+                           default_theta: float = 10000.0) -> dict[str, Any]:  # fmt: skip
+    """``rope_parameters`` of a config.json of either transformers generation: a transformers-5
+    ``rope_parameters`` object (its ``rope_theta`` inside), or transformers-4's ``rope_scaling``
+    and ``theta_key`` (``default_theta`` when absent); checked as :func:`rope_parameters` checks."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConversionError(f"{where} rope_parameters={params!r}: expected an object")
+        theta = config_number(params, "rope_theta", 0, f"{where} rope_parameters")
+        scaling = {key: value for key, value in params.items() if key != "rope_theta"}
+        return rope_parameters(scaling, theta, where, field="rope_parameters")
+    theta = config_number(cfg, theta_key, 0, where, default=default_theta)
+    return rope_parameters(cfg.get("rope_scaling"), theta, where)
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,28 +473,32 @@ class Checkpoint:
         return {str(path.relative_to(self.folder)): sha256_file(path) for path in self.files}
 
     # ---- generation config and tokenizer ---------------------------------------------------------
-    def generation_token_ids(self, vocab_size: int) -> dict[str, int | list[int]]:
+    def _vocab_size(self, vocab_size: int | None) -> int:
+        return config_int(self.config, "vocab_size", 1) if vocab_size is None else vocab_size
+
+    def generation_token_ids(self, vocab_size: int | None = None) -> dict[str, int | list[int]]:
         """The bos / eos / pad ids that ``generation_config.json`` sets (none without the file),
-        each checked against ``vocab_size`` (:func:`token_ids`)."""
+        each checked against ``vocab_size`` (default: config.json's) (:func:`token_ids`)."""
         path = self.folder / "generation_config.json"
         if not path.is_file():
             return {}
-        return token_ids(read_json_object(path), vocab_size, str(path))
+        return token_ids(read_json_object(path), self._vocab_size(vocab_size), str(path))
 
     @cached_property
     def tokenizer_files(self) -> tuple[Path, ...]:
         """The ``TOKENIZER_FILES`` the folder has (checked only by :meth:`check_tokenizer`)."""
         return tuple(self.folder / name for name in TOKENIZER_FILES if (self.folder / name).is_file())
 
-    def check_tokenizer(self, vocab_size: int) -> int | None:
+    def check_tokenizer(self, vocab_size: int | None = None) -> int | None:
         """Check the folder's tokenizer, when it has one: its JSON files are JSON objects, it loads
         with transformers (from a copy of the tokenizer files alone, so the source's own config.json
-        cannot steer it) and has at most ``vocab_size`` tokens. Returns its size (None: no tokenizer)."""
+        cannot steer it) and has at most ``vocab_size`` (default: config.json's) tokens. Returns its
+        size (None: no tokenizer)."""
         if not self.tokenizer_files:
             return None
-        return _tokenizer_size(self.tokenizer_files, vocab_size)
+        return _tokenizer_size(self.tokenizer_files, self._vocab_size(vocab_size))
 
-    def copy_tokenizer(self, dst: PathLike, vocab_size: int) -> list[str]:
+    def copy_tokenizer(self, dst: PathLike, vocab_size: int | None = None) -> list[str]:
         """:meth:`check_tokenizer`, then the tokenizer files copied into ``dst`` byte for byte;
         returns their names."""
         self.check_tokenizer(vocab_size)
@@ -524,6 +546,7 @@ __all__ = [
     "check_known_keys",
     "check_recurrences",
     "config_bool",
+    "config_rope_parameters",
     "config_int",
     "config_number",
     "max_num_recurrences",

@@ -44,8 +44,7 @@ from .loader import (
     check_recurrences,
     config_bool,
     config_int,
-    config_number,
-    rope_parameters,
+    config_rope_parameters,
     token_ids,
 )
 
@@ -132,8 +131,7 @@ def ouro_config(native: Mapping[str, Any]) -> Any:
     if native.get("early_exit_step") is not None:
         raise _bad("early_exit_step", native["early_exit_step"], "a fixed exit step is not converted: convert "
                                                                  "without it and run at num_recurrences=step+1")  # fmt: skip
-    theta = config_number(native, "rope_theta", 0, default=10000.0)
-    fields["rope_parameters"] = rope_parameters(native.get("rope_scaling"), theta)
+    fields["rope_parameters"] = config_rope_parameters(native)
     threshold = native.get("early_exit_threshold")
     if threshold is not None:
         fields["exit_gate_output"] = "threshold"
