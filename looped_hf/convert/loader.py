@@ -4,10 +4,15 @@
     ckpt.config["hidden_size"]              # config.json, a checked JSON object
     for name in ckpt.keys():                # every tensor name, from the safetensors headers
         tensor = ckpt.get_tensor(name)      # read on demand: one tensor in memory at a time
-    ckpt.generation_token_ids(vocab_size)   # generation_config.json's bos / eos / pad, checked
-    ckpt.check_tokenizer(vocab_size)        # the tokenizer files load, and fit the vocabulary
-    ckpt.copy_tokenizer(dst, vocab_size)    # ... copied byte for byte
+    ckpt.dtypes, ckpt.shape(name)           # from the headers, no tensor read
+    ckpt.generation_token_ids()             # generation_config.json's bos / eos / pad, checked
+    ckpt.check_tokenizer()                  # the tokenizer files load, and fit the vocabulary
+    ckpt.copy_tokenizer(dst)                # ... copied byte for byte
     ckpt.sha256()                           # {weight file: digest}, for cards and run records
+    config_rope_parameters(ckpt.config)     # transformers-5 rope_parameters, from either generation
+
+(the vocabulary the token ids and the tokenizer are checked against is config.json's
+``vocab_size`` unless given).
 
 It reads a folder the way transformers' ``from_pretrained`` does, and refuses, with one
 ``ConversionError`` line naming the file and the value, what transformers would misread or what
@@ -26,8 +31,9 @@ would make the conversion silently wrong:
 * A folder with only ``pytorch_model.bin`` (pickle) is refused: unpickling runs code stored in
   the file. Convert it to safetensors first.
 * ``config.json`` and ``generation_config.json`` must be JSON objects; token ids must be integers
-  inside the vocabulary (or lists of them); tie flags must be booleans; ``rope_scaling`` must name
-  a RoPE type transformers knows and carry that type's keys (:func:`rope_parameters`).
+  inside the vocabulary (or lists of them); tie flags must be booleans; ``rope_scaling`` (or a transformers-5
+  ``rope_parameters``) must name a RoPE type transformers knows and carry that type's keys
+  (:func:`rope_parameters`).
 * Tokenizer files (``TOKENIZER_FILES``) that hold JSON must be JSON objects, and the tokenizer must
   load with transformers and have no more tokens than the model's vocabulary.
 
