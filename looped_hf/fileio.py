@@ -353,6 +353,10 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
+#: safetensors' own bound on a header (MAX_HEADER_SIZE in the safetensors crate).
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
 def check_safetensors(path: str | os.PathLike) -> None:
     """A safetensors file whose header parses and whose tensors all lie inside the file.
 
@@ -369,6 +373,9 @@ def check_safetensors(path: str | os.PathLike) -> None:
                 f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
             )
         length = int.from_bytes(head, "little")
+        if length > SAFETENSORS_MAX_HEADER:  # read before the size check: a huge file must not be read whole
+            raise CheckpointError(f"{path}: not safetensors (a header of {length} bytes, above the format's "
+                                  f"{SAFETENSORS_MAX_HEADER})")  # fmt: skip
         if length > size - 8:
             raise CheckpointError(
                 f"{path}: truncated or not safetensors (header of {length} bytes in a file of {size})"
