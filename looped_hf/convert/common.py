@@ -126,6 +126,12 @@ def build_model(config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.d
     sizes = (f"vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, intermediate_size="
              f"{config.intermediate_size}, layers {config.num_prelude_layers}/{config.num_recurrent_layers}/"
              f"{config.num_coda_layers}")  # fmt: skip
+    for stage in ("prelude", "recurrent", "coda"):  # a layer count is a loop of module builds: checked first
+        count = getattr(config, f"num_{stage}_layers")
+        held = {name.split(".")[2] for name in weights if name.startswith(f"model.{stage}_layers.")}
+        if count > len(held):
+            raise ConversionError(f"{source}: the config describes num_{stage}_layers={count}, the checkpoint holds "
+                                  f"{len(held)} such layers")  # fmt: skip
     try:
         with torch.device("meta"), no_init_weights():
             shell = LoopedForCausalLM._from_config(config, dtype=dtype)
