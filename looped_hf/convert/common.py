@@ -1,6 +1,7 @@
 """What every source format's converter shares beside the loader (``loader.py``): the error type,
-the output folder's checks, the model built from checked weights, and the atomic folder write (built in a temporary sibling, moved into place at the
-end, so a failed conversion leaves nothing half-written)."""
+the output folder's checks, the model built from checked weights, and the atomic folder write
+(built in a temporary sibling, moved into place at the end, so a failed conversion leaves nothing
+half-written)."""
 
 from __future__ import annotations
 
