@@ -21,5 +21,16 @@ from .cli import main
 from .core import FAMILIES, build_retrofit, default_out, retrofit
 from .plan import LayerPlan, explicit, loop_in_place, paper_rule, share
 
-__all__ = ["FAMILIES", "ConversionError", "LayerPlan", "build_retrofit", "default_out", "explicit", "loop_in_place",
-           "main", "paper_rule", "retrofit", "share"]
+__all__ = [
+    "FAMILIES",
+    "ConversionError",
+    "LayerPlan",
+    "build_retrofit",
+    "default_out",
+    "explicit",
+    "loop_in_place",
+    "main",
+    "paper_rule",
+    "retrofit",
+    "share",
+]

@@ -18,7 +18,15 @@ from pathlib import Path
 from ..convert.common import ConversionError
 from ..publish import PublishError
 from .core import ADAPTER_INITS, DEFAULT_OUT_SUFFIX, STATE_INITS, retrofit
-from .plan import SHARE_STRATEGIES, LayerPlan, default_loop_in_place_split, explicit, loop_in_place, paper_rule, parse_range
+from .plan import (
+    SHARE_STRATEGIES,
+    LayerPlan,
+    default_loop_in_place_split,
+    explicit,
+    loop_in_place,
+    paper_rule,
+    parse_range,
+)
 from .plan import share as share_plan
 
 
@@ -30,10 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("parent_dir", help="the parent: a transformers checkpoint folder (config.json + safetensors) of "
                                       "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or "
                                       "Olmo2ForCausalLM")  # fmt: skip
-    p.add_argument("--out", default=None, metavar="DIR", help=f"the folder to write (default: PARENT_DIR{DEFAULT_OUT_SUFFIX})")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help=f"the folder to write (default: PARENT_DIR{DEFAULT_OUT_SUFFIX})",
+    )
     layers = p.add_argument_group("layer choice (one form)")
-    layers.add_argument("--layers", default=None, metavar="P,R,C",
-                        help="the first P layers, the R before the last C, the last C (the rest dropped)")
+    layers.add_argument(
+        "--layers",
+        default=None,
+        metavar="P,R,C",
+        help="the first P layers, the R before the last C, the last C (the rest dropped)",
+    )
     layers.add_argument("--prelude", default=None, metavar="A-B", help="explicit prelude layers (from 0)")
     layers.add_argument("--recurrent", default=None, metavar="A-B", help="explicit recurrent-block layers")
     layers.add_argument("--coda", default=None, metavar="A-B", help="explicit coda layers (to the last)")
@@ -43,13 +60,23 @@ def _parser() -> argparse.ArgumentParser:
     layers.add_argument("--share", default=None, choices=SHARE_STRATEGIES,
                         help="Relaxed Recursive Transformers: K shared layers looped L/K times, initialised stepwise, "
                              "as the average of the layers tied to each, or from the lower K")  # fmt: skip
-    layers.add_argument("--blocks", default=None, type=positive_int("--blocks"), metavar="K",
-                        help="with --share: the shared layers K")
+    layers.add_argument(
+        "--blocks",
+        default=None,
+        type=positive_int("--blocks"),
+        metavar="K",
+        help="with --share: the shared layers K",
+    )
     layers.add_argument("--lora-rank", default=None, type=positive_int("--lora-rank"), metavar="N",
                         help="with --share: a LoRA per loop position from the SVD of (W_original - W_shared); "
                              "full rank reproduces the parent")  # fmt: skip
-    p.add_argument("--num-recurrences", default=None, type=positive_int("--num-recurrences"), metavar="R",
-                   help="the folder's r (default 1: the first pass; --share: L/K, fixed)")
+    p.add_argument(
+        "--num-recurrences",
+        default=None,
+        type=positive_int("--num-recurrences"),
+        metavar="R",
+        help="the folder's r (default 1: the first pass; --share: L/K, fixed)",
+    )
     p.add_argument("--adapter-init", default=None, choices=ADAPTER_INITS,
                    help="identity (default: [0 | I] on [state; embedding], the block reads the prelude output) or "
                         "study (the paper's runs: a random nn.Linear, --seed)")  # fmt: skip
@@ -124,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan_for = plan_from_args(args)
         if args.lora_rank is not None:
-            from .loop_lora import retrofit_shared_lora
+            from .lora_init import retrofit_shared_lora
 
             folder = retrofit_shared_lora(args.parent_dir, args.out, plan_for, rank=args.lora_rank,
                                           repo_id=args.repo_id, license=args.license, overwrite=args.overwrite)  # fmt: skip

@@ -42,7 +42,9 @@ from .plan import LayerPlan
 from .qwen import QWEN2, QWEN3
 
 #: ``architectures`` name -> the family that maps it (by name; nothing is guessed from the weights).
-FAMILIES: dict[str, Family] = {arch: fam for fam in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2) for arch in fam.architectures}
+FAMILIES: dict[str, Family] = {
+    arch: fam for fam in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2) for arch in fam.architectures
+}
 ADAPTER_INITS = ("identity", "study")
 STATE_INITS = ("truncated_normal", "zeros", "prelude")
 DEFAULT_OUT_SUFFIX = "-retrofit"
@@ -81,12 +83,13 @@ def parent_config(parent: ParentCheckpoint) -> Any:
 
 
 def looped_config(cfg: Any, family: Family, plan: LayerPlan, *, adapter_init: str, state_init: str,
-                  extra: dict[str, Any] | None = None) -> Any:  # fmt: skip
+                  extra: dict[str, Any] | None = None, config_class: type | None = None) -> Any:  # fmt: skip
     """The ``LoopedConfig`` of the retrofit: the family's fields, the plan's layer counts and r, the
     injection (``linear`` for the paper's retrofits; ``none`` for a shared stack, whose loop t reads
     loop t - 1's output as the parent's layer t*K reads layer t*K - 1's) and the initial state."""
     from looped_hf import LoopedConfig
 
+    config_class = config_class or LoopedConfig
     if adapter_init not in ADAPTER_INITS:
         raise ConversionError(f"--adapter-init={adapter_init!r}: must be one of {ADAPTER_INITS}")
     if state_init not in STATE_INITS:
@@ -101,7 +104,7 @@ def looped_config(cfg: Any, family: Family, plan: LayerPlan, *, adapter_init: st
         state_init_std=math.sqrt(2 / (5 * fields["hidden_size"])),
     )  # fmt: skip
     try:
-        return LoopedConfig(**fields, **loop, **(extra or {}))
+        return config_class(**fields, **loop, **(extra or {}))
     except ValueError as err:
         raise ConversionError(f"{plan.method}: {err}") from None
 
@@ -116,14 +119,19 @@ def adapter_weight(d: int, adapter_init: str, seed: int, dtype: torch.dtype) -> 
     return torch.cat([paper[:, d:], paper[:, :d]], dim=1).to(dtype)
 
 
-def source_map(model: torch.nn.Module, plan: LayerPlan, family: Family) -> dict[str, list[str]]:
+def source_map(
+    model: torch.nn.Module, plan: LayerPlan, family: Family, own: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
     """Looped parameter name -> the parent tensors it is made of (one, or several to average; none
-    for the adapter and the family's ``zero_init`` tensors)."""
+    for the adapter and the family's ``zero_init`` tensors). Names starting with a prefix in ``own``
+    are left to the caller (the per-loop LoRA)."""
     stacks = {"prelude_layers": [(i,) for i in plan.prelude], "recurrent_layers": list(plan.recurrent),
               "coda_layers": [(i,) for i in plan.coda]}  # fmt: skip
     out: dict[str, list[str]] = {}
     for name, _ in model.named_parameters():
         parts = name.split(".")
+        if own and name.startswith(own):
+            continue
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             out[name] = [name]
         elif name == "model.injection.weight":
@@ -146,7 +154,9 @@ def check_parent_keys(parent: ParentCheckpoint, sources: dict[str, list[str]], p
     suffixes = {key.split(".", 3)[3] for key in used if key.startswith("model.layers.")}
     dropped = {f"model.layers.{i}.{suffix}" for i in plan.dropped for suffix in suffixes}
     tied = "lm_head.weight" if "lm_head.weight" not in sources else None
-    unknown = sorted(k for k in set(parent.weight_map) - used - dropped - {tied} if not k.endswith("rotary_emb.inv_freq"))
+    unknown = sorted(
+        k for k in set(parent.weight_map) - used - dropped - {tied} if not k.endswith("rotary_emb.inv_freq")
+    )
     if unknown:
         raise ConversionError(f"{parent.path}: weights retrofit does not know how to map: {unknown[:4]}"
                               f"{' ...' if len(unknown) > 4 else ''}")  # fmt: skip
@@ -175,17 +185,20 @@ def fill_from_parent(model: torch.nn.Module, parent: ParentCheckpoint, sources: 
             if len(keys) == 1:
                 param.copy_(tensor)
             else:
-                total = tensor.float() if total is None else total.add_(tensor.float())
+                # A copy: safetensors may hand out a view of its mapped file, which must stay as read.
+                total = tensor.to(torch.float32, copy=True) if total is None else total.add_(tensor.float())
             del tensor
         if total is not None:
             param.copy_(total / len(keys))
 
 
 def build_retrofit(parent: ParentCheckpoint, plan: LayerPlan, *, adapter_init: str = "identity",
-                   state_init: str = "truncated_normal", seed: int = 0,
-                   extra_config: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+                   state_init: str = "truncated_normal", seed: int = 0, extra_config: dict[str, Any] | None = None,
+                   model_class: type | None = None, own: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """The looped model (eval mode, the parent's dtype) and its record (``retrofit.json``), from an
-    opened parent (``with parent:``) and a layer plan."""
+    opened parent (``with parent:``) and a layer plan. ``model_class`` (default ``LoopedForCausalLM``)
+    and the parameters it names under the prefixes ``own`` (left to the caller) are for the
+    per-loop LoRA."""
     from transformers.initialization import no_init_weights
 
     from looped_hf import LoopedForCausalLM, __version__
@@ -195,18 +208,24 @@ def build_retrofit(parent: ParentCheckpoint, plan: LayerPlan, *, adapter_init: s
     if plan.num_parent_layers != cfg.num_hidden_layers:
         raise ConversionError(f"the layer plan is for {plan.num_parent_layers} layers, the parent has "
                               f"num_hidden_layers={cfg.num_hidden_layers}")  # fmt: skip
-    config = looped_config(cfg, family, plan, adapter_init=adapter_init, state_init=state_init, extra=extra_config)
+    model_class = model_class or LoopedForCausalLM
+    config = looped_config(cfg, family, plan, adapter_init=adapter_init, state_init=state_init, extra=extra_config,
+                           config_class=model_class.config_class)  # fmt: skip
     dtypes = parent.dtypes()
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise ConversionError(f"{parent.path}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype")
+        raise ConversionError(
+            f"{parent.path}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype"
+        )
     dtype = next(iter(dtypes))
     with no_init_weights():  # every parameter is set below: no random init of a 1B model first
-        model = LoopedForCausalLM._from_config(config, dtype=dtype)
+        model = model_class._from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
         model.tie_weights()
-    sources = source_map(model, plan, family)
+    sources = source_map(model, plan, family, own)
     check_parent_keys(parent, sources, plan)
-    fill_from_parent(model, parent, sources, lambda: adapter_weight(config.hidden_size, adapter_init, seed, dtype))
+    fill_from_parent(
+        model, parent, sources, lambda: adapter_weight(config.hidden_size, adapter_init, seed, dtype)
+    )
     record = {
         "method": plan.method,
         "paper": RRT_URL if plan.share is not None else PAPER_URL,
@@ -311,10 +330,14 @@ def retrofit(parent_dir: PathLike, out: PathLike | None, plan_for: Callable[[int
     parent_family(parent.config, parent.path)  # an unmapped class is refused before any tensor is read
     layers = parent.config.get("num_hidden_layers")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ConversionError(f"{parent.path / 'config.json'} num_hidden_layers={layers!r}: expected an integer >= 1")
+        raise ConversionError(
+            f"{parent.path / 'config.json'} num_hidden_layers={layers!r}: expected an integer >= 1"
+        )
     plan = plan_for(layers)
     with parent:
-        model, record = build_retrofit(parent, plan, adapter_init=adapter_init, state_init=state_init, seed=seed)
+        model, record = build_retrofit(
+            parent, plan, adapter_init=adapter_init, state_init=state_init, seed=seed
+        )
         return write_retrofit(model, record, parent.path, dest, repo_id=repo_id, license=license)
 
 

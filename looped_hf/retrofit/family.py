@@ -73,7 +73,9 @@ def refuse_sliding_window(cfg: Any) -> None:
     window = getattr(cfg, "sliding_window", None)
     used = getattr(cfg, "use_sliding_window", True)
     layer_types = set(getattr(cfg, "layer_types", None) or ())
-    if "sliding_attention" in layer_types or (used and window is not None and window < cfg.max_position_embeddings):
+    if "sliding_attention" in layer_types or (
+        used and window is not None and window < cfg.max_position_embeddings
+    ):
         raise ConversionError(f"config.json sliding_window={window!r}: a sliding attention window inside the context "
                               f"(max_position_embeddings={cfg.max_position_embeddings}) is not a looped_hf option")  # fmt: skip
 

@@ -72,7 +72,9 @@ def parse_range(flag: str, text: str) -> list[int]:
     except ValueError:
         low = high = None
     if low is None or high is None or low < 0 or high < low:
-        raise ConversionError(f"{flag}={text!r}: expected a layer range FIRST-LAST (e.g. 10-17) or one layer index")
+        raise ConversionError(
+            f"{flag}={text!r}: expected a layer range FIRST-LAST (e.g. 10-17) or one layer index"
+        )
     return list(range(low, high + 1))
 
 
@@ -116,7 +118,9 @@ def explicit(num_layers: int, prelude: list[int], recurrent: list[int], coda: li
                      num_recurrences=num_recurrences)  # fmt: skip
 
 
-def paper_rule(num_layers: int, prelude: int, recurrent: int, coda: int, *, num_recurrences: int = 1) -> LayerPlan:
+def paper_rule(
+    num_layers: int, prelude: int, recurrent: int, coda: int, *, num_recurrences: int = 1
+) -> LayerPlan:
     """``--layers P,R,C``: the first P, the R before the last C, the last C (McLeish et al. 2025)."""
     counts = {"P": prelude, "R": recurrent, "C": coda}
     bad = [f"{k}={v}" for k, v in counts.items() if v < 0] + (["R=0"] if recurrent == 0 else [])
