@@ -29,7 +29,7 @@ VOCAB = 61
 FAMILIES = ("llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo2")
 
 
-def parent_config(family: str, num_layers: int = 6):
+def parent_config(family: str, num_layers: int = 6, **overrides):
     """A tiny config of ``family``'s transformers class: GQA (4 heads, 2 KV heads), llama3 RoPE
     scaling for Llama, tied head for ``llama_tied`` (SmolLM's shape)."""
     from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
@@ -37,6 +37,7 @@ def parent_config(family: str, num_layers: int = 6):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                   bos_token_id=1, eos_token_id=2, pad_token_id=None)  # fmt: skip
+    common.update(overrides)
     if family == "llama":
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
@@ -53,16 +54,17 @@ def parent_config(family: str, num_layers: int = 6):
 
 
 def tiny_parent(
-    folder: Path, family: str, *, num_layers: int = 6, seed: int = 0, same_vectors: bool = False
+    folder: Path, family: str, *, num_layers: int = 6, seed: int = 0, same_vectors: bool = False, **overrides
 ) -> Path:
     """Save a tiny random parent of ``family`` (and a character tokenizer) to ``folder``.
 
     Every norm scale and bias is moved off its init (1 / 0). ``same_vectors``: those vectors are the
-    same in every layer (RRT shares them; only its linear layers get per-loop deltas)."""
+    same in every layer (RRT shares them; only its linear layers get per-loop deltas). ``overrides``
+    change the config (e.g. heads of 32 for vLLM's CPU attention)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(parent_config(family, num_layers)).eval()
+    model = AutoModelForCausalLM.from_config(parent_config(family, num_layers, **overrides)).eval()
     with torch.no_grad():
         first: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
