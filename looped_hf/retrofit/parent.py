@@ -9,8 +9,7 @@ A ``.bin``-only folder is refused: loading it would unpickle (run) code from the
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,11 @@ INDEX_FILE = "model.safetensors.index.json"
 @dataclass
 class ParentCheckpoint:
     """A parent folder: its ``config.json`` (as a dict), the safetensors files that hold its
-    weights and which file holds each tensor. ``open()`` gives lazy per-tensor access."""
+    weights and which file holds each tensor; ``tensor(name)`` reads one tensor when it is asked for."""
 
     path: Path
     config: dict[str, Any]
     weight_map: dict[str, Path]
-    _stack: ExitStack | None = field(default=None, repr=False)
-    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
 
     @property
     def files(self) -> list[Path]:
@@ -47,34 +44,43 @@ class ParentCheckpoint:
         return {file.name: sha256_file(file) for file in self.files}
 
     def __enter__(self) -> ParentCheckpoint:
-        from safetensors import safe_open
-
-        self._stack = ExitStack()
-        for file in self.files:
-            try:
-                self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
-            except (OSError, ValueError, RuntimeError) as err:
-                self._stack.close()
-                raise ConversionError(f"{file}: not a readable safetensors file ({err})") from None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._stack is not None:
-            self._stack.close()
-        self._handles.clear()
+        return None
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from its file now (inside ``with parent:``)."""
+        """One tensor, read from its file now, as memory of its own.
+
+        The file is opened for this read only and the tensor copied out of the mapping before it is
+        closed: safetensors hands out views of its memory-mapped file, whose pages would otherwise
+        stay resident (and count in the process's RSS) for as long as the file is open, so reading
+        a whole parent would hold it twice, and a view written to would change what the next read
+        of the same name returns."""
+        from safetensors import safe_open
+
         if name not in self.weight_map:
             raise ConversionError(f"{self.path}: the weights have no tensor {name!r}")
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        file = self.weight_map[name]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return handle.get_tensor(name).clone()
+        except (OSError, ValueError, RuntimeError) as err:
+            raise ConversionError(f"{file}: not a readable safetensors file ({err})") from None
 
     def dtypes(self) -> set[torch.dtype]:
         """The dtypes of the stored tensors, read from the headers (no tensor data)."""
-        found = set()
-        for name, file in self.weight_map.items():
-            found.add(self._handles[file].get_slice(name).get_dtype())
+        from safetensors import safe_open
+
         mapping = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+        found = set()
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as handle:
+                found |= {
+                    handle.get_slice(name).get_dtype()
+                    for name in handle.keys()
+                    if self.weight_map.get(name) == file
+                }
         return {mapping.get(d, d) for d in found}
 
     def items(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
