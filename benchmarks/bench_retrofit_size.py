@@ -29,7 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
-RETROFITS = {"--layers 4,8,4": ["--layers", "4,8,4"], "--loop-in-place": ["--loop-in-place", "--layers", "4,14,4"]}
+RETROFITS = {
+    "--layers 4,8,4": ["--layers", "4,8,4"],
+    "--loop-in-place": ["--loop-in-place", "--layers", "4,14,4"],
+}
 CHILD = """
 import resource, sys, time
 from looped_hf.cli import main
@@ -39,8 +42,8 @@ print("RESULT", code, time.perf_counter() - start, resource.getrusage(resource.R
 """
 
 
-def make_parent(folder: Path) -> int:
-    """Write the random bf16 parent, one layer's tensors per shard; returns its size in bytes."""
+def make_parent(folder: Path) -> tuple[int, int]:
+    """Write the random bf16 parent, one layer's tensors per shard; returns (bytes, shards)."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,7 +57,7 @@ def make_parent(folder: Path) -> int:
         groups.setdefault(key, []).append(name)
     folder.mkdir(parents=True)
     weight_map, generator = {}, torch.Generator().manual_seed(0)
-    for index, (key, names) in enumerate(groups.items()):
+    for index, names in enumerate(groups.values()):
         file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for name in names:
@@ -64,9 +67,11 @@ def make_parent(folder: Path) -> int:
         save_file(tensors, folder / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         del tensors
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     config.save_pretrained(folder)
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")), len(groups)
 
 
 def folder_size(folder: Path) -> int:
@@ -87,12 +92,17 @@ def run_retrofit(parent: Path, out: Path, flags: list[str]) -> tuple[float, int]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--keep", default=None, metavar="DIR", help="write into DIR and keep the files (default: a temp dir, deleted)")
+    p.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="write into DIR and keep the files (default: a temp dir, deleted)",
+    )
     args = p.parse_args(argv)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-retrofit-"))
     try:
         start = time.perf_counter()
-        parent_bytes = make_parent(root / "parent")
+        parent_bytes, shards = make_parent(root / "parent")
         made = time.perf_counter() - start
         rows = []
         for label, flags in RETROFITS.items():
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     gb = 1e9
     print(f"command: python benchmarks/bench_retrofit_size.py; machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"{platform.python_version()}; parent: TinyLlama-1.1B shape, bf16, {parent_bytes / gb:.2f} GB in "
-          f"{len(list(range(TINYLLAMA['num_hidden_layers']))) + 1} shards (made in {made:.0f} s)\n")  # fmt: skip
+          f"{shards} shards (made in {made:.0f} s)\n")  # fmt: skip
     print("| retrofit | folder (GB) | time (s) | peak RSS (GB) | peak RSS / parent |")
     print("|---|---|---|---|---|")
     for label, size, seconds, rss in rows:
