@@ -341,7 +341,9 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be a looped model: the message names the file and what is wrong."""
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``: anything else (unreadable, not UTF-8 JSON, a list) is a
+    `CheckpointError` naming the file (checkpoint folders and the converters' sources read so)."""
     try:
         value = json.loads(path.read_bytes())
     except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
@@ -397,7 +399,7 @@ def check_checkpoint_dir(folder: str | os.PathLike, model_type: str = "looped") 
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing (not a checkpoint folder)")
-    config = _read_json_object(config_path)
+    config = read_json_object(config_path)
     if config.get("model_type") != model_type:
         raise CheckpointError(
             f"{config_path}: model_type={config.get('model_type')!r}; only {model_type!r} checkpoints are read here"

@@ -308,9 +308,11 @@ def test_a_weight_ouro_does_not_have_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_the_cli_writes_a_folder_with_a_card_and_the_tokenizer_files(tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer, models
+
     src, out = _copy(tmp_path), tmp_path / "converted"
-    tokenizer = b'{"version": "1.0", "model": {"type": "BPE"}}'
-    (src / "tokenizer.json").write_bytes(tokenizer)
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(src / "tokenizer.json"))
+    tokenizer = (src / "tokenizer.json").read_bytes()
     assert main(["ouro", str(src), "--out", str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == tokenizer
     assert "[convert] wrote" in capsys.readouterr().out

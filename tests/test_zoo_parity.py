@@ -249,8 +249,12 @@ def _copy(name: str, tmp_path: Path) -> Path:
 
 
 def test_convert_detects_the_variant_and_writes_beside_the_checkpoint_by_default(tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
     src = _copy("retrofit-olmo-tiny", tmp_path)
-    (src / "tokenizer_config.json").write_text('{"model_max_length": 128}', encoding="utf-8")
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", model_max_length=128).save_pretrained(src)
     assert main(["huginn_raven", str(src)]) == 0
     out = tmp_path / "retrofit-olmo-tiny-looped"
     assert f"wrote {out}" in capsys.readouterr().out

@@ -79,6 +79,11 @@ def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
         raise
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the file is named
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be loaded: {first_line(err)}") from err
+    if len(tokenizer) > model.config.vocab_size:  # its last ids would index past the embedding, mid-run
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r}: the tokenizer has {len(tokenizer)} tokens, more than the model's "
+            f"vocab_size={model.config.vocab_size}; it is not this model's tokenizer"
+        )
     return model, tokenizer
 
 
