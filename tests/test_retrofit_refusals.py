@@ -72,7 +72,7 @@ def test_a_pickle_only_parent_is_refused(capsys, tmp_path, parent):
     (folder / "config.json").write_bytes((parent / "config.json").read_bytes())
     torch.save(load_file(parent / "model.safetensors"), folder / "pytorch_model.bin")
     err = refused(capsys, folder, "--loop-in-place")
-    assert "weights='pytorch_model.bin' is a pickle checkpoint" in err
+    assert "only a pickled pytorch_model.bin checkpoint, refused" in err
 
 
 def test_a_sliding_window_parent_is_refused(capsys, tmp_path):
@@ -91,5 +91,10 @@ def test_an_existing_out_is_kept_unless_overwrite(capsys, parent, tmp_path):
     (out / "keep.txt").write_text("mine")
     err = refused(capsys, parent, "--loop-in-place", "--out", out)
     assert f"--out {out} already exists; pass --overwrite" in err and (out / "keep.txt").read_text() == "mine"
-    assert cli_main(["retrofit", str(parent), "--loop-in-place", "--out", str(out), "--overwrite"]) == 0
-    assert (out / "retrofit.json").is_file() and not (out / "keep.txt").exists()
+    # --overwrite never replaces a user's other folder, only an earlier looped_hf output.
+    err = refused(capsys, parent, "--loop-in-place", "--out", out, "--overwrite")
+    assert "--overwrite replaces only an empty folder or an earlier looped_hf output" in err
+    earlier = tmp_path / "earlier"
+    assert cli_main(["retrofit", str(parent), "--layers", "2,2,2", "--out", str(earlier)]) == 0
+    assert cli_main(["retrofit", str(parent), "--loop-in-place", "--out", str(earlier), "--overwrite"]) == 0
+    assert '"method": "loop_in_place"' in (earlier / "retrofit.json").read_text()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,12 @@ from typing import Any
 import torch
 
 from ..convert.common import ConversionError, check_target, write_folder
-from ..convert.huginn_raven import TOKENIZER_FILES  # the tokenizer files the converters copy
+from ..convert.loader import Checkpoint
 from ..publish import PathLike
 from .family import Family
 from .llama import LLAMA, MISTRAL
 from .olmo2 import OLMO2
-from .parent import ParentCheckpoint, open_parent
+from .parent import open_parent, read_tensor
 from .plan import LayerPlan
 from .qwen import QWEN2, QWEN3
 
@@ -72,14 +71,16 @@ def parent_family(config: dict[str, Any], where: Path) -> Family:
                           f"(it maps {', '.join(sorted(FAMILIES))})")  # fmt: skip
 
 
-def parent_config(parent: ParentCheckpoint) -> Any:
+def parent_config(parent: Checkpoint) -> Any:
     """The parent's transformers config (its own class: RoPE, GQA and defaults as transformers reads them)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(parent.path)
+        return AutoConfig.from_pretrained(parent.folder)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConversionError(f"{parent.path / 'config.json'}: transformers cannot read it ({err})") from None
+        raise ConversionError(
+            f"{parent.folder / 'config.json'}: transformers cannot read it ({err})"
+        ) from None
 
 
 def looped_config(cfg: Any, family: Family, plan: LayerPlan, *, adapter_init: str, state_init: str,
@@ -145,25 +146,25 @@ def source_map(
     return out
 
 
-def check_parent_keys(parent: ParentCheckpoint, sources: dict[str, list[str]], plan: LayerPlan) -> None:
+def check_parent_keys(parent: Checkpoint, sources: dict[str, list[str]], plan: LayerPlan) -> None:
     """Every parent tensor is used or sits in a dropped layer; every source exists. Refusals name keys."""
     used = {key for keys in sources.values() for key in keys}
-    missing = sorted(used - set(parent.weight_map))
+    missing = sorted(used - set(parent.keys()))
     if missing:
-        raise ConversionError(f"{parent.path}: the weights lack {missing[:4]} (expected for this config)")
+        raise ConversionError(f"{parent.folder}: the weights lack {missing[:4]} (expected for this config)")
     suffixes = {key.split(".", 3)[3] for key in used if key.startswith("model.layers.")}
     dropped = {f"model.layers.{i}.{suffix}" for i in plan.dropped for suffix in suffixes}
     tied = "lm_head.weight" if "lm_head.weight" not in sources else None
     unknown = sorted(
-        k for k in set(parent.weight_map) - used - dropped - {tied} if not k.endswith("rotary_emb.inv_freq")
+        k for k in set(parent.keys()) - used - dropped - {tied} if not k.endswith("rotary_emb.inv_freq")
     )
     if unknown:
-        raise ConversionError(f"{parent.path}: weights retrofit does not know how to map: {unknown[:4]}"
+        raise ConversionError(f"{parent.folder}: weights retrofit does not know how to map: {unknown[:4]}"
                               f"{' ...' if len(unknown) > 4 else ''}")  # fmt: skip
 
 
 @torch.no_grad()
-def fill_from_parent(model: torch.nn.Module, parent: ParentCheckpoint, sources: dict[str, list[str]],
+def fill_from_parent(model: torch.nn.Module, parent: Checkpoint, sources: dict[str, list[str]],
                      adapter: Callable[[], torch.Tensor] | None) -> None:  # fmt: skip
     """Copy every looped parameter from its parent tensors, one tensor at a time (a group of several
     is averaged in float32). Shapes are checked; the parent's tensors are never all in memory."""
@@ -178,9 +179,9 @@ def fill_from_parent(model: torch.nn.Module, parent: ParentCheckpoint, sources: 
             continue
         total = None
         for key in keys:
-            tensor = parent.tensor(key)
+            tensor = read_tensor(parent, key)
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ConversionError(f"{parent.path}: {key} has shape {tuple(tensor.shape)}, the config says "
+                raise ConversionError(f"{parent.folder}: {key} has shape {tuple(tensor.shape)}, the config says "
                                       f"{tuple(param.shape)}")  # fmt: skip
             if len(keys) == 1:
                 param.copy_(tensor)
@@ -191,7 +192,7 @@ def fill_from_parent(model: torch.nn.Module, parent: ParentCheckpoint, sources: 
             param.copy_(total / len(keys))
 
 
-def build_retrofit(parent: ParentCheckpoint, plan: LayerPlan, *, adapter_init: str = "identity",
+def build_retrofit(parent: Checkpoint, plan: LayerPlan, *, adapter_init: str = "identity",
                    state_init: str = "truncated_normal", seed: int = 0, extra_config: dict[str, Any] | None = None,
                    model_class: type | None = None, own: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """The looped model (eval mode, the parent's dtype) and its record (``retrofit.json``), from an
@@ -202,7 +203,7 @@ def build_retrofit(parent: ParentCheckpoint, plan: LayerPlan, *, adapter_init: s
 
     from looped_hf import LoopedForCausalLM, __version__
 
-    family = parent_family(parent.config, parent.path)
+    family = parent_family(parent.config, parent.folder)
     cfg = parent_config(parent)
     if plan.num_parent_layers != cfg.num_hidden_layers:
         raise ConversionError(f"the layer plan is for {plan.num_parent_layers} layers, the parent has "
@@ -210,12 +211,7 @@ def build_retrofit(parent: ParentCheckpoint, plan: LayerPlan, *, adapter_init: s
     model_class = model_class or LoopedForCausalLM
     config = looped_config(cfg, family, plan, adapter_init=adapter_init, state_init=state_init, extra=extra_config,
                            config_class=model_class.config_class)  # fmt: skip
-    dtypes = parent.dtypes()
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise ConversionError(
-            f"{parent.path}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype"
-        )
-    dtype = next(iter(dtypes))
+    dtype = parent.floating_dtype()
     with no_init_weights():  # every parameter is set below: no random init of a 1B model first
         model = model_class._from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
@@ -232,7 +228,7 @@ def build_retrofit(parent: ParentCheckpoint, plan: LayerPlan, *, adapter_init: s
         "adapter_init": None if plan.share is not None else adapter_init,
         "state_init": config.state_init,
         "seed": seed,
-        "parent": {"path": str(parent.path.resolve()), "family": family.name,
+        "parent": {"path": str(parent.folder.resolve()), "family": family.name,
                    "architectures": parent.config.get("architectures"), "config": parent.config,
                    "weights_sha256": parent.sha256()},
         "looped_hf_version": __version__,
@@ -288,7 +284,7 @@ def retrofit_card(model: Any, record: dict[str, Any], repo_id: str, license: str
     )  # fmt: skip
 
 
-def write_retrofit(model: Any, record: dict[str, Any], parent_dir: Path, dest: Path, *, repo_id: str | None,
+def write_retrofit(model: Any, record: dict[str, Any], parent: Checkpoint, dest: Path, *, repo_id: str | None,
                    license: str | None, extra_files: Callable[[Path], list[str]] | None = None) -> Path:  # fmt: skip
     """The Hub-ready folder: weights, config, remote code, generation config, the parent's tokenizer,
     ``retrofit.json`` and the card; built beside ``dest`` and moved into place at the end."""
@@ -296,19 +292,19 @@ def write_retrofit(model: Any, record: dict[str, Any], parent_dir: Path, dest: P
 
     from looped_hf.cards import CARD_NAME
 
+    parent_dir = parent.folder
     if (parent_dir / "generation_config.json").is_file():
         try:
             model.generation_config = GenerationConfig.from_pretrained(parent_dir)
         except (OSError, ValueError) as err:
             raise ConversionError(f"{parent_dir / 'generation_config.json'}: {err}") from None
-    tokenizer_files = [parent_dir / name for name in TOKENIZER_FILES if (parent_dir / name).is_file()]
+    parent.check_tokenizer()  # refused before anything is written
 
     def extras(tmp: Path) -> list[str]:
-        for file in tokenizer_files:
-            shutil.copyfile(file, tmp / file.name)
+        tokenizer = parent.copy_tokenizer(tmp)
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
         retrofit_card(model, record, repo_id or f"path/to/{dest.name}", license).save(tmp / CARD_NAME)
-        names = [file.name for file in tokenizer_files] + [RECORD_FILE]
+        names = [*tokenizer, RECORD_FILE]
         return names + (extra_files(tmp) if extra_files is not None else [])
 
     return write_folder(model, dest, extras)
@@ -326,18 +322,18 @@ def retrofit(parent_dir: PathLike, out: PathLike | None, plan_for: Callable[[int
     dest = check_target(parent_dir, default_out(parent_dir) if out is None else out, overwrite=overwrite,
                         repo_id=repo_id)  # fmt: skip
     parent = open_parent(parent_dir)
-    parent_family(parent.config, parent.path)  # an unmapped class is refused before any tensor is read
+    parent_family(parent.config, parent.folder)  # an unmapped class is refused before any tensor is read
     layers = parent.config.get("num_hidden_layers")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ConversionError(
-            f"{parent.path / 'config.json'} num_hidden_layers={layers!r}: expected an integer >= 1"
+            f"{parent.folder / 'config.json'} num_hidden_layers={layers!r}: expected an integer >= 1"
         )
     plan = plan_for(layers)
     with parent:
         model, record = build_retrofit(
             parent, plan, adapter_init=adapter_init, state_init=state_init, seed=seed
         )
-        return write_retrofit(model, record, parent.path, dest, repo_id=repo_id, license=license)
+        return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
 
 
 __all__ = ["ADAPTER_INITS", "DEFAULT_OUT_SUFFIX", "FAMILIES", "RECORD_FILE", "STATE_INITS", "adapter_weight",

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from ..convert.common import ConversionError, check_target
+from ..convert.loader import Checkpoint
 from ..publish import PathLike
 from .core import build_retrofit, default_out, parent_family, write_retrofit
 from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM
-from .parent import ParentCheckpoint, open_parent
+from .parent import open_parent, read_tensor
 from .plan import LayerPlan
 
 
@@ -28,7 +29,7 @@ def svd_delta(original: torch.Tensor, shared: torch.Tensor, rank: int) -> tuple[
 
 
 @torch.no_grad()
-def init_loop_lora(model: LoopLoRAForCausalLM, parent: ParentCheckpoint, plan: LayerPlan) -> None:
+def init_loop_lora(model: LoopLoRAForCausalLM, parent: Checkpoint, plan: LayerPlan) -> None:
     """Every loop's deltas from the parent layer it stands for (``plan.unrolled``), one tensor at a time."""
     layers = model.model.recurrent_layers
     for t, row in enumerate(plan.unrolled):
@@ -37,7 +38,7 @@ def init_loop_lora(model: LoopLoRAForCausalLM, parent: ParentCheckpoint, plan: L
                 pair = model.loop_lora.steps[t][j][target.rsplit(".", 1)[-1]]
                 shared = layers[j].get_submodule(target).weight
                 a, b = svd_delta(
-                    parent.tensor(f"model.layers.{source}.{target}.weight"), shared, pair.A.shape[0]
+                    read_tensor(parent, f"model.layers.{source}.{target}.weight"), shared, pair.A.shape[0]
                 )
                 pair.A.copy_(a)
                 pair.B.copy_(b)
@@ -77,7 +78,7 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
     dest = check_target(parent_dir, default_out(parent_dir) if out is None else out, overwrite=overwrite,
                         repo_id=repo_id)  # fmt: skip
     parent = open_parent(parent_dir)
-    parent_family(parent.config, parent.path)
+    parent_family(parent.config, parent.folder)
     plan = plan_for(int(parent.config.get("num_hidden_layers") or 0))
     if plan.share is None:
         raise ConversionError(f"--lora-rank={rank}: only with --share (per-loop LoRA relaxes a shared stack)")
@@ -98,7 +99,7 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
         init_loop_lora(model, parent, plan)
         record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
                           "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
-        return write_retrofit(model, record, parent.path, dest, repo_id=repo_id, license=license,
+        return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
                               extra_files=ship_loop_lora_code)  # fmt: skip
 
 
