@@ -55,7 +55,12 @@ def num_scaling_params(model: nn.Module) -> dict[str, int]:
     groups = {name: sum(p.numel() for p in params) for name, params in parameter_groups(base).items()}
     tied = model.lm_head.weight is base.embed_tokens.weight
     groups["lm_head"] = 0 if tied else model.lm_head.weight.numel()
-    groups["total"] = groups["once"] + groups["recurrent"] + groups["embedding"] + groups["lm_head"]
+    # A retrofit's per-loop LoRA (retrofit/loop_lora.py, ``model.loop_lora``): loop t runs only its
+    # own deltas, so they are neither run-once nor run r times: a group apart.
+    lora = getattr(model, "loop_lora", None)
+    if lora is not None:
+        groups["loop_lora"] = sum(p.numel() for p in lora.parameters())
+    groups["total"] = sum(groups.values())
     # Unique tensors only, so a shared or tied weight is never counted twice.
     real = sum(p.numel() for p in model.parameters())
     if groups["total"] != real:
@@ -89,6 +94,12 @@ def _flops_terms(
     # padded rows (they are computed, then cropped), as the study's estimate_flops does.
     n_head = config.padded_vocab_size * config.hidden_size * head_passes(config, r, training)
     n_rec = params["recurrent"]
+    lora = getattr(model, "loop_lora", None)
+    if lora is not None:
+        # Each recurrence also runs its own LoRA matrices: 2 * rank * (in + out) per token and
+        # projection forward, the same for every loop, so one loop's matrices join N_rec. Its norm
+        # and bias deltas are elementwise (left out, as the norms are).
+        n_rec += sum(p.numel() for p in lora.steps[0].parameters() if p.ndim == 2)
     base = model.model
     hc = base.hyperconnection
     if hc is not None:

@@ -6,7 +6,8 @@ loaded back from the written folder:
 
 * loop-in-place at r = 1 is the parent (logits within 1e-5, the same greedy tokens);
 * the RRT share with a full-rank per-loop LoRA is the parent (within 1e-4), through the folder's
-  remote code;
+  remote code, although every parent layer has norm scales and biases of its own (the per-loop
+  module carries their deltas); at a lower rank it is not;
 * a ``--layers`` retrofit holds the parent's tensors of every kept layer bit for bit.
 """
 
@@ -44,6 +45,8 @@ def parent_config(family: str, num_layers: int = 6, **overrides):
         return LlamaConfig(**common, rope_parameters=rope)
     if family == "llama_tied":
         return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "llama_bias":
+        return LlamaConfig(**common, attention_bias=True, mlp_bias=True)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None, head_dim=16)
     if family == "qwen2":
@@ -53,30 +56,21 @@ def parent_config(family: str, num_layers: int = 6, **overrides):
     return Olmo2Config(**common)
 
 
-def tiny_parent(
-    folder: Path, family: str, *, num_layers: int = 6, seed: int = 0, same_vectors: bool = False, **overrides
-) -> Path:
+def tiny_parent(folder: Path, family: str, *, num_layers: int = 6, seed: int = 0, **overrides) -> Path:
     """Save a tiny random parent of ``family`` (and a character tokenizer) to ``folder``.
 
-    Every norm scale and bias is moved off its init (1 / 0). ``same_vectors``: those vectors are the
-    same in every layer (RRT shares them; only its linear layers get per-loop deltas). ``overrides``
-    change the config (e.g. heads of 32 for vLLM's CPU attention)."""
+    Every norm scale and bias is moved off its init (1 / 0), drawn anew in every layer, as in a
+    trained parent. ``overrides`` change the config (e.g. heads of 32 for vLLM's CPU attention)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(parent_config(family, num_layers, **overrides)).eval()
     with torch.no_grad():
-        first: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0, p.shape[1] ** -0.5 if "embed" not in name else 1.0)
-                continue
-            suffix = name.split(".", 3)[-1]
-            if same_vectors and name.startswith("model.layers.") and suffix in first:
-                p.copy_(first[suffix])
-                continue
-            p.copy_((1 if name.endswith("norm.weight") else 0) + 0.1 * torch.randn_like(p))
-            first.setdefault(suffix, p.detach().clone())
+            else:
+                p.copy_((1 if name.endswith("norm.weight") else 0) + 0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     save_char_tokenizer(folder, VOCAB)
     return folder
@@ -113,9 +107,12 @@ def test_loop_in_place_at_one_recurrence_is_the_parent(tmp_path, family):
     assert torch.equal(looped.generate(ids, **greedy), reference.generate(ids, **greedy))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, "llama_bias"))
 def test_shared_stack_with_full_rank_loop_lora_is_the_parent(tmp_path, family):
-    parent = tiny_parent(tmp_path / "parent", family, same_vectors=True)
+    parent = tiny_parent(tmp_path / "parent", family)
+    vectors = [k for k in load_file(parent / "model.safetensors") if k.startswith("model.layers.0.") and
+               (k.endswith("norm.weight") or k.endswith(".bias"))]  # fmt: skip
+    assert vectors, "the parent has per-layer norm scales / biases that differ between tied layers"
     retrofit(parent, "--share", "average", "--blocks", "2", "--lora-rank", "64", "--out", tmp_path / "rrt")
     reference, looped = load_pair(parent, tmp_path / "rrt", trust_remote_code=True)
     assert type(looped).__name__ == "LoopLoRAForCausalLM" and looped.config.num_recurrences == 3
@@ -127,7 +124,7 @@ def test_shared_stack_with_full_rank_loop_lora_is_the_parent(tmp_path, family):
 
 
 def test_low_rank_loop_lora_is_not_the_parent_and_shares_keep_their_sources(tmp_path):
-    parent = tiny_parent(tmp_path / "parent", "llama", same_vectors=True)
+    parent = tiny_parent(tmp_path / "parent", "qwen2")
     retrofit(parent, "--share", "average", "--blocks", "2", "--lora-rank", "4", "--out", tmp_path / "low")
     reference, looped = load_pair(parent, tmp_path / "low", trust_remote_code=True)
     assert looped.loop_lora.steps[0][0]["q_proj"].A.shape == (4, 64)
@@ -231,7 +228,7 @@ def test_folder_names_the_parent_and_carries_its_tokenizer(tmp_path):
 
 
 def test_retrofitted_folder_loads_as_remote_code_without_looped_hf(tmp_path):
-    parent = tiny_parent(tmp_path / "parent", "qwen3", same_vectors=True)
+    parent = tiny_parent(tmp_path / "parent", "qwen3")
     retrofit(parent, "--loop-in-place", "--out", tmp_path / "lip")
     retrofit(parent, "--share", "lower", "--blocks", "3", "--lora-rank", "64", "--out", tmp_path / "rrt")
     from transformers import AutoModelForCausalLM

@@ -20,6 +20,9 @@ from ..publish import PathLike, PublishError
 #: Files every converted folder has (the tokenizer's too when one was given).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
                    "generation_config.json", "README.md")  # fmt: skip
+#: The ``model_type`` of every folder looped_hf writes: ``LoopedConfig``'s and the per-loop LoRA
+#: retrofit's (``retrofit/loop_lora.py``); the folders ``--overwrite`` may replace.
+LOOPED_MODEL_TYPES = ("looped", "looped_loop_lora")
 #: The default output folder is the checkpoint folder's sibling with this suffix.
 DEFAULT_OUT_SUFFIX = "-looped"
 
@@ -36,13 +39,13 @@ def default_out(ckpt_dir: PathLike) -> Path:
 
 
 def is_looped_output(folder: Path) -> bool:
-    """Whether ``folder`` holds an earlier looped_hf output (a config.json of ``model_type: looped``):
-    the only non-empty folder ``--overwrite`` may replace."""
+    """Whether ``folder`` holds an earlier looped_hf output (a config.json whose ``model_type`` is in
+    ``LOOPED_MODEL_TYPES``): the only non-empty folder ``--overwrite`` may replace."""
     try:
         config = json.loads((folder / "config.json").read_bytes())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("model_type") == "looped"
+    return isinstance(config, dict) and config.get("model_type") in LOOPED_MODEL_TYPES
 
 
 def check_target(ckpt_dir: PathLike, out: PathLike, *, overwrite: bool, repo_id: str | None) -> Path:
@@ -70,7 +73,7 @@ def check_target(ckpt_dir: PathLike, out: PathLike, *, overwrite: bool, repo_id:
         raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
     if dest.exists() and any(dest.iterdir()) and not is_looped_output(dest):
         raise PublishError(f"--out {dest}: --overwrite replaces only an empty folder or an earlier looped_hf "
-                           "output (config.json with model_type 'looped'); this folder is neither")  # fmt: skip
+                           f"output (config.json with model_type in {LOOPED_MODEL_TYPES}); this folder is neither")  # fmt: skip
     if repo_id is not None:
         check_repo_id(repo_id)
     return dest

@@ -3,10 +3,15 @@ delta on every linear layer (Relaxed Recursive Transformers, Bae et al. 2024; th
 Mixture-of-Recursions code's ``relaxation/lora/svd_init.py``).
 
 For shared block layer j at loop t (standing for parent layer t*K + j) and each projection W:
-``y = W_shared x + B_tj A_tj x`` with ``B A`` the rank-N truncated SVD of ``W_parent - W_shared``
-(A = V_N^T, B = U_N S_N). At full rank (N >= min(out, in)) ``B A = W_parent - W_shared``: the
-looped model computes the parent's function (norms and biases stay shared, as in RRT; they agree
-wherever the tied parent layers' do).
+``y = W_shared x + B_tj A_tj x + (b_parent - b_shared)`` with ``B A`` the rank-N truncated SVD of
+``W_parent - W_shared`` (A = V_N^T, B = U_N S_N). The layer's vectors, which differ between the tied
+parent layers too, get a full per-loop delta: every RMSNorm scale of the layer (pre-norms, OLMo-2's
+sublayer-output norms, Qwen3's and OLMo-2's q/k norm scales) runs as ``norm_shared(x) +
+norm_delta_tj(x)`` (an RMSNorm is linear in its scale, so this is the norm with scale ``w_shared +
+(w_parent - w_shared)``), and a projection with a bias adds the bias delta. At full rank (N >=
+min(out, in)) the looped model computes the parent's function, whatever its per-layer norms and
+biases. The vectors cost ``r * K * (sum of the layer's norm and bias sizes)`` parameters and
+elementwise FLOPs only (docs/retrofit.md).
 
 Design (looped_hf's ``LoopedConfig`` has no per-step parameters for linear layers): a small
 ``nn.Module`` of A / B pairs, applied by forward hooks on the shared block's projections. The loop
@@ -26,13 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # in a saved folder: this file sits beside the looped model's own remote code
-    from .accounting_looped import parameter_groups
     from .configuration_looped import LoopedConfig
-    from .modeling_looped import LoopedForCausalLM
+    from .modeling_looped import LoopedForCausalLM, LoopedRMSNorm
 except ImportError:  # inside the looped_hf package
-    from looped_hf.accounting_looped import parameter_groups
     from looped_hf.configuration_looped import LoopedConfig
-    from looped_hf.modeling_looped import LoopedForCausalLM
+    from looped_hf.modeling_looped import LoopedForCausalLM, LoopedRMSNorm
 
 #: The projections of a decoder layer that get a per-loop delta (every linear layer, as RRT).
 LOOP_LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -48,15 +51,32 @@ class LoopLoRAConfig(LoopedConfig):
 
 
 class LoRAPair(nn.Module):
-    """One low-rank delta ``B A`` (A: rank x in, B: out x rank)."""
+    """One low-rank delta ``B A`` (A: rank x in, B: out x rank), plus a bias delta (out) when the
+    projection has a bias."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int) -> None:
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False) -> None:
         super().__init__()
         self.A = nn.Parameter(torch.zeros(rank, in_features))
         self.B = nn.Parameter(torch.zeros(out_features, rank))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.A), self.B)
+        return F.linear(F.linear(x, self.A), self.B, self.bias)
+
+
+class NormDelta(LoopedRMSNorm):
+    """The per-loop delta of one RMSNorm scale: ``norm_shared(x) + NormDelta(x)`` is the norm with
+    scale ``w_shared + weight`` (the norm is linear in its scale). Zero until the retrofit sets it."""
+
+
+def norm_keys(layer: nn.Module) -> dict[str, str]:
+    """Key in a loop's ``ModuleDict`` -> path in ``layer`` of each RMSNorm with a scale (pre-norms,
+    sublayer-output norms, q/k norms): the layer's last path part, unique within a decoder layer."""
+    return {
+        name.rsplit(".", 1)[-1]: name
+        for name, module in layer.named_modules()
+        if isinstance(module, LoopedRMSNorm)
+    }
 
 
 def _target_key(target: str) -> str:
@@ -64,7 +84,8 @@ def _target_key(target: str) -> str:
 
 
 class LoopLoRA(nn.Module):
-    """Every loop's deltas: ``steps[t][j][proj]`` for loop t, block layer j, projection ``proj``."""
+    """Every loop's deltas: ``steps[t][j][key]`` for loop t, block layer j and ``key`` a projection
+    (``q_proj``: a ``LoRAPair``) or a norm (``input_layernorm``, ``q_norm``: a ``NormDelta``)."""
 
     def __init__(self, config: LoopedConfig, layers: nn.ModuleList) -> None:
         super().__init__()
@@ -76,7 +97,11 @@ class LoopLoRA(nn.Module):
             for target in targets:
                 linear = layer.get_submodule(target)
                 n = min(rank, linear.in_features, linear.out_features)
-                out[_target_key(target)] = LoRAPair(linear.in_features, linear.out_features, n)
+                bias = linear.bias is not None
+                out[_target_key(target)] = LoRAPair(linear.in_features, linear.out_features, n, bias)
+            for key, path in norm_keys(layer).items():
+                norm = layer.get_submodule(path)
+                out[key] = NormDelta(norm.weight.shape[0], eps=norm.variance_epsilon)
             return out
 
         self.steps = nn.ModuleList(nn.ModuleList(pairs(layer) for layer in layers) for _ in range(loops))
@@ -102,26 +127,11 @@ class LoopLoRAForCausalLM(LoopedForCausalLM):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, LoRAPair):  # zero delta until the retrofit writes the SVD init
-            nn.init.zeros_(module.A)
-            nn.init.zeros_(module.B)
+        if isinstance(module, (LoRAPair, NormDelta)):  # zero delta until the retrofit writes its init
+            for param in module.parameters(recurse=False):
+                nn.init.zeros_(param)
         else:
             super()._init_weights(module)
-
-    def num_scaling_params(self) -> dict[str, int]:
-        """``LoopedForCausalLM.num_scaling_params`` plus ``loop_lora``, apart: each loop runs only its
-        own deltas, so they are neither run-once nor run r times. The parts sum to the real count."""
-        groups = {
-            name: sum(p.numel() for p in params) for name, params in parameter_groups(self.model).items()
-        }
-        groups["loop_lora"] = sum(p.numel() for p in self.loop_lora.parameters())
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
-        groups["lm_head"] = 0 if tied else self.lm_head.weight.numel()
-        groups["total"] = sum(groups.values())
-        real = sum(p.numel() for p in self.parameters())
-        if groups["total"] != real:
-            raise RuntimeError(f"parameter groups sum to {groups['total']} but the model has {real}")
-        return groups
 
     def _register_loop_hooks(self) -> None:
         config = self.config
@@ -130,6 +140,8 @@ class LoopLoRAForCausalLM(LoopedForCausalLM):
             layer.register_forward_pre_hook(self._step_hook(j), with_kwargs=True)
             for target in config.loop_lora_targets:
                 layer.get_submodule(target).register_forward_hook(self._delta_hook(j, _target_key(target)))
+            for key, path in norm_keys(layer).items():
+                layer.get_submodule(path).register_forward_hook(self._delta_hook(j, key))
 
     def _check_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         r = self.config.resolve_num_recurrences(kwargs.get("num_recurrences"))
@@ -153,4 +165,12 @@ class LoopLoRAForCausalLM(LoopedForCausalLM):
         return hook
 
 
-__all__ = ["LOOP_LORA_TARGETS", "LoRAPair", "LoopLoRA", "LoopLoRAConfig", "LoopLoRAForCausalLM"]
+__all__ = [
+    "LOOP_LORA_TARGETS",
+    "LoRAPair",
+    "LoopLoRA",
+    "LoopLoRAConfig",
+    "LoopLoRAForCausalLM",
+    "NormDelta",
+    "norm_keys",
+]

@@ -16,32 +16,48 @@ from ..convert.common import ConversionError, check_target
 from ..convert.loader import Checkpoint
 from ..publish import PathLike
 from .core import build_retrofit, default_out, parent_family, write_retrofit
-from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM
+from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM, LoRAPair, norm_keys
 from .parent import open_parent, read_tensor
 from .plan import LayerPlan
 
 
-def svd_delta(original: torch.Tensor, shared: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def svd_delta(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B), rank x in and out x rank, with B A the best rank-``rank`` approximation of
-    ``original - shared`` (exact at rank min(out, in)); computed in float32."""
-    u, s, vh = torch.linalg.svd(original.float() - shared.float(), full_matrices=False)
+    ``residual`` (``W_parent - W_shared``; exact at rank min(out, in)); computed in float32."""
+    u, s, vh = torch.linalg.svd(residual.float(), full_matrices=False)
     return vh[:rank].contiguous(), (u[:, :rank] * s[:rank]).contiguous()
 
 
 @torch.no_grad()
-def init_loop_lora(model: LoopLoRAForCausalLM, parent: Checkpoint, plan: LayerPlan) -> None:
-    """Every loop's deltas from the parent layer it stands for (``plan.unrolled``), one tensor at a time."""
+def init_loop_lora(
+    model: LoopLoRAForCausalLM, parent: Checkpoint, plan: LayerPlan, zero_init: tuple[str, ...] = ()
+) -> None:
+    """Every loop's deltas from the parent layer it stands for (``plan.unrolled``), one tensor at a
+    time: each projection's rank-N SVD of ``W_parent - W_shared`` and its bias delta, each norm's
+    scale delta ``w_parent - w_shared``. ``zero_init``: the family's tensors the parent lacks (zero in
+    every layer, so their delta is zero)."""
     layers = model.model.recurrent_layers
+    paths = {target.rsplit(".", 1)[-1]: target for target in model.config.loop_lora_targets}
+    paths.update(norm_keys(layers[0]))
+
+    def residual(source: int, j: int, name: str) -> torch.Tensor:
+        shared = layers[j].get_parameter(name)
+        if name in zero_init:
+            return torch.zeros_like(shared, dtype=torch.float32) - shared.float()
+        return read_tensor(parent, f"model.layers.{source}.{name}").float() - shared.float()
+
     for t, row in enumerate(plan.unrolled):
         for j, source in enumerate(row):
-            for target in model.config.loop_lora_targets:
-                pair = model.loop_lora.steps[t][j][target.rsplit(".", 1)[-1]]
-                shared = layers[j].get_submodule(target).weight
-                a, b = svd_delta(
-                    read_tensor(parent, f"model.layers.{source}.{target}.weight"), shared, pair.A.shape[0]
-                )
-                pair.A.copy_(a)
-                pair.B.copy_(b)
+            for key, delta in model.loop_lora.steps[t][j].items():
+                path = paths[key]
+                if isinstance(delta, LoRAPair):
+                    a, b = svd_delta(residual(source, j, f"{path}.weight"), delta.A.shape[0])
+                    delta.A.copy_(a)
+                    delta.B.copy_(b)
+                    if delta.bias is not None:
+                        delta.bias.copy_(residual(source, j, f"{path}.bias"))
+                else:
+                    delta.weight.copy_(residual(source, j, f"{path}.weight"))
 
 
 def ship_loop_lora_code(folder: Path) -> list[str]:
@@ -78,7 +94,7 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
     dest = check_target(parent_dir, default_out(parent_dir) if out is None else out, overwrite=overwrite,
                         repo_id=repo_id)  # fmt: skip
     parent = open_parent(parent_dir)
-    parent_family(parent.config, parent.folder)
+    family = parent_family(parent.config, parent.folder)
     plan = plan_for(int(parent.config.get("num_hidden_layers") or 0))
     if plan.share is None:
         raise ConversionError(f"--lora-rank={rank}: only with --share (per-loop LoRA relaxes a shared stack)")
@@ -96,8 +112,10 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
     with parent:
         model, record = build_retrofit(parent, plan, extra_config=extra, model_class=LoopLoRAForCausalLM,
                                        own=("loop_lora.",))  # fmt: skip
-        init_loop_lora(model, parent, plan)
+        init_loop_lora(model, parent, plan, family.zero_init)
         record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
+                          "vectors": sorted(norm_keys(model.model.recurrent_layers[0])) + ["projection biases"],
+                          "vectors_init": "v_parent - v_shared (full, per loop)",
                           "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
         return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
                               extra_files=ship_loop_lora_code)  # fmt: skip
