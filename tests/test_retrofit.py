@@ -107,6 +107,26 @@ def test_loop_in_place_at_one_recurrence_is_the_parent(tmp_path, family):
     assert torch.equal(looped.generate(ids, **greedy), reference.generate(ids, **greedy))
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}],
+    ids=lambda rope: rope["rope_type"],
+)  # fmt: skip
+def test_loop_in_place_carries_every_rope_type_it_accepts(tmp_path, rope):
+    # max_position_embeddings 8 < the 12 prompt tokens + 6 generated: dynamic scaling recomputes.
+    parent = tiny_parent(tmp_path / "parent", "llama_tied", num_layers=2, max_position_embeddings=8,
+                         rope_parameters={"rope_theta": 10000.0, **rope})  # fmt: skip
+    retrofit(parent, "--loop-in-place", "--layers", "0,2,0")
+    reference, looped = load_pair(parent, tmp_path / "parent-retrofit")
+    assert looped.config.rope_parameters["rope_type"] == rope["rope_type"]
+    ids = prompts()
+    with torch.no_grad():
+        torch.testing.assert_close(looped(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(looped.generate(ids, **greedy), reference.generate(ids, **greedy))
+
+
 @pytest.mark.parametrize("family", (*FAMILIES, "llama_bias"))
 def test_shared_stack_with_full_rank_loop_lora_is_the_parent(tmp_path, family):
     parent = tiny_parent(tmp_path / "parent", family)
@@ -136,6 +156,30 @@ def test_low_rank_loop_lora_is_not_the_parent_and_shares_keep_their_sources(tmp_
         looped(ids, num_recurrences=4)
     with pytest.raises(ValueError, match="kv_budget=1"):
         looped(ids, kv_budget=1)
+
+
+def test_loop_lora_parameters_and_flops_match_a_hand_count(tmp_path):
+    parent = tiny_parent(tmp_path / "parent", "llama")
+    retrofit(parent, "--share", "lower", "--blocks", "2", "--lora-rank", "4", "--out", tmp_path / "rrt")
+    _, looped = load_pair(parent, tmp_path / "rrt", trust_remote_code=True)
+    # Per block layer and loop: rank * (in + out) per projection (d = 64, q 4x16, k/v 2x16, MLP 96)
+    # and the two pre-norm scales (64 each); 2 block layers, 3 loops.
+    shapes = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "o": (64, 64), "gate": (64, 96), "up": (64, 96),
+              "down": (96, 64)}  # fmt: skip
+    matrices = 2 * sum(4 * (n_in + n_out) for n_in, n_out in shapes.values())  # one loop's
+    assert looped.num_scaling_params()["loop_lora"] == 3 * (matrices + 2 * 2 * 64)
+    with_lora = {r: looped.training_flops_per_token(32, r) for r in (1, 3)}
+    inference = looped.inference_flops_per_token(32)
+    looped.config.backprop_recurrences = 1
+    truncated = looped.training_flops_per_token(32)
+    looped.loop_lora = None  # the same model without its deltas: what the accounting adds is theirs
+    looped.config.backprop_recurrences = None
+    # 2 * rank * (in + out) FLOPs per token and projection forward, x3 with backward, every loop run.
+    assert with_lora[1] - looped.training_flops_per_token(32, 1) == 6 * matrices
+    assert with_lora[3] - looped.training_flops_per_token(32, 3) == 3 * 6 * matrices
+    assert inference - looped.inference_flops_per_token(32) == 3 * 2 * matrices
+    looped.config.backprop_recurrences = 1  # truncated backprop: the first two loops forward only
+    assert truncated - looped.training_flops_per_token(32) == (6 + 2 * 2) * matrices
 
 
 @pytest.mark.parametrize("family", FAMILIES)

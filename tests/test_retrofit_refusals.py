@@ -4,6 +4,8 @@ layer, a LoRA rank above the width, a pickle-only parent, an existing ``--out``.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_retrofit import tiny_parent
@@ -85,6 +87,31 @@ def test_a_sliding_window_parent_is_refused(capsys, tmp_path):
     assert "sliding_window=16" in err
 
 
+@pytest.mark.parametrize(
+    ("family", "edits", "message"),
+    [
+        ("llama", {"hidden_act": "gelu"}, "config.json hidden_act='gelu': the families' MLP is gated silu"),
+        ("llama", {"head_dim": 15}, "transformers cannot read it (RoPE requires an even rotary dimension, but got "
+                                    "`head_dim`=15"),
+        ("llama", {"rope_scaling": None, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                   "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}},
+         "config.json rope_parameters.rope_type='longrope': retrofit carries the RoPE types"),
+        ("mistral", {"mlp_bias": True}, "config.json mlp_bias=True: MistralMLP has no bias"),
+        ("qwen2", {"attention_bias": True}, "config.json attention_bias=True: Qwen2Attention's biases are fixed"),
+        ("qwen3", {"use_sliding_window": True}, "config.json use_sliding_window=True: Qwen's sliding attention"),
+        ("olmo2", {"clip_qkv": 8.0}, "config.json clip_qkv=8.0: OLMo's q/k/v clipping"),
+    ],
+)  # fmt: skip
+def test_parent_options_the_mapping_does_not_carry_are_refused_by_name(
+    capsys, tmp_path, family, edits, message
+):
+    folder = tiny_parent(tmp_path / family, family, num_layers=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edits}))
+    assert message in refused(capsys, folder, "--loop-in-place")
+    assert message in refused(capsys, folder, "--share", "lower", "--blocks", "1", "--lora-rank", "4")
+
+
 def test_an_existing_out_is_kept_unless_overwrite(capsys, parent, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
@@ -98,3 +125,19 @@ def test_an_existing_out_is_kept_unless_overwrite(capsys, parent, tmp_path):
     assert cli_main(["retrofit", str(parent), "--layers", "2,2,2", "--out", str(earlier)]) == 0
     assert cli_main(["retrofit", str(parent), "--loop-in-place", "--out", str(earlier), "--overwrite"]) == 0
     assert '"method": "loop_in_place"' in (earlier / "retrofit.json").read_text()
+
+
+def test_overwrite_replaces_an_earlier_loop_lora_retrofit(parent, tmp_path):
+    from looped_hf.configuration_looped import LoopedConfig
+    from looped_hf.convert.common import LOOPED_MODEL_TYPES
+    from looped_hf.retrofit.loop_lora import LoopLoRAConfig
+
+    assert {LoopedConfig.model_type, LoopLoRAConfig.model_type} <= set(LOOPED_MODEL_TYPES)
+    earlier = tmp_path / "rrt"
+    assert cli_main(["retrofit", str(parent), "--share", "lower", "--blocks", "3", "--lora-rank", "4",
+                     "--out", str(earlier)]) == 0  # fmt: skip
+    assert cli_main(["retrofit", str(parent), "--share", "lower", "--blocks", "2", "--lora-rank", "8",
+                     "--out", str(earlier), "--overwrite"]) == 0  # fmt: skip
+    assert cli_main(["retrofit", str(parent), "--loop-in-place", "--out", str(earlier), "--overwrite"]) == 0
+    assert '"model_type": "looped"' in (earlier / "config.json").read_text()
+    assert not (earlier / "loop_lora.py").exists()  # the folder is replaced, not merged

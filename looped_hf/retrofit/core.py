@@ -73,13 +73,18 @@ def parent_family(config: dict[str, Any], where: Path) -> Family:
 
 def parent_config(parent: Checkpoint) -> Any:
     """The parent's transformers config (its own class: RoPE, GQA and defaults as transformers reads them)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
+
+    from ..fileio import first_line
 
     try:
         return AutoConfig.from_pretrained(parent.folder)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as err:
+        # A config class's validator (e.g. an odd head_dim) wraps the error that names the field.
+        reason = first_line(err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err)
         raise ConversionError(
-            f"{parent.folder / 'config.json'}: transformers cannot read it ({err})"
+            f"{parent.folder / 'config.json'}: transformers cannot read it ({reason})"
         ) from None
 
 
@@ -95,7 +100,7 @@ def looped_config(cfg: Any, family: Family, plan: LayerPlan, *, adapter_init: st
         raise ConversionError(f"--adapter-init={adapter_init!r}: must be one of {ADAPTER_INITS}")
     if state_init not in STATE_INITS:
         raise ConversionError(f"--state-init={state_init!r}: must be one of {STATE_INITS}")
-    fields = family.fields(cfg)
+    fields = family.looped_fields(cfg)
     shared = plan.share is not None
     loop = dict(
         num_prelude_layers=len(plan.prelude), num_recurrent_layers=len(plan.recurrent), num_coda_layers=len(plan.coda),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .family import Family, common_fields, refuse_sliding_window
+from .family import Family, common_fields, no_flag, refuse_sliding_window
 
 
 def llama_fields(cfg: Any) -> dict[str, Any]:
@@ -16,6 +16,8 @@ def llama_fields(cfg: Any) -> dict[str, Any]:
 
 
 LLAMA = Family("llama", ("LlamaForCausalLM",), llama_fields)
-MISTRAL = Family("mistral", ("MistralForCausalLM",), llama_fields)
+MISTRAL = Family("mistral", ("MistralForCausalLM",), llama_fields,
+                 options=(no_flag("attention_bias", "MistralAttention has no projection bias"),
+                          no_flag("mlp_bias", "MistralMLP has no bias")))  # fmt: skip
 
 __all__ = ["LLAMA", "MISTRAL", "llama_fields"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .family import Family, common_fields
+from .family import Family, Option, common_fields, no_flag
 
 
 def olmo2_fields(cfg: Any) -> dict[str, Any]:
@@ -16,6 +16,9 @@ def olmo2_fields(cfg: Any) -> dict[str, Any]:
             "norm_placement": "sublayer_output", "qk_norm": "learnable_projection_before_rope"}  # fmt: skip
 
 
-OLMO2 = Family("olmo2", ("Olmo2ForCausalLM",), olmo2_fields)
+OLMO2 = Family("olmo2", ("Olmo2ForCausalLM",), olmo2_fields,
+               options=(Option("clip_qkv", lambda v: v is None, "OLMo's q/k/v clipping is not in Olmo2Attention nor "
+                                                              "looped_hf (OLMo-2 trains without it)"),
+                        no_flag("mlp_bias", "Olmo2MLP has no bias")))  # fmt: skip
 
 __all__ = ["OLMO2", "olmo2_fields"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .family import Family, common_fields, refuse_sliding_window
+from .family import Family, Option, common_fields, no_flag, refuse_sliding_window
 
 
 def qwen2_fields(cfg: Any) -> dict[str, Any]:
@@ -27,7 +27,18 @@ def qwen3_fields(cfg: Any) -> dict[str, Any]:
             "qk_norm": "learnable_before_rope"}  # fmt: skip
 
 
-QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), qwen2_fields, zero_init=("self_attn.o_proj.bias",))
-QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), qwen3_fields)
+#: Qwen's sliding window, switched on, applies to the layers past ``max_window_layers``: refused by
+#: name whatever the window (looped_hf attends to the whole context).
+SLIDING = Option("use_sliding_window", lambda v: v is not True,
+                 "Qwen's sliding attention window is not a looped_hf option")  # fmt: skip
+QWEN2 = Family("qwen2", ("Qwen2ForCausalLM",), qwen2_fields, zero_init=("self_attn.o_proj.bias",),
+               options=(SLIDING, no_flag("attention_bias", "Qwen2Attention's biases are fixed: q, k, v, not o"),
+                        no_flag("mlp_bias", "Qwen2MLP has no bias")))  # fmt: skip
+QWEN3 = Family(
+    "qwen3",
+    ("Qwen3ForCausalLM",),
+    qwen3_fields,
+    options=(SLIDING, no_flag("mlp_bias", "Qwen3MLP has no bias")),
+)
 
 __all__ = ["QWEN2", "QWEN3", "qwen2_fields", "qwen3_fields"]
