@@ -148,6 +148,22 @@ def test_low_rank_loop_lora_is_not_the_parent_and_shares_keep_their_sources(tmp_
     retrofit(parent, "--share", "average", "--blocks", "2", "--lora-rank", "4", "--out", tmp_path / "low")
     reference, looped = load_pair(parent, tmp_path / "low", trust_remote_code=True)
     assert looped.loop_lora.steps[0][0]["q_proj"].A.shape == (4, 64)
+    # Loop 1's block layer 0 stands for parent layer 2: its q delta is the best rank-4 part of the
+    # residual, what is left its other singular values; its bias delta is the whole residual.
+    theirs, ours = load_file(parent / "model.safetensors"), load_file(tmp_path / "low" / "model.safetensors")
+    residual = (
+        theirs["model.layers.2.self_attn.q_proj.weight"]
+        - ours["model.recurrent_layers.0.self_attn.q_proj.weight"]
+    )
+    pair = looped.loop_lora.steps[1][0]["q_proj"]
+    with torch.no_grad():
+        left = torch.linalg.matrix_norm(residual - pair.B @ pair.A)
+        torch.testing.assert_close(left, torch.linalg.svdvals(residual)[4:].norm(), rtol=1e-4, atol=0)
+        shared_bias = ours["model.recurrent_layers.0.self_attn.q_proj.bias"]
+        torch.testing.assert_close(shared_bias + pair.bias, theirs["model.layers.2.self_attn.q_proj.bias"])
+    assert left > 0.1
+    vectors = json.loads((tmp_path / "low" / "retrofit.json").read_text())["lora"]["vectors"]
+    assert {"input_layernorm.weight", "self_attn.v_proj.bias", "self_attn.o_proj.bias"} <= set(vectors)
     ids = prompts()
     with torch.no_grad():
         assert (looped(ids).logits - reference(ids).logits).abs().max() > 1e-2

@@ -1,7 +1,9 @@
 """``--share ... --lora-rank N``: the RRT retrofit with a per-loop LoRA initialised from the SVD of
 the residual (the Mixture-of-Recursions code's ``relaxation/lora/svd_init.py``: A = V_N^T,
-B = U_N S_N of ``W_parent - W_shared``), written as a folder that loads with
-``trust_remote_code=True`` (``loop_lora.py`` shipped beside the looped model's own remote code)."""
+B = U_N S_N of ``W_parent - W_shared``) and the full delta of every norm scale and projection bias
+(``v_parent - v_shared``: full rank is the parent whatever its per-layer vectors), written as a
+folder that loads with ``trust_remote_code=True`` (``loop_lora.py`` shipped beside the looped
+model's own remote code)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,13 @@ def init_loop_lora(
                     delta.weight.copy_(residual(source, j, f"{path}.weight"))
 
 
+def vector_names(model: LoopLoRAForCausalLM) -> list[str]:
+    """The shared-layer vectors each loop carries a delta of (``retrofit.json`` records them)."""
+    layer = model.model.recurrent_layers[0]
+    biases = [f"{t}.bias" for t in model.config.loop_lora_targets if layer.get_submodule(t).bias is not None]
+    return [f"{path}.weight" for path in norm_keys(layer).values()] + biases
+
+
 def ship_loop_lora_code(folder: Path) -> list[str]:
     """Copy the looped model's remote code and ``loop_lora.py`` into ``folder`` and point its
     ``auto_map`` at the per-loop LoRA classes; returns the file names written."""
@@ -114,11 +123,11 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
                                        own=("loop_lora.",))  # fmt: skip
         init_loop_lora(model, parent, plan, family.zero_init)
         record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
-                          "vectors": sorted(norm_keys(model.model.recurrent_layers[0])) + ["projection biases"],
+                          "vectors": vector_names(model),
                           "vectors_init": "v_parent - v_shared (full, per loop)",
                           "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
         return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
                               extra_files=ship_loop_lora_code)  # fmt: skip
 
 
-__all__ = ["init_loop_lora", "retrofit_shared_lora", "ship_loop_lora_code", "svd_delta"]
+__all__ = ["init_loop_lora", "retrofit_shared_lora", "ship_loop_lora_code", "svd_delta", "vector_names"]
