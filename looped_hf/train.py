@@ -251,7 +251,9 @@ def heldout_loss(
 
     Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
     across processes, so the mean is exact whatever the batch split. `num_recurrences` runs the
-    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.recurrence_curves`).
+    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.recurrence_curves`);
+    left None, the call passes no r at all, so a dense transformers model (a retrofit's parent) is
+    measured on the same held-out blocks by the same loop.
     """
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
@@ -264,7 +266,8 @@ def heldout_loss(
         rows = dataset[indices[start : start + batch_size]]["input_ids"]
         ids = torch.as_tensor(rows, dtype=torch.long, device=device)
         labels = ids.clone()
-        out = model(input_ids=ids, labels=labels, num_recurrences=num_recurrences)
+        at_r = {} if num_recurrences is None else {"num_recurrences": num_recurrences}
+        out = model(input_ids=ids, labels=labels, **at_r)
         loss = out.loss
         if getattr(model.config, "exit_gate_entropy_beta", None) is not None:
             # An exit gate trained with Ouro's objective returns sum_t p_t L_t - beta H(p) as its
