@@ -4,17 +4,17 @@
     python benchmarks/bench_retrofit.py --quick --out /tmp/rq     # a smoke run of every arm (~2 min)
     nice -n 10 python benchmarks/bench_retrofit.py --out runs/bench_retrofit > bench.log 2>&1 &
 
-1. The parent: a dense `LlamaForCausalLM` (transformers' own class; 8 layers, width 128) trained
+1. The parent: a dense `LlamaForCausalLM` (transformers' own class; 10 layers, width 128) trained
    with the plain `transformers.Trainer` on the embedded corpus and its 4096-token BPE, saved with
    its tokenizer in ``OUT/parent`` (made here, never committed; reused when present).
 2. Its extra budget B = ``--extra-fraction`` x the FLOPs of its pretraining, spent by each arm:
    (a) the parent trained on (plain Trainer, the paper's optimizer split built from
        `looped_hf.optim`: Muon 1e-3 on the layers' matrices, AdamW 5e-5 on the rest);
-   (b) ``looped-hf retrofit --layers 2,4,2`` trained with the paper's recipe (`looped_hf.train`:
+   (b) ``looped-hf retrofit --layers 2,4,2`` (layers 0-1 / 4-7 / 8-9, 2-3 dropped) trained with the paper's recipe (`looped_hf.train`:
        curriculum 1 -> 4 over 75% of the steps, 1-sqrt, Poisson-lognormal r, Muon/AdamW split);
-   (c) ``--loop-in-place`` (every layer kept, the middle half looped), the same recipe;
+   (c) ``--loop-in-place`` (every layer kept, the middle span looped), the same recipe;
    (d) (b) with distillation from the parent (a = 0.5, T = 2; the parent's forward counts in B);
-   (e) ``--share stepwise --blocks 4`` (RRT: 4 shared layers looped twice), trained at its r = 2.
+   (e) ``--share stepwise --blocks 5`` (RRT: 5 shared layers looped twice), trained at its r = 2.
    A looped arm's step count is the largest whose exact FLOPs (every step's r is a function of
    the seed and the step, `looped_hf.recurrence`) stay within B.
 3. Held-out loss (the same blocks for every model, `looped_hf.train.heldout_loss`) at r = 1, 2, 4, 8,
@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH, EVAL_BLOCKS = 64, 8, 32
 RS = (1, 2, 4, 8)
 #: The parent (`--quick`: the smoke size).
-PARENT = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4}
-QUICK_PARENT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2}
+PARENT = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 10, "num_attention_heads": 4}
+QUICK_PARENT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 10, "num_attention_heads": 2}
 #: The paper's retrofit recipe (McLeish et al. 2025; recipes/retrofit_tiny.yaml).
 PAPER = {
     "optimizer": "muon", "muon_learning_rate": 1e-3, "learning_rate": 5e-5, "weight_decay": 0.0,
@@ -61,12 +61,12 @@ ARMS = {
     "b": "--layers 2,4,2 + curriculum",
     "c": "--loop-in-place + curriculum",
     "d": "(b) + distillation",
-    "e": "--share stepwise --blocks 4 (r = 2)",
+    "e": "--share stepwise --blocks 5 (r = 2)",
 }
 RETROFITS = {
     "b": ["--layers", "2,4,2"],
     "c": ["--loop-in-place"],
-    "e": ["--share", "stepwise", "--blocks", "4"],
+    "e": ["--share", "stepwise", "--blocks", "5"],
 }
 
 
@@ -282,8 +282,8 @@ def table(rows: list[dict[str, Any]], parent_loss: float, parent: dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/bench_retrofit", help="working folder (parent, arms, results)")
-    parser.add_argument("--parent-steps", type=int, default=400, help="the parent's pretraining steps")
-    parser.add_argument("--extra-fraction", type=float, default=0.25,
+    parser.add_argument("--parent-steps", type=int, default=300, help="the parent's pretraining steps")
+    parser.add_argument("--extra-fraction", type=float, default=0.2,
                         help="extra budget B as a fraction of the parent's pretraining FLOPs")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--arms", default="abcde", help="which arms to run (letters)")
