@@ -66,6 +66,9 @@ from looped_hf.fileio import (
 )
 
 RECIPE_NAME = "recipe.yaml"
+#: The lineage `looped-hf retrofit` writes (parent, its sha256, layer map, method); a run that
+#: starts from such a folder keeps it in its record and its own folder.
+RETROFIT_NAME = "retrofit.json"
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_NAME = "progress.json"
 
@@ -78,7 +81,7 @@ RECORD_KEYS = (
     "seq_len", "num_processes", "config", "recipe", "versions", "wall_time_s", "run_id", "run_dir",
     "learning_rates", "recurrence_sampling", "sampled_recurrences",
     "tokens_per_second", "model_flops_per_second", "mfu", "peak_flops",
-    "init_from", "trainable", "distillation",
+    "init_from", "trainable", "distillation", "retrofit", "parent_loss",
 )  # fmt: skip
 
 
@@ -282,6 +285,28 @@ def heldout_loss(
     model.train(was_training)
     loss_sum, n_tokens = total.tolist()
     return (loss_sum / n_tokens if n_tokens else math.nan), int(n_tokens)
+
+
+def retrofit_lineage(init_from: str | None) -> dict[str, Any] | None:
+    """The `retrofit.json` of the folder a run starts from (None: no folder, or not a retrofit)."""
+    if init_from is None or not (Path(init_from) / RETROFIT_NAME).is_file():
+        return None
+    return json.loads((Path(init_from) / RETROFIT_NAME).read_text(encoding="utf-8"))
+
+
+def parent_heldout_loss(
+    parent_dir: str, dataset: Any, batch_size: int, accelerator: Any = None, model: Any = None
+) -> dict[str, Any]:
+    """``{"path", "loss", "eval_tokens"}`` of a dense transformers parent on ``dataset`` (the run's
+    held-out blocks, `heldout_loss`). ``model``: the parent already loaded (a distillation teacher)."""
+    from transformers import AutoModelForCausalLM
+
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(parent_dir, dtype=torch.float32)
+        if accelerator is not None:
+            model = model.to(accelerator.device)
+    loss, tokens = heldout_loss(model, dataset, batch_size, accelerator)
+    return {"path": str(parent_dir), "loss": loss, "eval_tokens": tokens}
 
 
 def _empty_record(training_args: LoopedTrainingArguments, run_dir: Path) -> dict[str, Any]:
@@ -777,6 +802,15 @@ def train(
         if sampler is not None or resolved.teacher_flops_per_token:
             # The mean over the r actually run (not the planning value at mean r), teacher included.
             record["train_flops_per_token"] = summary["train_flops_per_token"]
+        lineage = retrofit_lineage(training_args.init_from)
+        parent_dir = training_args.distill_from or ((lineage or {}).get("parent") or {}).get("path")
+        record.update(retrofit=lineage, parent_loss=None)
+        if parent_dir is not None and Path(parent_dir).is_dir():
+            # The card's reference line: the dense parent on the same held-out blocks, measured once.
+            record["parent_loss"] = parent_heldout_loss(
+                parent_dir, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator,
+                getattr(trainer, "teacher", None),
+            )  # fmt: skip
         if guard.error is not None:
             record["error"] = guard.error
         elif not math.isfinite(loss):
@@ -786,6 +820,8 @@ def train(
         # Trainer turns the cache off for training; the published model should generate with it.
         model.config.use_cache = True
         trainer.save_model(str(run_dir))
+        if is_main and lineage is not None:  # the folder names its parent, as the retrofit's did
+            write_json_atomic(run_dir / RETROFIT_NAME, lineage)
         if is_main:  # safetensors writes 0600; the run's weights are for whoever may read the run
             for weights in run_dir.glob("model*.safetensors"):
                 weights.chmod(0o666 & ~current_umask())
