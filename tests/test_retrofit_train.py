@@ -3,6 +3,7 @@ the paper's optimizer split, a frozen backbone, LoRA, the teacher's FLOPs, resum
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -300,3 +301,59 @@ def test_a_killed_retrofit_run_resumes_to_the_same_weights_loss_and_flops(
     assert resumed["loss"] == whole["loss"]
     assert resumed["train_flops"] == whole["train_flops"]
     assert resumed["sampled_recurrences"] == whole["sampled_recurrences"]
+
+
+# --- what a user sees afterwards ----------------------------------------------------------------
+def test_a_retrofit_runs_card_shows_the_parent_its_loss_at_every_r_and_scores_beside_the_parents(
+    tiny_recipe, small_corpus, tmp_path
+):
+    """`looped-hf retrofit` -> `looped-hf train --init_from` -> `looped-hf test-time` and `eval` on the
+    run (and test-time on the retrofit folder itself, with --data) -> the card: the parent named
+    by its sha256 and layer map, the loss at every r beside the parent's on the same blocks, and
+    the task scores at every r beside the parent's (`eval` of its loop-in-place retrofit at r = 1)."""
+    from looped_hf.cards.checkpoint import render_checkpoint_card
+    from looped_hf.evaluation.cli import main as eval_main
+    from looped_hf.recurrence_curves import main as test_time_main
+    from looped_hf.retrofit import main as retrofit_main
+
+    torch.manual_seed(2)
+    config = LlamaConfig(
+        vocab_size=_vocab(), hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        head_dim=HEAD_DIM, intermediate_size=FFN, num_hidden_layers=6, max_position_embeddings=128,
+    )  # fmt: skip
+    parent = tmp_path / "parent"
+    LlamaForCausalLM(config).save_pretrained(parent)
+    load_tokenizer("bytes").save_pretrained(parent)
+    assert retrofit_main([str(parent), "--layers", "1,2,1", "--out", str(tmp_path / "retro")]) == 0
+    assert retrofit_main([str(parent), "--loop-in-place", "--out", str(tmp_path / "inplace")]) == 0
+    assert test_time_main([str(tmp_path / "retro"), "--data", str(small_corpus), "--seq-len", "32",
+                           "--eval-blocks", "4", "--max-factor", "2"]) == 0  # fmt: skip
+
+    run = tmp_path / "run"
+    record = train(*parse_recipe(_recipe(tiny_recipe, tmp_path / "retro", max_steps=2, output_dir=str(run))))
+    assert record["status"] == "ok", record.get("traceback")
+    lineage = json.loads((run / "retrofit.json").read_text())
+    assert record["retrofit"] == lineage and lineage["layer_map"]["dropped"] == [1, 2]
+    parent_loss = record["parent_loss"]["loss"]
+    assert math.isfinite(parent_loss) and parent_loss != record["loss"]
+    assert record["parent_loss"]["eval_tokens"] == record["eval_tokens"]  # the same held-out blocks
+
+    assert test_time_main([str(run), "--max-factor", "2"]) == 0
+    tasks = ["--bundle", "builtin", "--tasks", "induction_head", "--max-per-task", "2"]
+    assert eval_main([str(run), *tasks, "--recurrences", "1", "2"]) == 0
+    assert (
+        eval_main([str(tmp_path / "inplace"), *tasks, "--recurrences", "1", "--out", str(tmp_path / "pe")])
+        == 0
+    )
+    card = render_checkpoint_card(record, LoopedForCausalLM.from_pretrained(run), repo_id="me/retro",
+                                  parent_evaluation=tmp_path / "pe" / "eval_results.json").text  # fmt: skip
+    section = card[card.index("## Retrofitted from a dense parent") :]
+    sha = lineage["parent"]["weights_sha256"]["model.safetensors"]
+    assert f"{sha[:16]}..." in section and "recurrent 3-4; coda 5; dropped 1-2 of 6" in section
+    assert f"parent's ({parent_loss:.4f} nats/token" in section
+    curve = json.loads((run / "test_time_scaling.json").read_text())
+    for row in curve["rows"]:
+        delta = f"{round(row['loss'] - parent_loss, 4) + 0.0:+.4f}"
+        assert f"| {row['num_recurrences']} | {row['loss']:.4f} | {parent_loss:.4f} | {delta} |" in section
+    assert "| task | parent | r = 1 | r = 2 |" in section and "| induction_head |" in section
+    assert f"{record['train_flops']:.3g} training FLOPs" in section
