@@ -78,6 +78,9 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
         peak_flops: Dense bf16 peak of ONE training device in FLOP/s, for `mfu`. `None` (default):
             `looped_hf.hardware.device_peak_flops` of the Trainer's device (None on CPUs and GPUs
             it does not list: then no `mfu` is logged).
+        teacher_flops_per_token: Forward FLOPs per token of a distillation teacher
+            (`accounting_looped.teacher_flops_per_token`), added to every training token's count.
+        log_recurrences: add `step_num_recurrences` and `mean_num_recurrences` to training log entries.
     """
 
     def __init__(

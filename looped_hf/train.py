@@ -616,9 +616,32 @@ def describe_check(
         f"  length     {resolved.max_steps:,} optimizer steps x {resolved.step_tokens:,} tokens = {tokens:,} tokens "
         f"({length}); {resolved.flops_per_token:.4g} FLOPs/token, {resolved.flops_per_token * tokens:.4g} FLOPs",
         f"  optimizer  {lrs}; {schedule}; max_grad_norm {training_args.max_grad_norm:g}",
-        f"  output     {training_args.output_dir}",
     ]
+    retrofit = _describe_retrofit(training_args, resolved)
+    if retrofit:
+        lines.append(f"  retrofit   {retrofit}")
+    lines.append(f"  output     {training_args.output_dir}")
     return "\n".join(lines)
+
+
+def _describe_retrofit(training_args: LoopedTrainingArguments, resolved: ResolvedRun) -> str:
+    """The retrofit fields a recipe sets, in one line of `--check` ("" when none is)."""
+    parts = []
+    if training_args.init_from is not None:
+        parts.append(f"starts from {training_args.init_from}")
+    curriculum = curriculum_of(training_args, resolved.config, resolved.max_steps)
+    if curriculum is not None:
+        parts.append(f"mean r {curriculum.start} -> {curriculum.maximum} over the first {curriculum.warmup_steps:,} "
+                     f"steps ({curriculum.shape})")  # fmt: skip
+    if training_args.freeze_backbone:
+        parts.append("trains the injection adapter only")
+    if training_args.lora_rank is not None:
+        parts.append(f"LoRA rank {training_args.lora_rank}, alpha {training_args.lora_alpha:g}")
+    if training_args.distill_from is not None:
+        parts.append(f"distils from {training_args.distill_from} (a {training_args.distill_alpha:g}, "
+                     f"T {training_args.distill_temperature:g}; its forward "
+                     f"{resolved.teacher_flops_per_token:.4g} FLOPs/token counted)")  # fmt: skip
+    return "; ".join(parts)
 
 
 def train(

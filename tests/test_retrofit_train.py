@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_optim import _Crash  # kills a run after a given optimizer step, as the muonh resume test does
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
@@ -115,17 +116,21 @@ def looped_folder(tmp_path: Path) -> Path:
     return folder
 
 
-@pytest.fixture
-def dense_parent(tmp_path: Path) -> Path:
-    """A tiny dense LlamaForCausalLM (transformers' own class) with the bytes vocabulary."""
-    torch.manual_seed(1)
+def _llama_parent(folder: Path, num_layers: int, seed: int) -> Path:
+    """A tiny dense LlamaForCausalLM (transformers' own class) with the bytes tokenizer, saved."""
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=_vocab(), hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-        head_dim=HEAD_DIM, intermediate_size=FFN, num_hidden_layers=2, max_position_embeddings=128,
+        head_dim=HEAD_DIM, intermediate_size=FFN, num_hidden_layers=num_layers, max_position_embeddings=128,
     )  # fmt: skip
-    folder = tmp_path / "parent"
     LlamaForCausalLM(config).save_pretrained(folder)
+    load_tokenizer("bytes").save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def dense_parent(tmp_path: Path) -> Path:
+    return _llama_parent(tmp_path / "parent", num_layers=2, seed=1)
 
 
 def _recipe(tiny_recipe: dict, folder: Path, **changes) -> dict:
@@ -272,15 +277,6 @@ def test_distillation_run_counts_the_teachers_forward_in_the_flops(
     assert math.isfinite(record["loss"])
 
 
-class _Crash(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise RuntimeError("killed")
-
-
 def test_a_killed_retrofit_run_resumes_to_the_same_weights_loss_and_flops(
     tiny_recipe, looped_folder, dense_parent, tmp_path
 ):
@@ -316,14 +312,7 @@ def test_a_retrofit_runs_card_shows_the_parent_its_loss_at_every_r_and_scores_be
     from looped_hf.recurrence_curves import main as test_time_main
     from looped_hf.retrofit import main as retrofit_main
 
-    torch.manual_seed(2)
-    config = LlamaConfig(
-        vocab_size=_vocab(), hidden_size=WIDTH, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-        head_dim=HEAD_DIM, intermediate_size=FFN, num_hidden_layers=6, max_position_embeddings=128,
-    )  # fmt: skip
-    parent = tmp_path / "parent"
-    LlamaForCausalLM(config).save_pretrained(parent)
-    load_tokenizer("bytes").save_pretrained(parent)
+    parent = _llama_parent(tmp_path / "parent", num_layers=6, seed=2)
     assert retrofit_main([str(parent), "--layers", "1,2,1", "--out", str(tmp_path / "retro")]) == 0
     assert retrofit_main([str(parent), "--loop-in-place", "--out", str(tmp_path / "inplace")]) == 0
     assert test_time_main([str(tmp_path / "retro"), "--data", str(small_corpus), "--seq-len", "32",
