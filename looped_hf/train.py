@@ -30,6 +30,7 @@ counts in `train_flops`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -409,6 +410,11 @@ def resolve_run(
             )
     if training_args.recurrence_curriculum != "none":
         check_curriculum(training_args, config)
+    if training_args.lora_rank is not None and importlib.util.find_spec("peft") is None:
+        raise RecipeError(
+            f"LoopedTrainingArguments.lora_rank={training_args.lora_rank}: LoRA needs peft (pip install peft), "
+            "which is not installed"
+        )
     teacher_fpt = 0.0
     if training_args.distill_from is not None:
         teacher_fpt = teacher_flops(training_args.distill_from, config, seq_len)
