@@ -253,14 +253,33 @@ def run_arm(
     return row
 
 
-def table(rows: list[dict[str, Any]], parent_loss: float, parent: dict[str, Any]) -> str:
-    """The markdown table: per arm the mean over seeds +- half their range, FLOPs and tokens."""
+def untrained_curves(out: Path, eval_ds) -> dict[str, dict[str, float]]:
+    """Each retrofit folder's loss at every r before any extra training (the retrofit alone)."""
+    curves = {}
+    for arm in RETROFITS:
+        folder = out / f"retrofit_{arm}"
+        if (folder / "config.json").exists():
+            curves[arm] = curve(folder, eval_ds, looped=True)
+    return curves
+
+
+def table(
+    rows: list[dict[str, Any]],
+    parent_loss: float,
+    parent: dict[str, Any],
+    untrained: dict[str, dict[str, float]],
+) -> str:
+    """The markdown table: per arm the mean over seeds +- half their range, FLOPs and tokens; the
+    retrofits before training at 0 extra FLOPs."""
     lines = [
         "| arm | extra FLOPs | tokens | steps | " + " | ".join(f"loss r={r}" for r in RS) + " |",
         "|---|---|---|---|" + "---|" * len(RS),
         f"| parent before ({parent['steps']} steps, {parent['train_flops']:.3g} FLOPs) | 0 | 0 | 0 | "
         + " | ".join(f"{parent_loss:.3f}" for _ in RS) + " |",
     ]  # fmt: skip
+    for arm, losses in untrained.items():
+        lines.append(f"| retrofit {' '.join(RETROFITS[arm])}, before training | 0 | 0 | 0 | "
+                     + " | ".join(f"{losses[str(r)]:.3f}" for r in RS) + " |")  # fmt: skip
     for arm, name in ARMS.items():
         mine = [r for r in rows if r["arm"] == arm]
         if not mine:
@@ -316,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(row) + "\n")
             print(f"[arm {arm} seed {seed}] {row['steps']} steps, {row['train_flops']:.3g} FLOPs, "
                   f"loss {row['loss']}, {row['wall_s']} s", flush=True)  # fmt: skip
-    text = table(rows, parent_loss, parent)
+    text = table(rows, parent_loss, parent, untrained_curves(out, eval_ds))
     print(f"\nextra budget B = {budget:.3g} FLOPs ({args.extra_fraction:g} x the parent's pretraining)\n")
     print(text)
     (out / "table.md").write_text(text + "\n")
