@@ -248,7 +248,7 @@ class RecurrenceSamplingCallback(TrainerCallback):
             raise TypeError(
                 f"RecurrenceSamplingCallback needs a looped model (config.num_recurrences); got {type(model).__name__}"
             )
-        if getattr(config, "is_recurrence_locked", False) and self.scheme != "fixed":
+        if getattr(config, "is_recurrence_locked", False) and (self.scheme != "fixed" or self.curriculum):
             raise ValueError(
                 f"recurrence_sampling={self.scheme!r}: this model uses input_injection="
                 f"{config.input_injection!r}, whose parameters are indexed by recurrence step; it can only "
