@@ -166,4 +166,30 @@ def inference_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: i
     return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * model.config.num_layer_applications(r))
 
 
-__all__ = ["head_passes", "inference_flops_per_token", "num_scaling_params", "parameter_groups", "training_flops_per_token"]
+def teacher_flops_per_token(teacher: nn.Module, seq_len: int) -> float:
+    """Forward-only FLOPs per token of a dense transformers causal LM (a distillation teacher, run
+    under no_grad): 2 * (N_body + V * d) + 4 * h * q * T per layer, the same count as
+    `inference_flops_per_token` at r = 1. N_body is every parameter but the input embedding and
+    an untied output head (its norms too, as the layers' norms above); the head's matmul is V * d
+    whether or not it is tied. Reads shapes only (a meta-device model serves)."""
+    config = teacher.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    embed = teacher.get_input_embeddings().weight
+    head = teacher.get_output_embeddings()
+    untied_head = head is not None and head.weight is not embed
+    untied = head.weight.numel() if untied_head else 0
+    n_body = sum(p.numel() for p in teacher.parameters()) - embed.numel() - untied
+    vocab, width = int(embed.shape[0]), int(embed.shape[1])
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or width // heads)
+    return float(2 * (n_body + vocab * width) + 4 * heads * head_dim * seq_len * int(text.num_hidden_layers))
+
+
+__all__ = [
+    "head_passes",
+    "inference_flops_per_token",
+    "num_scaling_params",
+    "parameter_groups",
+    "teacher_flops_per_token",
+    "training_flops_per_token",
+]
