@@ -48,8 +48,9 @@ def num_scaling_params(model: nn.Module) -> dict[str, int]:
 
     ``once``, ``recurrent`` and ``embedding`` as ``parameter_groups``; ``lm_head`` apart (a tied
     head counts 0 here: its weights are the embedding's); ``loop_lora`` for a retrofit's per-loop
-    LoRA; ``total``. The scaling law's N_once and N_rec are ``once`` and ``recurrent``. Raises ``RuntimeError`` if a parameter belongs to no
-    group (a module added to the model without a place in the accounting).
+    LoRA; ``total``. The scaling law's N_once and N_rec are ``once`` and ``recurrent``. Raises
+    ``RuntimeError`` if a parameter belongs to no group (a module added to the model without a place
+    in the accounting).
     """
     base = model.model
     groups = {name: sum(p.numel() for p in params) for name, params in parameter_groups(base).items()}
