@@ -1,6 +1,7 @@
 """Llama-shaped parents: ``LlamaForCausalLM`` (Llama 2 / 3 incl. llama3 RoPE scaling, TinyLlama,
 SmolLM) and ``MistralForCausalLM`` (the same layer; its sliding window only where it never
-applies). Pre-norm layers, no QK-norm; ``attention_bias`` / ``mlp_bias`` carry over as they are."""
+applies). Pre-norm layers, no QK-norm; Llama's ``attention_bias`` / ``mlp_bias`` carry over as
+they are; Mistral's classes have no bias, so a config that sets either flag is refused."""
 
 from __future__ import annotations
 
