@@ -2,7 +2,8 @@
 ``norm_placement="sublayer_output"``, the same names: ``post_attention_layernorm`` /
 ``post_feedforward_layernorm``) and one RMSNorm over the whole q (and k) projection before the
 head split and RoPE (``qk_norm="learnable_projection_before_rope"``), as ``looped-hf convert
-retrofit-olmo`` maps the paper's OLMo retrofits."""
+retrofit-olmo`` maps the paper's OLMo retrofits. OLMo's ``clip_qkv`` (not in ``Olmo2Attention``)
+and ``mlp_bias`` (``Olmo2MLP`` has none) are refused when set."""
 
 from __future__ import annotations
 
