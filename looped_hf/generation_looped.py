@@ -204,22 +204,24 @@ def resolve_exit_rule(
 
 
 def coda_predictor(
-    coda_layers: nn.ModuleList, norm: nn.Module, head: Callable[[torch.Tensor], torch.Tensor], coda_start: int,
-    layer_kwargs: dict, num_new_tokens: int,
+    model: nn.Module, head: Callable[[torch.Tensor], torch.Tensor], coda_start: int, layer_kwargs: dict,
+    num_new_tokens: int,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The distribution criteria's decoder: a state's next-token logits through the coda, the final
-    norm and the head (Huginn's), leaving the cache's coda slots as they were (written, then
-    cropped back out)."""
+    """The distribution criteria's decoder: a state's next-token logits as the forward would make
+    them had the loop stopped there (``LoopedModel.step_output``: the norms after the loop and the
+    coda; Huginn's),
+    then the head, leaving the cache's coda slots as they were (written, then cropped back out).
+    ``model`` is the ``LoopedModel``."""
     cache = layer_kwargs.get("cache")
 
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(coda_layers):
+    def coda(x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(model.coda_layers):
             x = layer(x, cache_index=coda_start + i, **layer_kwargs)[0]
             if cache is not None:
                 crop_slot(cache.layers[coda_start + i], num_new_tokens)
-        return head(norm(x))
+        return x
 
-    return predict
+    return lambda state: head(model.step_output(state, coda))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,22 +384,25 @@ class LoopedGenerationMixin(GenerationMixin):
     def logit_lens(self, recurrent_states: tuple[torch.Tensor, ...], through_coda: bool = True) -> list[torch.Tensor]:
         """Decode each intermediate recurrence state to logits (for logit-lens analysis).
 
-        With ``through_coda`` (Huginn's convention) each state runs through the coda, the final
-        norm and the head, as if the loop had stopped there; otherwise only norm + head.
-        No cache is used; pass states from a call without one or of the whole sequence.
+        Each state is decoded as the forward decodes the last one (``LoopedModel.step_output``, the
+        modules after the loop: the post-loop
+        norm, the coda with ``through_coda`` (Huginn's convention), the final norm unless the loop
+        already closed with it, as Ouro's does), then the head; so the lens of the last state is the
+        model's own logits, for every design. ``through_coda=False`` skips only the coda. No cache
+        is used; pass states from a call without one or of the whole sequence.
         """
         base = self.model
-        out = []
-        for state in recurrent_states:
-            h = state
-            if through_coda and len(base.coda_layers):
-                pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-                mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
-                pe = base.rotary_emb(h, pos)
-                for layer in base.coda_layers:
-                    h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)[0]
-            out.append(self.logits_from_hidden(base.norm(h)))
-        return out
+
+        def coda(h: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+            pe = base.rotary_emb(h, pos)
+            for layer in base.coda_layers:
+                h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)[0]
+            return h
+
+        use_coda = coda if through_coda and len(base.coda_layers) else None
+        return [self.logits_from_hidden(base.step_output(state, use_coda)) for state in recurrent_states]
 
     # -----------------------------------------------------------------------------------------
     # generate(): transformers' loop, with two hooks (no second decoding loop)

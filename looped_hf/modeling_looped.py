@@ -64,7 +64,7 @@ from .interface_looped import (
     check_token_ids,
     warn_past_positions,
 )
-from .recurrent_block_looped import LoopedRecurrentBlock
+from .recurrent_block_looped import LoopedRecurrentBlock, LoopNorms, after_loop, loop_norms
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -586,18 +586,9 @@ class LoopedModel(LoopedPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def loop_norms(self) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
-        """(the recurrence norm, the post-loop norm, the norm after the coda), each ``None`` where the
-        config has none, a shared one as the final norm itself (``recurrence_norm_weight`` /
-        ``post_loop_norm`` ``"final"``). When the recurrence norm is the final norm and there is no
-        coda, the loop's last norm already is the final norm: nothing runs after the loop."""
-        config = self.config
-        recurrence = self.recurrence_norm
-        if config.recurrence_norm and config.recurrence_norm_weight == "final":
-            recurrence = self.norm
-        post_loop = self.norm if config.post_loop_norm == "final" else self.post_loop_norm
-        final = None if recurrence is self.norm and config.num_coda_layers == 0 else self.norm
-        return recurrence, post_loop, final
+    def loop_norms(self) -> LoopNorms:
+        """(the recurrence norm, the post-loop norm, the norm after the coda): ``loop_norms``."""
+        return loop_norms(self)
 
     @accepts_past_key_values
     @_select_hidden_states_at_r
@@ -677,25 +668,22 @@ class LoopedModel(LoopedPreTrainedModel):
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
         num_new_tokens = inputs_embeds.shape[1]
-        _, post_loop, final = self.loop_norms()
-        predict = None  # the distribution exit criteria's decoder: [post-loop norm,] coda, norm, head
+        predict = None  # the distribution exit criteria's decoder: after_loop (coda cropped back), head
         if exit_rule is not None and exit_head is not None:
-            predict = coda_predictor(self.coda_layers, final if final is not None else nn.Identity(), exit_head,
-                                     plan.coda(0), layer_kwargs, num_new_tokens)  # fmt: skip
-            if post_loop is not None:
-                predict = _after(post_loop, predict)
+            predict = coda_predictor(self, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
         # The gate reads every recurrence's state, so the loop keeps them when there is one.
         h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states or self.exit_gate is not None)
         exit_probabilities = None
         if self.exit_gate is not None:
             exit_probabilities = exit_gate_probabilities(self.exit_gate, recurrent_states)
-        if post_loop is not None:
-            h = post_loop(h)
-        for j, layer in enumerate(self.coda_layers):
-            h = layer(h, cache_index=plan.coda(j), **layer_kwargs)[0]
-        if final is not None:
-            h = self.norm(h)
+
+        def coda(x: torch.Tensor) -> torch.Tensor:
+            for j, layer in enumerate(self.coda_layers):
+                x = layer(x, cache_index=plan.coda(j), **layer_kwargs)[0]
+            return x
+
+        h = after_loop(self, h, coda)
 
         return LoopedModelOutputWithPast(
             last_hidden_state=h,
@@ -705,19 +693,14 @@ class LoopedModel(LoopedPreTrainedModel):
             exit_probabilities=exit_probabilities,
         )
 
-    def step_output(self, state: torch.Tensor) -> torch.Tensor:
+    def step_output(
+        self, state: torch.Tensor, coda: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """What ``last_hidden_state`` would be if the loop stopped at ``state`` (a recurrence's
-        state; no coda layers: the exit gate's readouts are refused with them): the norms that run
-        after the loop (none for Ouro, whose loop closes with the final norm)."""
-        _, post_loop, final = self.loop_norms()
-        if post_loop is not None:
-            state = post_loop(state)
-        return final(state) if final is not None else state
-
-
-def _after(norm: nn.Module, predict: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``predict`` of the normed state: the exit criteria decode a state as the forward does."""
-    return lambda h: predict(norm(h))
+        state): the modules after the loop (``recurrent_block_looped.after_loop``), with ``coda``
+        running the coda layers as the caller's cache needs (``None``: no coda pass; the exit gate's
+        readouts, refused with coda layers). The logit lens and the exit criteria decode through it."""
+        return after_loop(self, state, coda)
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):

@@ -15,6 +15,7 @@ import), so it imports only torch and the looped modules it names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,46 @@ from torch import nn
 from .configuration_looped import KVSlotPlan
 from .generation_looped import _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
+
+
+class LoopNorms(NamedTuple):
+    """The model-level norms around the loop, each ``None`` where the config has none."""
+
+    recurrence: nn.Module | None  # at the end of every recurrence
+    post_loop: nn.Module | None  # once, after the loop, before the coda
+    final: nn.Module | None  # after the coda, before the head
+
+
+def loop_norms(model: nn.Module) -> LoopNorms:
+    """The one rule for which norms run around the loop, read by name from ``model`` (``LoopedModel``
+    or the vLLM model: ``config``, ``recurrence_norm``, ``post_loop_norm``, ``norm``).
+
+    A norm whose weight is the final norm's (``recurrence_norm_weight`` / ``post_loop_norm``
+    ``"final"``) is the final norm module itself. When the recurrence norm is the final norm and
+    there is no coda, the loop's last norm already is the final norm, so none runs after the coda
+    (Ouro: its ``model.norm`` closes every loop and the last loop's state feeds the head)."""
+    config = model.config
+    recurrence = model.recurrence_norm
+    if config.recurrence_norm and config.recurrence_norm_weight == "final":
+        recurrence = model.norm
+    post_loop = model.norm if config.post_loop_norm == "final" else model.post_loop_norm
+    final = None if recurrence is model.norm and config.num_coda_layers == 0 else model.norm
+    return LoopNorms(recurrence, post_loop, final)
+
+
+def after_loop(
+    model: nn.Module, state: torch.Tensor, coda: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """What the model makes of a loop state before its head: [post-loop norm] -> ``coda`` -> [final
+    norm] (``loop_norms``). The forward, the adaptive-exit criteria, the exit gate's per-step
+    readouts, the logit lens and the vLLM model all decode a state through this one function;
+    ``coda`` runs the coda layers as the caller's cache needs (``None``: no coda pass)."""
+    _, post_loop, final = loop_norms(model)
+    if post_loop is not None:
+        state = post_loop(state)
+    if coda is not None:
+        state = coda(state)
+    return final(state) if final is not None else state
 
 
 class LoopedRecurrentBlock:
@@ -40,11 +81,9 @@ class LoopedRecurrentBlock:
         self.layers = model.recurrent_layers
         self.injection = model.injection
         self.hyperconnection = model.hyperconnection
-        self.recurrence_norm = model.recurrence_norm
-        if self.config.recurrence_norm and self.config.recurrence_norm_weight == "final":
-            # The final norm itself, one weight (Ouro): see ``LoopedModel.loop_norms``. Read by name, as
-            # every module here, so the vLLM model (its own ``norm``) runs this loop too.
-            self.recurrence_norm = model.norm
+        # Own, or the final norm itself (Ouro's one weight): ``loop_norms``, which reads the modules
+        # by name, as everything here, so the vLLM model (its own ``norm``) runs this loop too.
+        self.recurrence_norm = loop_norms(model).recurrence
         self.plan = plan
         self.layer_kwargs = layer_kwargs
         self.cache = layer_kwargs.get("cache")
@@ -180,4 +219,4 @@ class LoopedRecurrentBlock:
         return h, recurrent_states, exit_.used if exit_ is not None else None
 
 
-__all__ = ["LoopedRecurrentBlock"]
+__all__ = ["LoopNorms", "LoopedRecurrentBlock", "after_loop", "loop_norms"]

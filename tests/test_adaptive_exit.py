@@ -123,9 +123,27 @@ def criterion_values(model: LoopedForCausalLM, x: torch.Tensor, criterion: str) 
     return torch.stack(values, dim=1)
 
 
+# Designs whose decoding of a state differs (the reference decodes through ``logit_lens``, which
+# must run what the forward runs after the loop): the study's, and a post-loop norm that is the
+# final norm's weight before the coda (Huginn's ln_f), with trained-looking (random) norm weights.
+EXIT_DESIGNS = {"study": {}, "post_loop_final_norm": {"post_loop_norm": "final", "norm_placement": "sandwich"}}
+
+
+def _design_model(design: str) -> LoopedForCausalLM:
+    model = model_(**EXIT_DESIGNS[design])
+    if design != "study":
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("design", EXIT_DESIGNS)
 @pytest.mark.parametrize("criterion", EXIT_CRITERIA)
-def test_each_token_stops_at_the_first_recurrence_where_its_criterion_fires(criterion: str) -> None:
-    model = model_()
+def test_each_token_stops_at_the_first_recurrence_where_its_criterion_fires(criterion: str, design: str) -> None:
+    model = _design_model(design)
     x = ids(batch=16, length=1, seed=3)
     values = criterion_values(model, x, criterion)
     fires_on = (lambda v, t: v >= t) if criterion == "argmax_stability" else (lambda v, t: v < t)
