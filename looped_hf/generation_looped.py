@@ -179,7 +179,7 @@ def resolve_exit_rule(
         return None
     name, _, minimum = rule
     if minimum > r:
-        raise ValueError(f"min_recurrences={minimum} exceeds num_recurrences={r} (the cap on recurrences per token)")
+        raise ValueError(f"min_recurrences={minimum}: exceeds num_recurrences={r}, the cap on recurrences per token")
     if name in _HEAD_CRITERIA and head is None:
         raise ValueError(
             f"exit_criterion={name!r} reads the next-token distribution, so it needs the LM head: call "

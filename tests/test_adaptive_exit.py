@@ -346,9 +346,10 @@ def test_a_bad_exit_setting_is_refused_in_the_config_and_per_call(overrides: dic
 
 def test_exit_refuses_what_it_cannot_honour() -> None:
     model, x = model_(), ids()
-    with pytest.raises(ValueError, match="min_recurrences=6 exceeds num_recurrences=5"):
+    # One rule, one message: the call's and the config's refusal say the same.
+    with pytest.raises(ValueError, match="^min_recurrences=6: exceeds num_recurrences=5, the cap on recurrences per token$"):
         model(x, exit_criterion="kl", min_recurrences=6)
-    with pytest.raises(ValueError, match="LoopedConfig.min_recurrences=6: exceeds num_recurrences=5"):
+    with pytest.raises(ValueError, match="^LoopedConfig.min_recurrences=6: exceeds num_recurrences=5, the cap on recurrences per token$"):
         tiny_looped_config(num_recurrences=5, exit_criterion="kl", min_recurrences=6)
     with pytest.raises(ValueError, match="output_hidden_states"):
         model(x, exit_criterion="cosine", output_hidden_states=True)
