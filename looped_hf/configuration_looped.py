@@ -26,7 +26,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
@@ -254,61 +254,6 @@ def tensor_parallel_plan(
         for stack in stacks
         for module, style in modules
     }
-
-
-@dataclass(frozen=True)
-class KVSlotPlan:
-    """Which KV-cache slot each layer application of one forward writes and reads.
-
-    The one place that owns the looped cache layout, shared by ``modeling_looped`` (transformers'
-    ``Cache``) and the vLLM model (one ``Attention`` per slot): prelude layer j -> slot j; block
-    layer j at recurrence i (0-based) -> slot P + (i mod k)*K + j (the study's nanochat/gpt.py
-    ``_get_kv_layer_idx``); coda layer j -> slot P + k*K + j. k = min(kv_budget, r), so with no
-    budget every layer application owns a slot (P + r*K + C in all).
-    """
-
-    num_prelude: int
-    num_recurrent: int
-    num_coda: int
-    num_recurrences: int
-    kv_budget: int  # effective: min(k, r)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_prelude + self.kv_budget * self.num_recurrent + self.num_coda
-
-    @property
-    def shares_slots(self) -> bool:
-        """True when a later recurrence overwrites an earlier one's slot (kv_budget < r)."""
-        return self.kv_budget < self.num_recurrences
-
-    def prelude(self, j: int) -> int:
-        return j
-
-    def block(self, step: int, j: int) -> int:
-        return self.num_prelude + (step % self.kv_budget) * self.num_recurrent + j
-
-    def coda(self, j: int) -> int:
-        return self.num_prelude + self.kv_budget * self.num_recurrent + j
-
-    def overwritten(self, step: int) -> bool:
-        """Whether a later recurrence of the same forward writes recurrence ``step``'s slots again
-        (step < r - k): its KV serves its own tokens only and is cropped back out of the cache."""
-        return step < self.num_recurrences - self.kv_budget
-
-    def block_layer(self, slot: int) -> int:
-        """The block layer j that writes ``slot`` (a block slot: P <= slot < P + k*K)."""
-        return (slot - self.num_prelude) % self.num_recurrent
-
-    def applications(self) -> Iterator[tuple[str, int, int, int]]:
-        """Every layer application in forward order: (stack, recurrence step or 0, layer j, slot)."""
-        for j in range(self.num_prelude):
-            yield "prelude", 0, j, self.prelude(j)
-        for step in range(self.num_recurrences):
-            for j in range(self.num_recurrent):
-                yield "recurrent", step, j, self.block(step, j)
-        for j in range(self.num_coda):
-            yield "coda", 0, j, self.coda(j)
 
 
 @_one_line_errors
@@ -727,15 +672,14 @@ class LoopedConfig(PreTrainedConfig):
         none means every recurrence keeps its slots, k = r). See ``kv_budget``."""
         return self.slot_plan(num_recurrences, kv_budget).num_slots
 
-    def slot_plan(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> KVSlotPlan:
+    def slot_plan(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> Any:
         """The KV-cache layout of a call at ``num_recurrences`` (default: r) with ``kv_budget``
-        (default: the config's; none: every recurrence keeps its slots). Raises ``ValueError``
-        naming the field and the value."""
-        r = self.num_recurrences if num_recurrences is None else check_override("num_recurrences", num_recurrences, R_RULE)
-        k = self.kv_budget if kv_budget is None else check_override("kv_budget", kv_budget, KV_BUDGET_RULE)
-        if k is None:
-            k = r
-        return KVSlotPlan(self.num_prelude_layers, self.num_recurrent_layers, self.num_coda_layers, r, min(k, r))
+        (default: the config's; none: every recurrence keeps its slots): a ``KVSlotPlan``, which
+        lives with the cache code that uses it (``generation_looped.py``; imported here on use, so
+        loading a config imports no torch). Raises ``LoopedConfigError`` naming the value."""
+        from .generation_looped import KVSlotPlan
+
+        return KVSlotPlan.for_call(self, num_recurrences, kv_budget)
 
     def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
         """The r of a call: ``num_recurrences`` (default: the config's) as a Python int, checked.
@@ -848,4 +792,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["KVSlotPlan", "MAX_NUM_RECURRENCES", "MAX_PARAMETERS", "MAX_UNIQUE_LAYERS", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["MAX_NUM_RECURRENCES", "MAX_PARAMETERS", "MAX_UNIQUE_LAYERS", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_looped import KVSlotPlan, LoopedConfig
-from .generation_looped import _AdaptiveExit, _ExitKV
+from .configuration_looped import LoopedConfig
+from .generation_looped import KVSlotPlan, _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
 
 
