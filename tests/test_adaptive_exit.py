@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
+from test_logit_lens import with_random_norms
 from transformers import DynamicCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM, LoopedModel
@@ -131,13 +132,7 @@ EXIT_DESIGNS = {"study": {}, "post_loop_final_norm": {"post_loop_norm": "final",
 
 def _design_model(design: str) -> LoopedForCausalLM:
     model = model_(**EXIT_DESIGNS[design])
-    if design != "study":
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-    return model
+    return with_random_norms(model) if design != "study" else model
 
 
 @pytest.mark.parametrize("design", EXIT_DESIGNS)

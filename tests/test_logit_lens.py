@@ -38,6 +38,7 @@ DESIGNS = {
 
 
 def with_random_norms(model: LoopedForCausalLM, seed: int = 7) -> LoopedForCausalLM:
+    """``model`` with every norm weight drawn around 1 (as trained norms are), in place."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
