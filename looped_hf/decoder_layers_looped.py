@@ -41,7 +41,6 @@ class LoopedRMSNorm(nn.Module):
         return self.weight * normed.to(input_dtype)
 
 
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
@@ -107,7 +106,12 @@ class LoopedAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        d, h, kv, bias = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        d, h, kv, bias = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attention_bias,
+        )
         # qk_bias (Huginn): q and k get a bias, v and o do not. The projection's own bias adds the same
         # vector right after the matmul, before any QK-norm and RoPE, where Huginn adds it.
         self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias or config.qk_bias)
@@ -210,7 +214,12 @@ class LoopedDecoderLayer(CheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         residual = hidden_states
         attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            cache,
+            cache_index,
+            **kwargs,
         )
         hidden_states = residual + attn
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -227,7 +236,12 @@ class LoopedSandwichDecoderLayer(LoopedDecoderLayer):
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
                 **kwargs):  # fmt: skip
         attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            cache,
+            cache_index,
+            **kwargs,
         )
         hidden_states = self.post_attention_residual_layernorm(attn + hidden_states)
         hidden_states = self.post_feedforward_residual_layernorm(
@@ -262,7 +276,12 @@ class LoopedPreAndOutputNormDecoderLayer(LoopedDecoderLayer):
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
                 **kwargs):  # fmt: skip
         attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            cache,
+            cache_index,
+            **kwargs,
         )
         hidden_states = hidden_states + self.post_attention_layernorm(attn)
         hidden_states = hidden_states + self.post_feedforward_layernorm(
