@@ -8,7 +8,7 @@ vLLM's compile fusions match); the QK-norm variants are Qwen3's (per head) and O
 whole projection). Only the loop and the KV slot plan are looped_hf's: the loop is modeling_looped's
 own ``LoopedRecurrentBlock`` (initial state, injection, hyperconnection lanes, recurrence norm), its
 block layers run on the layers here; the embedding multiplier, the post-loop norm, a recurrence
-norm that is the final norm (``LoopedModel.loop_norms``) and Ouro's exit gate (its "threshold"
+norm that is the final norm (``recurrent_block_looped.loop_norms``) and Ouro's exit gate (its "threshold"
 readout: each token's state at its exit step, picked after the loop) run as in ``generate()``.
 
 Each ``norm_placement`` is a decoder-layer class here with the norms of modeling_looped's class of
@@ -89,14 +89,14 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from ..configuration_looped import LoopedConfig
-from ..modeling_looped import (
-    DECODER_LAYERS,
-    LoopedHyperConnection,
-    LoopedModel,
+from ..decoder_layers_looped import DECODER_LAYERS
+from ..recurrent_block_looped import (
+    LoopedRecurrentBlock,
+    after_loop,
+    build_loop_modules,
     exit_gate_probabilities,
-    threshold_exit_steps,
+    threshold_readout,
 )
-from ..recurrent_block_looped import LoopedRecurrentBlock
 from . import check_servable
 from .plugin import budget_setting_problems
 
@@ -382,22 +382,12 @@ class LoopedVllmModel(nn.Module):
         self.prelude_layers = stack("prelude_layers", config.num_prelude_layers)
         self.recurrent_layers = stack("recurrent_layers", config.num_recurrent_layers)
         self.coda_layers = stack("coda_layers", config.num_coda_layers)
-        self.injection = None
-        if config.input_injection == "linear":
-            self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.hyperconnection = (
-            LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
-        )
-        # The norms under LoopedModel's names and sharing (a "final" norm is model.norm itself, no
-        # module of its own): see LoopedModel.loop_norms, which the forward calls on this model.
-        own = config.recurrence_norm and config.recurrence_norm_weight == "own"
-        self.recurrence_norm = norm() if own else None
-        self.post_loop_norm = norm() if config.post_loop_norm == "own" else None
-        self.norm = norm()
+        # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
+        # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
+        build_loop_modules(self, config, norm)
         # Ouro's exit gate. Its "threshold" readout picks each token's state at its exit step after the
         # loop (every recurrence runs and writes its KV either way, as in generate()): exact, at the
         # engine's r. "last" reads the r-th state; "weighted" is refused (check_servable).
-        self.exit_gate = nn.Linear(config.hidden_size, 1, bias=True) if config.exit_gate else None
         self.exit_threshold = None
         if config.exit_gate and config.exit_gate_output == "threshold":
             self.exit_threshold = float(config.exit_gate_threshold)
@@ -405,8 +395,6 @@ class LoopedVllmModel(nn.Module):
             _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}") for slot in range(self.plan.num_slots)
         )
         self.loop = _VllmRecurrentBlock(self)  # not a module: it runs the modules above by name
-
-    loop_norms = LoopedModel.loop_norms  # (recurrence, post-loop, final) norm, from the same attributes
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -428,23 +416,19 @@ class LoopedVllmModel(nn.Module):
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, self.kv_slots[plan.prelude(j)].attn)
         h, states = self.loop.run(h, positions, keep_states=self.exit_threshold is not None)
-        _, post_loop, final = self.loop_norms()
         if self.exit_threshold is not None:
-            # generate()'s threshold readout (LoopedForCausalLM._exit_gate_readout), per token: the
+            # generate()'s threshold readout (threshold_readout, as LoopedForCausalLM's), per token: the
             # state at the first step whose exit CDF reaches the threshold (no coda: the config refuses
             # one with this readout). The norms after the loop are row-wise, so they run on the pick.
             probabilities = exit_gate_probabilities(self.exit_gate, states)
-            steps = threshold_exit_steps(probabilities, self.exit_threshold)
-            h = (
-                torch.stack(states, dim=1)
-                .gather(1, steps.view(-1, 1, 1).expand(-1, 1, h.shape[-1]))
-                .squeeze(1)
-            )
-        if post_loop is not None:
-            h = post_loop(h)
-        for j, layer in enumerate(self.coda_layers):
-            h = layer(h, positions, self.kv_slots[plan.coda(j)].attn)
-        return self.norm(h) if final is not None else h
+            h, _ = threshold_readout(states, probabilities, self.exit_threshold)
+
+        def coda(x: torch.Tensor) -> torch.Tensor:
+            for j, layer in enumerate(self.coda_layers):
+                x = layer(x, positions, self.kv_slots[plan.coda(j)].attn)
+            return x
+
+        return after_loop(self, h, coda)  # the modules after the loop, as LoopedModel's forward
 
 
 class LoopedForCausalLM(nn.Module, SupportsLoRA):
