@@ -51,18 +51,17 @@ if TYPE_CHECKING:
     from .recurrence import RecurrenceSamplingCallback
     from .trainer import LoopedTrainer
 
-# The model's public names: bound in this module by `register()`, which reading one runs first.
-_MODEL_NAMES = frozenset(
-    {
-        "LoopedConfig",
-        "LoopedModel",
-        "LoopedPreTrainedModel",
-        "LoopedForCausalLM",
-        "LoopedForSequenceClassification",
-        "LoopedForTokenClassification",
-        "LoopedForQuestionAnswering",
-    }
-)
+# The model's public names -> their module: bound in this module by `register()`, which reading one
+# runs first.
+_MODEL_NAMES = {
+    "LoopedConfig": "configuration_looped",
+    "LoopedModel": "modeling_looped",
+    "LoopedPreTrainedModel": "modeling_looped",
+    "LoopedForCausalLM": "modeling_looped",
+    "LoopedForSequenceClassification": "modeling_looped",
+    "LoopedForTokenClassification": "modeling_looped",
+    "LoopedForQuestionAnswering": "modeling_looped",
+}
 # Public names registration does not need -> their submodule, loaded on first access.
 _LAZY = {
     "LoopedComputeCallback": "callback",
@@ -97,7 +96,6 @@ def register() -> None:
         LoopedForSequenceClassification,
         LoopedForTokenClassification,
         LoopedModel,
-        LoopedPreTrainedModel,
     )
 
     AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
@@ -114,13 +112,7 @@ def register() -> None:
         auto.register(LoopedConfig, model, exist_ok=True)
         model.register_for_auto_class(auto.__name__)
     globals().update(
-        LoopedConfig=LoopedConfig,
-        LoopedModel=LoopedModel,
-        LoopedPreTrainedModel=LoopedPreTrainedModel,
-        LoopedForCausalLM=LoopedForCausalLM,
-        LoopedForSequenceClassification=LoopedForSequenceClassification,
-        LoopedForTokenClassification=LoopedForTokenClassification,
-        LoopedForQuestionAnswering=LoopedForQuestionAnswering,
+        {name: getattr(sys.modules[f"{__name__}.{module}"], name) for name, module in _MODEL_NAMES.items()}
     )
     _registered = True
 
@@ -150,6 +142,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_MODEL_NAMES, *_LAZY})
 
 
+# Spelled out (not built from the tables above) so that type checkers and IDEs read it.
 __all__ = [
     "LoopedConfig",
     "LoopedModel",

@@ -249,3 +249,10 @@ def test_family_recipe_copy_name_is_the_sweeps() -> None:
     from looped_hf.sweep import RECIPE_COPY as SWEEP_RECIPE_COPY
 
     assert RECIPE_COPY == SWEEP_RECIPE_COPY
+
+
+def test_every_public_name_is_bound_on_first_use() -> None:
+    import looped_hf
+
+    assert set(looped_hf.__all__) == {*looped_hf._MODEL_NAMES, *looped_hf._LAZY, "register", "__version__"}
+    assert all(getattr(looped_hf, name) is not None for name in looped_hf.__all__)
