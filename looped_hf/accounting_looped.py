@@ -115,7 +115,7 @@ def _flops_terms(
     norms = (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None), base.norm)
     scalars = sum(p.numel() for m in norms if m is not None for p in m.parameters())
     # The exit gate reads every recurrence but the last (the last step takes the remainder of the
-    # exit distribution whatever its gate says: modeling_looped.exit_gate_probabilities), so it
+    # exit distribution whatever its gate says: recurrent_block_looped.exit_gate_probabilities), so it
     # runs r - 1 times, not r as N_rec does. The step it skips is the last, which always carries
     # gradient, so taking its parameters off the once-per-token term (6x in training, 2x in
     # inference) is exact. A FlopCounterMode check is in tests/test_probes.py.

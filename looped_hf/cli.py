@@ -2,7 +2,8 @@
 
 Each subcommand lives with the module that owns its work and exposes ``main(argv) -> int``;
 this file only routes, so the numpy-only commands (``fit``, a cached ``plan``) need no torch of
-their own (``import looped_hf`` imports it where installed, to register the Auto classes).
+their own. The ``looped-hf`` console script enters through ``looped_hf_launcher``, which keeps
+``import looped_hf`` from registering the Auto classes (torch and transformers) for those commands.
 New knobs belong in recipes (YAML), not in new flags here.
 """
 

@@ -318,7 +318,7 @@ def test_the_slot_plan_is_the_studys_layout_and_knows_its_overwritten_recurrence
         assert slot == want
         last[slot] = (stack, step)
         if stack == "recurrent":
-            assert plan.block_layer(slot) == j
+            assert plan.layer_of_slot(slot) == j
     for step in range(r):
         rewritten = any(s > step and s % kk == step % kk for s in range(r))
         assert plan.overwritten(step) == rewritten

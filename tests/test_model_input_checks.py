@@ -14,7 +14,7 @@ from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
 from transformers import GPT2Config
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
-from looped_hf.configuration_looped import RECURRENCE_CEILING_FACTOR
+from looped_hf.configuration_looped import MAX_NUM_RECURRENCES, RECURRENCE_CEILING_FACTOR, LoopedConfigError
 
 NAN, INF = math.nan, math.inf
 
@@ -44,6 +44,72 @@ NAN, INF = math.nan, math.inf
 def test_a_value_that_cannot_work_is_refused_naming_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"LoopedConfig\.{field}={value!r}".replace("[", r"\[").replace("(", r"\(")):
         tiny_looped_config(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("num_recurrences", 10**12, "exceeds MAX_NUM_RECURRENCES=4096"),
+        ("num_recurrences", MAX_NUM_RECURRENCES + 1, "exceeds MAX_NUM_RECURRENCES=4096"),
+        ("max_recurrences", 10**6, "exceeds MAX_NUM_RECURRENCES=4096"),
+        ("hidden_size", 10**9, r"the model would have ~.* parameters, over the bound of 1e\+13 \(MAX_PARAMETERS"),
+        ("vocab_size", 10**12, r"the model would have ~.* parameters, over the bound of 1e\+13"),
+        ("num_recurrent_layers", 10**8, r"the model would have 100000002 unique layers, over the bound of 4096"),
+        ("intermediate_size", 10**13, r"the model would have ~.* parameters, over the bound of 1e\+13"),
+        ("tie_word_embeddings", "false", "expected bool"),
+        ("tie_word_embeddings", 1, "expected bool"),
+    ],
+)  # fmt: skip
+def test_a_config_the_model_could_never_run_or_allocate_is_refused_in_one_line(field, value, why):
+    # As a converted config.json would carry it: from_dict, and the constructor, refuse it alike.
+    # (A converted config.json names the sizes it has; the rest derive from them, as here.)
+    derived = ("intermediate_size", "head_dim", "num_key_value_heads", "num_hidden_layers")
+    saved = {k: v for k, v in tiny_looped_config().to_dict().items() if k not in derived}
+    for build in (lambda: LoopedConfig.from_dict(saved | {field: value}),
+                  lambda: tiny_looped_config(**{field: value})):  # fmt: skip
+        with pytest.raises(LoopedConfigError, match=rf"^LoopedConfig\.{field}={value!r}: {why}") as err:
+            build()
+        assert "\n" not in str(err.value)
+    assert MAX_NUM_RECURRENCES >= 64 * 64  # generous: 64 x the largest trained r of a published looped model
+
+
+def test_the_largest_allowed_r_is_accepted_in_the_config_and_per_call():
+    config = tiny_looped_config(num_recurrences=MAX_NUM_RECURRENCES, max_recurrences=MAX_NUM_RECURRENCES)
+    assert config.recurrence_ceiling == MAX_NUM_RECURRENCES
+    # 64 x r past the bound: the ceiling is the bound, named as such, without a pointer to max_recurrences.
+    big = tiny_looped_config(num_recurrences=100)
+    assert big.recurrence_ceiling == MAX_NUM_RECURRENCES
+    with pytest.raises(ValueError, match=r"ceiling of 4096 recurrences \(MAX_NUM_RECURRENCES=4096\).*num_recurrences=100$"):
+        big.resolve_num_recurrences(MAX_NUM_RECURRENCES + 1)
+
+
+@pytest.mark.parametrize(
+    "keyword, value",
+    [("num_recurrences", 0), ("num_recurrences", -3), ("kv_budget", 0), ("min_recurrences", 0),
+     ("exit_gate_threshold", 1.5), ("exit_gate_threshold", -0.5), ("exit_gate_threshold", NAN)],
+)  # fmt: skip
+def test_a_per_call_value_is_refused_in_the_words_of_its_config_field(keyword, value):
+    # One rule, one message: forward's keyword and the config field run the field's own rule.
+    # (A value of the wrong type is refused by the field's type first; per call, by the rule's words.)
+    gated = {"exit_gate": True, "num_coda_layers": 0} if keyword == "exit_gate_threshold" else {}
+    extra = {"exit_criterion": "cosine"} if keyword == "min_recurrences" else {}
+    with pytest.raises(LoopedConfigError) as field_err:
+        tiny_looped_config(**gated, **{keyword: value})
+    model = tiny_looped_model(**gated)
+    with pytest.raises(LoopedConfigError) as call_err:
+        model(torch.full((1, 3), 3), **extra, **{keyword: value})
+    assert str(field_err.value) == f"LoopedConfig.{call_err.value}"
+    assert str(call_err.value).startswith(f"{keyword}={value!r}: must be ")
+
+
+@pytest.mark.parametrize(
+    "keyword, value", [("num_recurrences", 2.5), ("num_recurrences", "3"), ("kv_budget", True), ("min_recurrences", 1.0)]
+)
+def test_a_per_call_value_of_the_wrong_type_is_refused_in_one_line(keyword, value):
+    extra = {"exit_criterion": "cosine"} if keyword == "min_recurrences" else {}
+    with pytest.raises(LoopedConfigError, match=rf"^{keyword}={value!r}: must be an integer >= 1") as err:
+        tiny_looped_model()(torch.full((1, 3), 3), **extra, **{keyword: value})
+    assert "\n" not in str(err.value)
 
 
 def test_rope_theta_must_be_positive():

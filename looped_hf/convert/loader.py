@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from .. import fileio
+from ..configuration_looped import MAX_NUM_RECURRENCES
 from ..fileio import CheckpointError, check_safetensors, first_line, sha256_file
 from .common import ConversionError
 
@@ -93,10 +94,6 @@ ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-#: The largest trained r a converted config may carry, unless configuration_looped names its own
-#: ceiling: each recurrence is K layer applications per token, so a config.json saying r = 10**12
-#: converts into a model whose forward never ends. Published looped models train at r <= 64.
-FALLBACK_MAX_RECURRENCES = 1024
 #: safetensors' dtype names (a header's "dtype") -> torch.
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -107,11 +104,9 @@ _SAFETENSORS_DTYPES = {
 
 def max_num_recurrences() -> int:
     """The largest trained ``num_recurrences`` a converter accepts: ``LoopedConfig``'s own ceiling
-    (``configuration_looped.MAX_NUM_RECURRENCES``) where it defines one, else
-    ``FALLBACK_MAX_RECURRENCES``."""
-    from looped_hf import configuration_looped
-
-    return int(getattr(configuration_looped, "MAX_NUM_RECURRENCES", FALLBACK_MAX_RECURRENCES))
+    (``MAX_NUM_RECURRENCES``), so a config.json saying r = 10**12 is refused here, naming its file,
+    rather than by the config after the mapping (each recurrence is K layer applications per token)."""
+    return MAX_NUM_RECURRENCES
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,7 +539,6 @@ def _tokenizer_size(files: tuple[Path, ...], vocab_size: int) -> int:
 
 
 __all__ = [
-    "FALLBACK_MAX_RECURRENCES",
     "HF_BOOKKEEPING_KEYS",
     "ROPE_REQUIRED_KEYS",
     "TOKENIZER_FILES",

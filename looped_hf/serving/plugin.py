@@ -8,11 +8,12 @@ It makes three things known to vLLM:
   ``auto_map`` names remote code, which transformers prefers only when the type is unknown);
 - architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
   process that builds the model);
-- a config hook (vLLM's ``MODELS_CONFIG_MAP``, run when the engine's config is made, in the process
-  the user started) that refuses what cannot be served with one clear line, and, for a
-  ``kv_budget`` below r, turns off the two scheduler features that would split tokens into forward
-  calls differently from ``generate()`` (see ``vllm_model``'s docstring): prefix caching and
-  chunked prefill. It also adds the engine's request guard (below) to its logits processors.
+- a config hook (run when the engine's config is made, in the process the user started) that
+  refuses what cannot be served with one clear line, and, for a ``kv_budget`` below r, turns off
+  the two scheduler features that would split tokens into forward calls differently from
+  ``generate()`` (see ``vllm_model``'s docstring): prefix caching and chunked prefill. It also adds
+  the engine's request guard (below) to its logits processors. vLLM has no public way to register
+  such a hook (``_register_config_hook`` says why it is still needed, and where it goes).
 
 r and kv_budget are per engine, and a request that asks for another is refused, never served at the
 engine's r in silence. Two guards do it:
@@ -47,13 +48,32 @@ from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
 logger = logging.getLogger(__name__)
 
 
-def _budget_settings(vllm_config) -> None:
-    """With kv_budget < r a token's KV at a shared slot depends on which tokens shared its forward
-    call, so prompts must be prefilled whole, and never from another request's cached prefix."""
+def budget_setting_problems(vllm_config) -> list[str]:
+    """The engine settings that would serve a ``kv_budget`` below r other than ``generate()`` does,
+    one line each naming the setting and its fix (empty: none, or every slot its own). With kv_budget
+    < r a token's KV at a shared slot depends on which tokens shared its forward call, so prompts
+    must be prefilled whole, and never from another request's cached prefix. The config hook turns
+    these off; the model refuses an engine that still has them (a vLLM that did not run the hook)."""
     config = vllm_config.model_config.hf_config
-    plan = config.slot_plan()
-    if not plan.shares_slots:
+    if not config.slot_plan().shares_slots:
+        return []
+    why = f"with kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences} prompts are prefilled whole"
+    settings = {
+        "enable_prefix_caching": vllm_config.cache_config.enable_prefix_caching,
+        "enable_chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
+    }
+    return [
+        f"{name}=True: {why}, as generate() does; pass {name}=False (--no-{name.replace('_', '-')})"
+        for name, on in settings.items()
+        if on
+    ]
+
+
+def _budget_settings(vllm_config) -> None:
+    """Turn off what ``budget_setting_problems`` names, and let a whole prompt fit one call."""
+    if not budget_setting_problems(vllm_config):
         return
+    config = vllm_config.model_config.hf_config
     why = f"kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences}"
     cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
     if cache_config.enable_prefix_caching:
@@ -259,15 +279,45 @@ class LoopedConfigHook:
         return None
 
 
+def _register_config_hook() -> None:
+    """Add ``LoopedConfigHook`` to the per-architecture config hooks vLLM runs when it makes an
+    engine's config (idempotent).
+
+    vLLM (0.32) has no public way to do this: its own models' hooks live in the table
+    ``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, read once per engine in the user's
+    process, and there is no function to register one (``ModelRegistry.register_model`` takes the
+    model class only, and vLLM reads no engine setting from a model class or its config). The hook
+    is still needed, because two of its three jobs have no other place:
+
+    - turning prefix caching and chunked prefill off for an engine with kv_budget < r must happen
+      before the scheduler is made, and only the engine's config reaches it. Without the hook,
+      ``vllm.LLM(FOLDER, hf_overrides={"kv_budget": 2})`` could only be refused and the flags asked
+      for (the model does exactly that when the hook did not run: ``budget_setting_problems``);
+    - the request guard is a logits processor whose name carries the engine's r and kv_budget, so it
+      must be added per engine; vLLM's public ``vllm.logits_processors`` entry point applies one
+      class to every engine and model, and its ``validate_params`` sees the request only;
+    - the servability check needs no hook: the model checks again when it is built (in the engine
+      process), the hook only gives the refusal before vLLM starts its workers.
+
+    So the one entry is written there, by ``setdefault`` (an entry vLLM itself might add one day
+    wins), and a vLLM without the table gets no hook rather than a plugin that fails to load."""
+    try:
+        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    except ImportError:
+        logger.warning("looped_hf: this vLLM has no MODELS_CONFIG_MAP; a kv_budget < r needs prefix caching and "
+                       "chunked prefill turned off by hand")  # fmt: skip
+        return
+    MODELS_CONFIG_MAP.setdefault(VLLM_ARCHITECTURE, LoopedConfigHook)
+
+
 def register() -> None:
     """Register the looped config, model and config hook with vLLM (idempotent)."""
     from transformers import AutoConfig
     from vllm import ModelRegistry
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from ..configuration_looped import LoopedConfig
 
     AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
     if VLLM_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(VLLM_ARCHITECTURE, VLLM_MODEL_CLASS)
-    MODELS_CONFIG_MAP[VLLM_ARCHITECTURE] = LoopedConfigHook
+    _register_config_hook()
