@@ -32,10 +32,12 @@ from torch import nn
 
 try:  # in a saved folder: this file sits beside the looped model's own remote code
     from .configuration_looped import LoopedConfig
-    from .modeling_looped import LoopedForCausalLM, LoopedRMSNorm
+    from .decoder_layers_looped import LoopedRMSNorm
+    from .modeling_looped import LoopedForCausalLM
 except ImportError:  # inside the looped_hf package
     from looped_hf.configuration_looped import LoopedConfig
-    from looped_hf.modeling_looped import LoopedForCausalLM, LoopedRMSNorm
+    from looped_hf.decoder_layers_looped import LoopedRMSNorm
+    from looped_hf.modeling_looped import LoopedForCausalLM
 
 #: The projections of a decoder layer that get a per-loop delta (every linear layer, as RRT).
 LOOP_LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
