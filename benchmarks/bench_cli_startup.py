@@ -24,7 +24,7 @@ Tables:
   model classes (lightweight proxies in the Auto mappings) pays that row; eager registration pays
   ``import looped_hf``; a deferred one pays numpy and scipy.
 
-Targets (issue 44, idle 2-core machine): ``looped-hf fit`` of 116 runs < 2 s end to end,
+Targets (idle 2-core machine): ``looped-hf fit`` of 116 runs < 2 s end to end,
 ``looped-hf --help`` and ``fit --help`` < 1.5 s. docs/development.md quotes the table.
 """
 
