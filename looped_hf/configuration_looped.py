@@ -22,10 +22,10 @@ the key was written by 0.1.0 and loads as format 1.
 This file is shipped with every checkpoint as remote code: it imports only transformers.
 """
 
+import functools
 import math
 import operator
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
@@ -201,35 +201,50 @@ class LoopedConfigError(StrictDataclassError, ValueError):
     ``ValueError`` (as before ``@strict``) and huggingface_hub's ``StrictDataclassError``."""
 
 
-_TYPE_ERROR = re.compile(r"^Field '[^']*' (expected .*?)(?: \(value: .*\))?$")
+def _field_refusal(cls: type, name: str, value: Any, err: StrictDataclassError) -> LoopedConfigError:
+    """``@strict``'s refusal of ``cls.name = value`` as one line, "LoopedConfig.name=value: why".
+
+    ``@strict`` wraps what a field's validator raises (chained as ``__cause__``) in a two-line
+    message. The "why" comes from the field's declaration: its choices, or "expected T, got U"
+    for a plain type, or else the validator's own words (an ``Interval``'s rule, a union's list)."""
+    cause = err.__cause__
+    why = str(cause) if cause is not None else str(err)
+    if isinstance(cause, TypeError):  # the type check: an Interval only ever raises ValueError
+        annotation = cls.__annotations__.get(name)
+        if choices := field_choices(annotation):
+            why = f"must be one of {tuple(c for c in choices if c is not None)}"
+        elif isinstance(annotation, type):
+            why = f"expected {annotation.__name__}, got {type(value).__name__}"
+    return LoopedConfigError(f"{cls.__name__}.{name}={value!r}: {why}")
 
 
 def _one_line_errors(cls: type) -> type:
-    """Re-raise ``@strict``'s two-line errors ("Validation error for field 'x':\n  ValueError: ...")
-    as one line, "LoopedConfig.x=value: why", which a CLI can print as it is."""
-    strict_setattr, strict_validate = cls.__setattr__, cls.validate
-    choices = {name: field_choices(annotation) for name, annotation in cls.__annotations__.items()}
+    """Make ``@strict``'s refusals one line (``LoopedConfigError``), which a CLI can print as it is.
 
+    Applied on top of ``@strict``, it wraps the two entry points every refusal passes through:
+    field assignment (``__init__`` assigns each field, so construction too) and ``validate()``
+    (run after ``__init__`` and before ``save_pretrained``). Nothing else can: ``@strict`` wraps
+    every ``ValueError`` / ``TypeError`` a validator raises, ``LoopedConfigError`` included, and
+    runs the type check before a field's own validator. ``functools.wraps`` keeps the wrapped
+    methods' attributes, so a subclass may apply ``@strict`` again, as to any strict class."""
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+
+    @functools.wraps(strict_setattr)
     def __setattr__(self: Any, name: str, value: Any) -> None:
         try:
             strict_setattr(self, name, value)
         except StrictDataclassError as err:
-            cause = err.__cause__
-            why = str(cause) if cause is not None else str(err)
-            if choices.get(name) and isinstance(cause, TypeError):
-                why = f"must be one of {tuple(c for c in choices[name] if c is not None)}"
-            elif (match := _TYPE_ERROR.match(why)) is not None:
-                why = match.group(1)
-            raise LoopedConfigError(f"{cls.__name__}.{name}={value!r}: {why}") from None
+            raise _field_refusal(cls, name, value, err) from None
 
+    @functools.wraps(strict_validate)
     def validate(self: Any) -> None:
         try:
             strict_validate(self)
         except StrictDataclassError as err:
+            # The ``validate_*`` rules raise "LoopedConfig.field=value: why" themselves (``_bad``).
             raise LoopedConfigError(str(err.__cause__ or err)) from None
 
     cls.__setattr__, cls.validate = __setattr__, validate
-    validate.__is_defined_by_strict_decorator__ = True  # a subclass's @strict may redefine it
     return cls
 
 

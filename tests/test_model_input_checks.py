@@ -5,16 +5,28 @@ past max_position_embeddings run as on Llama (RoPE computes any position), with 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import math
+import re
 import time
 
+import huggingface_hub.dataclasses
+import huggingface_hub.errors
 import pytest
 import torch
 from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
+from huggingface_hub.dataclasses import strict
 from transformers import GPT2Config
 
-from looped_hf import LoopedConfig, LoopedForCausalLM
-from looped_hf.configuration_looped import MAX_NUM_RECURRENCES, RECURRENCE_CEILING_FACTOR, LoopedConfigError
+from looped_hf import LoopedConfig, LoopedForCausalLM, configuration_looped
+from looped_hf.configuration_looped import (
+    HIDDEN_ACTS,
+    MAX_NUM_RECURRENCES,
+    RECURRENCE_CEILING_FACTOR,
+    LoopedConfigError,
+)
 
 NAN, INF = math.nan, math.inf
 
@@ -131,6 +143,87 @@ def test_a_nan_eps_would_have_given_nan_logits():
     """Why eps is checked: the refused value is not cosmetic (a zero state normed with eps <= 0)."""
     norm = torch.nn.functional.rms_norm(torch.zeros(1, 4), (4,), eps=0.0)
     assert torch.isnan(norm).all()
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("hidden_size", "64", "expected int, got str"),
+        ("exit_gate", 1, "expected bool, got int"),
+        ("hidden_act", "gelu_new", re.escape(f"must be one of {HIDDEN_ACTS}")),
+        ("rms_norm_eps", 0.0, r"must be a finite number > 0 \(a norm divides by sqrt\(mean \+ eps\)\)"),
+        ("num_recurrences", 0, "must be an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_an_assignment_is_refused_in_one_line_and_leaves_the_field_as_it_was(field, value, why):
+    # As ``serve`` and vLLM's --hf-overrides set a loaded config's fields: one line, nothing changed.
+    config = tiny_looped_config()
+    before = getattr(config, field)
+    with pytest.raises(LoopedConfigError, match=rf"^LoopedConfig\.{field}={value!r}: {why}$") as err:
+        setattr(config, field, value)
+    assert "\n" not in str(err.value)
+    assert getattr(config, field) == before
+
+
+def test_validate_refuses_an_assigned_value_that_breaks_a_rule_across_fields_in_one_line(tmp_path):
+    # Each field alone is fine; together they are not: validate() (which save_pretrained runs) says so.
+    config = tiny_looped_config()
+    config.num_attention_heads = 3
+    why = r"^LoopedConfig\.num_attention_heads=3: does not divide hidden_size=32$"
+    with pytest.raises(LoopedConfigError, match=why):
+        config.validate()
+    with pytest.raises(LoopedConfigError, match=r"^LoopedConfig\.num_attention_heads=3: does not divide"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def _names_strict_adds() -> set[str]:
+    """The underscore names huggingface_hub's @strict puts on a class and its ``validate``: its
+    private machinery, found by decorating a probe, so the check does not depend on their spelling."""
+
+    @dataclasses.dataclass
+    class Plain:
+        x: int = 0
+
+    @strict
+    @dataclasses.dataclass
+    class Probe:
+        x: int = 0
+
+        def validate_x(self) -> None:
+            pass
+
+    added = (set(vars(Probe)) - set(vars(Plain))) | set(vars(Probe.validate)) | set(vars(Probe.__setattr__))
+    modules = (huggingface_hub.dataclasses, huggingface_hub.errors)
+    helpers = {name for module in modules for name in vars(module) if not name.startswith("__")}
+    return {name for name in added | helpers if name.startswith("_")} - set(dir(object))
+
+
+def test_the_config_reaches_huggingface_hub_only_through_public_names():
+    # configuration_looped.py ships as remote code: huggingface_hub's private names (@strict's
+    # markers, its helper functions) may change in any release. Its messages are not parsed either.
+    nodes = list(ast.walk(ast.parse(inspect.getsource(configuration_looped))))
+    imported = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+    named = {node.attr for node in nodes if isinstance(node, ast.Attribute)}
+    named |= {node.id for node in nodes if isinstance(node, ast.Name)}
+    named |= {node.value for node in nodes if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    imports = [node for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))]
+    named |= {alias.name for node in imports for alias in node.names}
+    private = named & _names_strict_adds()
+    assert not private, sorted(private)
+    assert "re" not in imported  # no regular expression over huggingface_hub's wording
+    for module in imported:
+        if module.startswith("huggingface_hub"):
+            assert not any(part.startswith("_") for part in module.split(".")), module
+
+
+def test_a_subclass_may_apply_strict_again_as_to_any_strict_config():
+    @strict
+    class WiderConfig(LoopedConfig):
+        pass
+
+    assert WiderConfig(hidden_size=64, num_attention_heads=4).hidden_size == 64
 
 
 # --------------------------------------------------------------------------------------------
