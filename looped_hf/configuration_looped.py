@@ -684,17 +684,13 @@ class LoopedConfig(PreTrainedConfig):
 
     def num_kv_slots(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> int:
         """KV-cache slots a call needs: P + min(k, r)*K + C, k the KV budget (default: the config's;
-        none means every recurrence keeps its slots, k = r). See ``kv_budget``."""
-        return self.slot_plan(num_recurrences, kv_budget).num_slots
-
-    def slot_plan(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> Any:
-        """The KV-cache layout of a call at ``num_recurrences`` (default: r) with ``kv_budget``
-        (default: the config's; none: every recurrence keeps its slots): a ``KVSlotPlan``, which
-        lives with the cache code that uses it (``generation_looped.py``; imported here on use, so
-        loading a config imports no torch). Raises ``LoopedConfigError`` naming the value."""
-        from .generation_looped import KVSlotPlan
-
-        return KVSlotPlan.for_call(self, num_recurrences, kv_budget)
+        none means every recurrence keeps its slots, k = r), each value checked by its field's rule
+        (``LoopedConfigError`` naming it). The layout itself, slot by slot, is
+        ``generation_looped.KVSlotPlan.for_call``: it lives with the cache code that uses it."""
+        r = self.num_recurrences if num_recurrences is None else check_override("num_recurrences", num_recurrences, R_RULE)
+        k = self.kv_budget if kv_budget is None else check_override("kv_budget", kv_budget, KV_BUDGET_RULE)
+        k = r if k is None else min(k, r)
+        return self.num_prelude_layers + k * self.num_recurrent_layers + self.num_coda_layers
 
     def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
         """The r of a call: ``num_recurrences`` (default: the config's) as a Python int, checked.

@@ -11,7 +11,7 @@ relative import), so it imports only torch, transformers and ``.configuration_lo
 - The cache a call needs: one slot per layer application (``_grow_cache``; a cache is filled at
   one r and one budget, ``_check_cache_recurrences``). A KV budget k (``config.kv_budget`` or
   ``kv_budget=`` per call, the study's engine) keeps only k recurrence slots; which slot each
-  layer application uses is the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``, the one
+  layer application uses is the call's ``KVSlotPlan`` (``KVSlotPlan.for_call``, the one
   formula); a slot keeps the KV of the last recurrence that wrote it (see
   ``LoopedConfig.kv_budget``); the model's forward does the writes and crops.
 - ``generate(..., draft_num_recurrences=k)`` decodes self-speculatively: the same weights at k
@@ -251,7 +251,7 @@ class KVSlotPlan:
                  ) -> KVSlotPlan:  # fmt: skip
         """``config``'s layout at ``num_recurrences`` (default: r) with ``kv_budget`` (default: the
         config's; none: every recurrence keeps its slots), each checked by its config field's rule
-        (``LoopedConfig.slot_plan`` calls this). Raises ``LoopedConfigError`` naming the value."""
+        (every user of a layout calls this). Raises ``LoopedConfigError`` naming the value."""
         r = config.num_recurrences
         if num_recurrences is not None:
             r = check_override("num_recurrences", num_recurrences, R_RULE)

@@ -11,7 +11,7 @@ hyperconnection lanes, norms, exit gate) and what runs after it are ``recurrent_
 (``LoopedRecurrentBlock``, which ``LoopedModel.forward`` runs between the prelude and the coda). Where the study's code (kschwethelm/looped-lm-scaling,
 nanochat/gpt.py) fixes a convention, this file follows it and says so; ``config.looped_format ==
 1`` keeps looped_hf 0.1.0's forward for its checkpoints. Every layer *application* (P + r*K + C
-per token) owns a KV-cache slot, placed by the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``).
+per token) owns a KV-cache slot, placed by the call's ``KVSlotPlan`` (``KVSlotPlan.for_call``).
 
 It behaves like transformers 5.24's Llama wherever a looped model can (``cache=``, tuples with
 ``return_dict=False``, per-application hidden states and attentions, ``torch.compile(fullgraph=
@@ -52,6 +52,7 @@ from .decoder_layers_looped import DECODER_LAYERS as DECODER_LAYERS
 from .decoder_layers_looped import LoopedAttention, LoopedDecoderLayer, LoopedRMSNorm
 from .decoder_layers_looped import apply_rotary_pos_emb as apply_rotary_pos_emb
 from .generation_looped import (
+    KVSlotPlan,
     LoopedGenerateOutput,
     LoopedGenerationMixin,
     RecurrenceDraftCandidateGenerator,
@@ -307,7 +308,7 @@ class LoopedModel(LoopedPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         r = config.resolve_num_recurrences(num_recurrences)
-        plan = config.slot_plan(r, kv_budget)
+        plan = KVSlotPlan.for_call(config, r, kv_budget)
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
         if exit_rule is not None and self.exit_gate is not None:
             raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with exit_gate=True (the gate decides each "

@@ -5,7 +5,7 @@
 h = block(inject(h, e)) [-> recurrence norm] (or the hyperconnection lanes' read / write), with
 truncated backprop (the first r - k recurrences under ``no_grad``: the study's detach of the
 state), per-token adaptive exit, and the states after every recurrence. Which cache
-slot each block layer application writes is the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``),
+slot each block layer application writes is the call's ``KVSlotPlan`` (``KVSlotPlan.for_call``),
 the one layout generation and the vLLM model share.
 
 The loop's modules live here too: ``build_loop_modules`` (injection, hyperconnection lanes, norms,

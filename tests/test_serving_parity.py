@@ -31,6 +31,7 @@ from serving_helpers import (
     vllm_env,
 )
 
+from looped_hf.generation_looped import KVSlotPlan
 from looped_hf.serving import CPU_HEAD_SIZES, check_servable, servable_problems
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -168,7 +169,7 @@ def test_vllm_greedy_tokens_and_logprobs_equal_generate(case, checkpoints, promp
     try:
         vllm_config = llm.llm_engine.vllm_config
         config = vllm_config.model_config.hf_config
-        plan = config.slot_plan()
+        plan = KVSlotPlan.for_call(config)
         assert_one_attention_per_slot(vllm_config, plan)
         if plan.shares_slots:  # the plugin keeps the prompt in one forward call, as generate() does
             assert not vllm_config.cache_config.enable_prefix_caching

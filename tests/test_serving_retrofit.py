@@ -29,6 +29,7 @@ from test_serving_parity import (
 )
 
 from looped_hf.cli import main as cli_main
+from looped_hf.generation_looped import KVSlotPlan
 
 ENGINES = [{}, {"num_recurrences": 3}]
 
@@ -79,7 +80,7 @@ def test_vllm_serves_a_retrofit_with_generates_tokens_and_logprobs(index, folder
     llm = make_llm(folder, ENGINES[index], max_model_len=128)
     try:
         vllm_config = llm.llm_engine.vllm_config
-        assert_one_attention_per_slot(vllm_config, vllm_config.model_config.hf_config.slot_plan())
+        assert_one_attention_per_slot(vllm_config, KVSlotPlan.for_call(vllm_config.model_config.hf_config))
         outputs = greedy(llm, prompts)
     finally:
         close(llm)

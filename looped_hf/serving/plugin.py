@@ -54,8 +54,10 @@ def budget_setting_problems(vllm_config) -> list[str]:
     < r a token's KV at a shared slot depends on which tokens shared its forward call, so prompts
     must be prefilled whole, and never from another request's cached prefix. The config hook turns
     these off; the model refuses an engine that still has them (a vLLM that did not run the hook)."""
+    from ..generation_looped import KVSlotPlan  # torch: only where an engine is configured
+
     config = vllm_config.model_config.hf_config
-    if not config.slot_plan().shares_slots:
+    if not KVSlotPlan.for_call(config).shares_slots:
         return []
     why = f"with kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences} prompts are prefilled whole"
     settings = {

@@ -38,7 +38,7 @@ block's adapter applies at every recurrence, as in the HF model) serve an adapte
 ``enable_lora`` and ``LoRARequest``. The injection and the exit gate are plain ``nn.Linear`` modules,
 which vLLM's LoRA does not wrap: an adapter that targets them is refused by vLLM when it loads.
 
-KV cache: one vLLM ``Attention`` per KV slot of ``LoopedConfig.slot_plan(r, kv_budget)``, named
+KV cache: one vLLM ``Attention`` per KV slot of ``KVSlotPlan.for_call(config, r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
 layer is applied r times and each application attends through its own slot: P + r*K + C caches.
 With ``kv_budget = k < r`` recurrence i uses slot P + (i mod k)*K + j, and the slot's cache is
@@ -90,6 +90,7 @@ from vllm.sequence import IntermediateTensors
 
 from ..configuration_looped import LoopedConfig
 from ..decoder_layers_looped import DECODER_LAYERS
+from ..generation_looped import KVSlotPlan
 from ..recurrent_block_looped import (
     LoopedRecurrentBlock,
     after_loop,
@@ -368,7 +369,7 @@ class LoopedVllmModel(nn.Module):
         if problems:  # the plugin's config hook turns these off; a vLLM that did not run it gets here
             raise ValueError("this looped engine cannot serve its kv_budget exactly: " + "; ".join(problems))
         self.config = config
-        self.plan = config.slot_plan()
+        self.plan = KVSlotPlan.for_call(config)
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
                                                    quant_config=vllm_config.quant_config,
                                                    prefix=f"{prefix}.embed_tokens")  # fmt: skip
