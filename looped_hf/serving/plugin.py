@@ -43,24 +43,29 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
+from .depth import REQUEST_KEYS, DepthError, ServedDepth
 
 logger = logging.getLogger(__name__)
 
 
-def _budget_settings(vllm_config) -> None:
-    """With kv_budget < r a token's KV at a shared slot depends on which tokens shared its forward
-    call, so prompts must be prefilled whole, and never from another request's cached prefix."""
+def _depth_settings(vllm_config) -> None:
+    """Requests at different depths write different KV (a request at r = 2 leaves slots 2.. empty, and
+    its coda's KV is not r = 8's), so a cached prefix is not another depth's: prefix caching is off
+    when the server runs more than one depth. A budget below r makes a token's KV at a shared slot
+    depend on which tokens shared its forward call, so with a budget (any request may ask one below
+    its r) prompts are prefilled whole: chunked prefill off."""
     config = vllm_config.model_config.hf_config
-    plan = config.slot_plan()
-    if not plan.shares_slots:
-        return
-    why = f"kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences}"
+    served = ServedDepth.from_config(config)
     cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
-    if cache_config.enable_prefix_caching:
-        logger.info("looped_hf: %s, turning prefix caching off", why)
+    one_depth = served.locked or served.max_num_recurrences == 1
+    if cache_config.enable_prefix_caching and not (one_depth and served.kv_budget is None):
+        logger.info("looped_hf: requests may run at different depths (1 .. %d), turning prefix caching off",
+                    served.max_num_recurrences)  # fmt: skip
         cache_config.enable_prefix_caching = False
+    if served.kv_budget is None:
+        return
     if scheduler_config.enable_chunked_prefill:
-        logger.info("looped_hf: %s, turning chunked prefill off", why)
+        logger.info("looped_hf: kv_budget=%s, turning chunked prefill off", served.kv_budget)
         scheduler_config.enable_chunked_prefill = False
         scheduler_config.long_prefill_token_threshold = 0
     max_len = vllm_config.model_config.max_model_len
@@ -68,37 +73,32 @@ def _budget_settings(vllm_config) -> None:
         scheduler_config.max_num_batched_tokens = max_len
 
 
-REQUEST_KEYS = ("num_recurrences", "kv_budget")
-_GUARD_NAME = re.compile(r"RecurrenceGuard_r(\d+)_k(\d+)")
+def _install_worker(vllm_config) -> None:
+    """On CPU, vLLM's V1 runner with each request's depth in the forward (``worker``), unless the user
+    chose a worker."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if current_platform.is_cpu() and parallel.worker_cls == "auto":
+        from .worker import WORKER_CLS
+
+        parallel.worker_cls = WORKER_CLS
 
 
-def guard_name(num_recurrences: int, kv_budget: int | None) -> str:
-    """The request guard's class name for an engine at r with kv_budget (None: every slot its own)."""
-    return f"RecurrenceGuard_r{num_recurrences}_k{kv_budget or 0}"
+_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9.e+-]+)_(locked|free)")
 
 
-def refusal(field: str, value: Any, num_recurrences: int, kv_budget: int | None) -> str | None:
-    """Why a request that sets ``field`` (where it sits in the request, e.g. ``vllm_xargs.kv_budget``)
-    to ``value`` is refused by an engine at ``num_recurrences`` / ``kv_budget``; None when ``value``
-    is the engine's own (an integer equal to it, or null for an engine without a budget)."""
-    engine = {"num_recurrences": num_recurrences, "kv_budget": kv_budget}[field.rsplit(".", 1)[-1]]
-    same = value is None if engine is None else type(value) is int and value == engine
-    if same:
-        return None
-    return (
-        f"{field}={value!r}: this engine serves num_recurrences={num_recurrences}, kv_budget={kv_budget}; both "
-        "are set per engine (hf_overrides, looped-hf serve --num-recurrences / --kv-budget), not per request"
-    )
+def guard_name(served: ServedDepth) -> str:
+    """The request guard's class name for a server's depths (``ServedDepth``; k 0: no budget)."""
+    threshold = "none" if served.exit_threshold is None else repr(served.exit_threshold)
+    lock = "locked" if served.locked else "free"
+    return f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}_t{threshold}_{lock}"
 
 
-def check_request(extra_args: dict | None, num_recurrences: int, kv_budget: int | None) -> None:
-    """Raise ``ValueError`` when a request's ``extra_args`` ask for an r or kv_budget other than the
-    engine's (a value equal to the engine's is accepted)."""
-    for key in REQUEST_KEYS:
-        if extra_args and key in extra_args:
-            why = refusal(key, extra_args[key], num_recurrences, kv_budget)
-            if why:
-                raise ValueError(why)
+def _served_from_name(name: str) -> ServedDepth:
+    r, ceiling, k, threshold, lock = _GUARD_NAME.fullmatch(name).groups()
+    return ServedDepth(int(r), int(ceiling), int(k) or None, None if threshold == "none" else float(threshold),
+                       lock == "locked")  # fmt: skip
 
 
 # Fields whose keys are the user's data, not options: a JSON schema may well have a property named
@@ -110,9 +110,8 @@ DATA_FIELDS = frozenset(
 
 
 def named_settings(body: Any, where: str = "") -> Iterator[tuple[str, Any]]:
-    """Every ``(path, value)`` in a JSON request body whose key is ``num_recurrences`` or
-    ``kv_budget``, at any depth (``vllm_xargs.num_recurrences``, ``extra_body.kv_budget``, ...),
-    outside ``DATA_FIELDS``."""
+    """Every ``(path, value)`` in a JSON request body whose key is one of ``REQUEST_KEYS``, at any depth
+    (``vllm_xargs.num_recurrences``, ``extra_body.kv_budget``, ...), outside ``DATA_FIELDS``."""
     if isinstance(body, dict):
         for key, value in body.items():
             path = f"{where}.{key}" if where else str(key)
@@ -125,47 +124,63 @@ def named_settings(body: Any, where: str = "") -> Iterator[tuple[str, Any]]:
             yield from named_settings(value, f"{where}[{i}]")
 
 
-def body_refusal(body: bytes, num_recurrences: int, kv_budget: int | None) -> tuple[str, str] | None:
-    """``(field, why)`` for the first setting in a request body that the engine cannot honour,
-    else None (also for a body that is not JSON: vLLM answers that itself)."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None
+def map_body(parsed: Any, served: ServedDepth) -> tuple[Any, tuple[str, str] | None]:
+    """(the body with its top-level depth fields moved into ``vllm_xargs``, where vLLM hands them to the
+    engine; ``(field, why)`` when a field is refused, else None). A field anywhere else (nested in
+    another object) is refused: vLLM would drop it and serve the default depth in silence."""
+    if not isinstance(parsed, dict):
+        return parsed, None
+    xargs = parsed.get("vllm_xargs")
+    xargs = dict(xargs) if isinstance(xargs, dict) else None
     for path, value in named_settings(parsed):
-        why = refusal(path, value, num_recurrences, kv_budget)
-        if why:
-            return path, why
-    return None
+        key = path.rsplit(".", 1)[-1]
+        if path == key or (path == f"vllm_xargs.{key}" and xargs is not None):
+            continue
+        return parsed, (path, f"{path}={value!r}: not read there; set {key} at the top of the body or in vllm_xargs")
+    top = {key: parsed[key] for key in REQUEST_KEYS if key in parsed}
+    for key, value in top.items():
+        if xargs is not None and key in xargs and xargs[key] != value:
+            return parsed, (key, f"{key}={value!r} and vllm_xargs.{key}={xargs[key]!r}: set it once")
+    try:
+        served.resolve(top)
+        served.resolve(xargs, where="vllm_xargs.")
+    except DepthError as err:
+        return parsed, (err.field, str(err))
+    if not top:
+        return parsed, None
+    body = {key: value for key, value in parsed.items() if key not in top}
+    body["vllm_xargs"] = {**(xargs or {}), **{key: value for key, value in top.items() if value is not None}}
+    return body, None
 
 
 class RequestGuard:
     """ASGI middleware for vLLM's OpenAI server (``--middleware looped_hf.serving.plugin.RequestGuard``):
-    a POST whose JSON body names ``num_recurrences`` or ``kv_budget`` with a value other than the
-    engine's is answered HTTP 400 in vLLM's error format, naming the field and the value. vLLM
-    itself drops unknown top-level fields with a debug log line, so without this a request for
-    r = 8 would be served at the engine's r.
+    a POST whose JSON body sets ``num_recurrences``, ``kv_budget`` or ``exit_threshold`` at its top
+    level has them moved into ``vllm_xargs`` (vLLM itself drops unknown top-level fields with a debug
+    line, so a request for r = 8 would be served at the default); a value the server cannot honour
+    (``ServedDepth.resolve``), or such a field anywhere else, is answered HTTP 400 in vLLM's error
+    format, naming the field, the value and the allowed range.
 
-    The engine's r and kv_budget are read from the served config (``app.state.vllm_config``, set by
-    vLLM before it serves requests), so the middleware takes no arguments and works under any
-    vLLM server start-up."""
+    The server's depths are read from the served config (``app.state.vllm_config``, set by vLLM
+    before it serves requests), so the middleware takes no arguments and works under any vLLM
+    server start-up."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    def _engine(self, scope: dict) -> tuple[int, int | None] | None:
+    def _served(self, scope: dict) -> ServedDepth | None:
         vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
         config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
         if config is None or not hasattr(config, "num_recurrences"):
             return None
-        return config.num_recurrences, config.kv_budget
+        return ServedDepth.from_config(config)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        engine = self._engine(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
-        if engine is None:
+        served = self._served(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        if served is None:
             await self.app(scope, receive, send)
             return
-        # The whole body is read here, then replayed to vLLM message by message.
+        # The whole body is read here, then replayed to vLLM (rewritten when fields moved).
         messages, body = [], b""
         while True:
             message = await receive()
@@ -175,7 +190,11 @@ class RequestGuard:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
-        refused = body_refusal(body, *engine)
+        try:
+            parsed = json.loads(body)
+        except ValueError:  # not JSON: vLLM answers that itself
+            parsed = None
+        mapped, refused = map_body(parsed, served)
         if refused is not None:
             field, why = refused
             payload = json.dumps({"error": {"message": why, "type": "BadRequestError", "param": field, "code": 400}})
@@ -183,6 +202,11 @@ class RequestGuard:
                         "headers": [(b"content-type", b"application/json")]})  # fmt: skip
             await send({"type": "http.response.body", "body": payload.encode()})
             return
+        if mapped is not parsed:
+            body = json.dumps(mapped).encode()
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
         pending = iter(messages)
 
         async def replay() -> dict:
@@ -196,13 +220,12 @@ def _make_guard(name: str) -> type:
     """The guard class called ``name``, made once per process (vLLM resolves it by name)."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    match = _GUARD_NAME.fullmatch(name)
-    r, k = int(match.group(1)), int(match.group(2)) or None
+    served = _served_from_name(name)
 
-    class RecurrenceGuard(LogitsProcessor):
+    class DepthGuard(LogitsProcessor):
         @classmethod
         def validate_params(cls, sampling_params) -> None:
-            check_request(sampling_params.extra_args, r, k)
+            served.resolve(sampling_params.extra_args)
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:
             pass
@@ -216,21 +239,20 @@ def _make_guard(name: str) -> type:
         def update_state(self, batch_update) -> None:
             return None
 
-    RecurrenceGuard.__name__ = RecurrenceGuard.__qualname__ = name
-    RecurrenceGuard.__module__ = __name__
-    return RecurrenceGuard
+    DepthGuard.__name__ = DepthGuard.__qualname__ = name
+    DepthGuard.__module__ = __name__
+    return DepthGuard
 
 
 def __getattr__(name: str) -> type:
-    # vLLM loads logits processors by "module:name" in each process; the name carries r and k.
+    # vLLM loads logits processors by "module:name" in each process; the name carries the server's depths.
     if _GUARD_NAME.fullmatch(name):
         return _make_guard(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _add_request_guard(vllm_config) -> None:
-    config = vllm_config.model_config.hf_config
-    guard = f"{__name__}:{guard_name(config.num_recurrences, config.kv_budget)}"
+    guard = f"{__name__}:{guard_name(ServedDepth.from_config(vllm_config.model_config.hf_config))}"
     model_config = vllm_config.model_config
     processors = list(model_config.logits_processors or [])
     if guard not in processors:
@@ -251,7 +273,9 @@ class LoopedConfigHook:
             tensor_parallel_size=parallel.tensor_parallel_size,
             device="cpu" if current_platform.is_cpu() else None,
         )
-        _budget_settings(vllm_config)
+        ServedDepth.from_config(vllm_config.model_config.hf_config)  # a ceiling the model refuses: one line
+        _depth_settings(vllm_config)
+        _install_worker(vllm_config)
         _add_request_guard(vllm_config)
 
     @staticmethod

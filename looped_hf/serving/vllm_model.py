@@ -54,6 +54,7 @@ from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -81,6 +82,8 @@ from ..modeling_looped import (
 )
 from ..recurrent_block_looped import LoopedRecurrentBlock
 from . import check_servable
+from .batch_depth import BatchDepth
+from .depth import ServedDepth
 
 # vLLM's kernels (RMSNorm, neox RoPE), the ones its Llama's RMSNorm and RoPE dispatch to: on CPU they
 # replace a dozen small aten ops per layer and recurrence, the cost that made the looped model slower
@@ -330,20 +333,62 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         # The recurrence norm is the model's own or (recurrence_norm_weight "final") its final norm,
         # both kernel norms: the base class reads them by name.
         super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
+        self.engine_plan = model.plan
         self.kv_slots = model.kv_slots
         self.positions: torch.Tensor | None = None
         self.rope: torch.Tensor | None = None
 
-    def run(self, e: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, keep_states: bool = False,
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    def run(self, e: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, depth: BatchDepth | None,
+            keep_states: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         """(the state the coda reads, from the prelude output ``e``; the state after every recurrence
-        when ``keep_states``, for the exit gate)."""
+        when ``keep_states``, for the exit gate). ``depth``: the batch's per-request depths (None: every
+        token at the engine's deepest r). A batch whose requests share r and k runs as one (the base
+        class's loop); otherwise ``run_mixed``."""
         self.positions, self.rope = positions, rope
+        plan = depth.uniform_plan if depth is not None else self.engine_plan
         try:
-            h, states, _ = self(e, exit_rule=None, predict=None, output_recurrent_states=keep_states)
-            return h, states
+            if plan is not None:
+                self.plan = plan
+                h, states, _ = self(e, exit_rule=None, predict=None, output_recurrent_states=keep_states)
+                return h, states
+            return self.run_mixed(e, depth, keep_states)
         finally:
             self.positions = self.rope = None  # no tensor of a finished call kept alive
+            self.plan = self.engine_plan
+
+    def run_mixed(self, e: torch.Tensor, depth: BatchDepth, keep_states: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loop over requests at different depths: recurrence i runs only the tokens of requests
+        with r > i, one group per KV slot (``BatchDepth.groups``), gathered and scattered back; each
+        group's attention sees only its requests (``BatchDepth.attend``). A token past its r keeps its
+        state, so the states after every recurrence hold, for it, its last one."""
+        hc = self.hyperconnection
+        h = self.initial_state(e)
+        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
+        split = self.injection_split(e) if self.config.input_injection == "linear" else None
+        positions, states = self.positions, []
+        for step in range(depth.max_recurrences):
+            for group in depth.groups(step):
+                self.plan = group.plan
+                attention = [self.kv_slots[group.plan.block(step, j)].attn for j in range(len(self.layers))]
+                idx = group.tokens
+                if idx is None:
+                    with depth.attend(group, attention, e.dtype):
+                        h, lanes = self.recurrence(step, h, lanes, e, split)
+                    continue
+                sub_split = (split[0][idx], split[1]) if split is not None else None
+                sub_lanes = lanes[:, idx] if lanes is not None else None
+                self.positions = positions[idx]
+                with depth.attend(group, attention, e.dtype):
+                    sub_h, sub_lanes = self.recurrence(step, h[idx], sub_lanes, e[idx], sub_split)
+                self.positions = positions
+                h = h.index_copy(0, idx, sub_h)
+                if lanes is not None:
+                    lanes = lanes.index_copy(1, idx, sub_lanes)
+            if keep_states:
+                states.append(lanes.sum(0) if hc is not None else h)
+        if hc is not None:
+            h = lanes.sum(0)  # lanes are summed before the coda
+        return h, states
 
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         return layer(x, self.positions, self.rope, self.kv_slots[self.plan.block(step, j)].attn)
@@ -362,7 +407,8 @@ class LoopedVllmModel(nn.Module):
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
         quant_config = vllm_config.quant_config
         self.config = config
-        self.plan = config.slot_plan()
+        self.served_depth = ServedDepth.from_config(config)
+        self.plan = self.served_depth.plan(config)  # the deepest request's slots (depth.py)
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")  # fmt: skip
         norm = lambda: _KernelRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
@@ -410,8 +456,19 @@ class LoopedVllmModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        token_recurrences: torch.Tensor | None = None,
+        token_kv_budgets: torch.Tensor | None = None,
+        token_exit_thresholds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The hidden states of the batch's tokens, each run at its request's depth: ``token_recurrences``
+        (r), ``token_kv_budgets`` (min(k, r)) and, for the threshold readout, ``token_exit_thresholds``,
+        per token (``worker.depth_kwargs``; None, as in vLLM's dummy runs: every token at the engine's
+        deepest r and budget and the config's threshold)."""
         plan, rope = self.plan, self.rope_cache
+        depth = None
+        if token_recurrences is not None and get_forward_context().attn_metadata is not None:
+            num_tokens = positions.shape[0]
+            depth = BatchDepth(token_recurrences, token_kv_budgets, plan, num_tokens)
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         multiplier = self.config.embedding_multiplier
         if multiplier != 1.0:
@@ -420,14 +477,17 @@ class LoopedVllmModel(nn.Module):
             h = self.embedding_norm(h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, rope, self.kv_slots[plan.prelude(j)].attn)
-        h, states = self.loop.run(h, positions, rope, keep_states=self.exit_threshold is not None)
+        h, states = self.loop.run(h, positions, rope, depth, keep_states=self.exit_threshold is not None)
         _, post_loop, final = self.loop_norms()
         if self.exit_threshold is not None:
             # generate()'s threshold readout (LoopedForCausalLM._exit_gate_readout), per token: the
             # state at the first step whose exit CDF reaches the threshold (no coda: the config refuses
-            # one with this readout). The norms after the loop are row-wise, so they run on the pick.
-            probabilities = exit_gate_probabilities(self.exit_gate, states)
-            steps = threshold_exit_steps(probabilities, self.exit_threshold)
+            # one with this readout), among its own request's r states and at its own threshold. The
+            # norms after the loop are row-wise, so they run on the pick.
+            if depth is not None and token_exit_thresholds is not None:
+                steps = depth.exit_steps(states, self.exit_gate, token_exit_thresholds)
+            else:
+                steps = threshold_exit_steps(exit_gate_probabilities(self.exit_gate, states), self.exit_threshold)
             h = torch.stack(states, dim=1).gather(1, steps.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
         if post_loop is not None:
             h = post_loop(h)
@@ -464,8 +524,14 @@ class LoopedForCausalLM(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        token_recurrences: torch.Tensor | None = None,
+        token_kv_budgets: torch.Tensor | None = None,
+        token_exit_thresholds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        """``LoopedVllmModel.forward``: each token at its request's depth (per-token tensors from the
+        runner, ``worker.depth_kwargs``)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
+                          token_kv_budgets, token_exit_thresholds)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
