@@ -116,6 +116,35 @@ def test_requests_at_mixed_depths_in_one_batch_each_equal_generate_at_their_own_
     assert len({tuple(t) for t, _ in reference[:4]}) == 4  # the depths really differ in what they serve
 
 
+@needs_vllm
+def test_a_converted_ouro_serves_mixed_depths_and_exit_thresholds_per_request_as_generate(workdir) -> None:
+    """The converted Ouro fixture (threshold readout at 1.0, trained r 4): requests at r = 1 .. 4 and
+    thresholds 0.3, 0.5 or the config's, in one batch, each equal generate() at their r and
+    exit_gate_threshold (each token reads its exit step's state among its own r states)."""
+    from conftest import fixture_path
+    from test_serving_zoo import save_tokenizer
+
+    from looped_hf.convert import main
+
+    folder = workdir / "ouro"
+    assert main(["ouro", str(fixture_path("zoo", "ouro-tiny")), "--out", str(folder)]) == 0
+    save_tokenizer(folder)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 3, 28)]
+    depths = [{"num_recurrences": 1 + i % 4, **({"exit_threshold": (0.3, 0.5)[i % 2]} if i % 3 else {})} for i in range(6)]
+    as_generate = [
+        {"num_recurrences": d["num_recurrences"], **({"exit_gate_threshold": d["exit_threshold"]} if "exit_threshold" in d else {})}
+        for d in depths
+    ]  # fmt: skip
+    reference = references(folder, prompts, as_generate)
+    llm = make_llm(folder, {}, max_num_seqs=4, max_model_len=64)
+    try:
+        outputs = mixed_greedy(llm, prompts, depths)
+    finally:
+        close(llm)
+    assert_served_as_generate(prompts, outputs, reference)
+
+
 def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_the_range() -> None:
     served = ServedDepth.from_config(serving_config(num_recurrences=3, kv_budget=2, max_num_recurrences=6))
     assert served.resolve(None) == RequestDepth(3, 2, None)
@@ -164,3 +193,118 @@ def test_top_level_depth_fields_move_into_vllm_xargs_and_bad_ones_are_refused_by
     for text, (field, message) in cases.items():
         _, (got_field, why) = map_body(json.loads(text), served)
         assert got_field == field and message in why
+
+
+@needs_vllm
+def test_the_openai_server_serves_mixed_depths_streaming_refuses_bad_ones_and_survives_a_disconnect(tmp_path) -> None:
+    """One ``looped-hf serve`` server: concurrent requests at r = 1 .. 4 and budgets (top-level fields and
+    vllm_xargs, half streaming) each equal generate() at their depth; a request that hangs up after its
+    first chunks leaves the others whole; refusals are 400s naming the field and its range, and the
+    server keeps serving."""
+    import asyncio
+    import contextlib
+    import os
+    import shutil
+    import sys
+
+    import openai
+    from test_serving_server import _free_port, _running, _wait_healthy
+
+    from looped_hf.data import load_tokenizer
+
+    tok = load_tokenizer("bytes")
+    folder = save_serving_checkpoint(tmp_path / "ckpt", seed=3, vocab_size=len(tok))
+    tok.save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 7, 33, 70, 12, 40)] * 2
+    depths = [{"num_recurrences": 1 + i % 4, **({"kv_budget": 1 + i % 3} if i % 5 == 1 else {})} for i in range(12)]
+    reference = references(folder, prompts, depths)
+    port = _free_port()
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvd-"))
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    command = [sys.executable, "-m", "looped_hf", "serve", str(folder), "--max-num-recurrences", "4",
+               "--kv-budget", "4", "--port", str(port), "--", "--dtype", "float32", "--enforce-eager",
+               "--block-size", "32", "--max-model-len", "256", "--max-num-seqs", "8"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, vllm_root, ignore_errors=True)
+        proc = cleanup.enter_context(_running(command, env, tmp_path / "server.log"))
+        _wait_healthy(url, proc, tmp_path / "server.log", timeout_s=480)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(i: int) -> tuple[list[int], list[float]]:
+            # Even requests name their depth at the top of the body (looped-hf serve moves it), odd ones in vllm_xargs.
+            extra = {"ignore_eos": True, "return_token_ids": True}
+            extra |= depths[i] if i % 2 == 0 else {"vllm_xargs": depths[i]}
+            kwargs = dict(model=str(folder), prompt=prompts[i], max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
+                          extra_body=extra)  # fmt: skip
+            if i % 3:
+                done = await client.completions.create(**kwargs)
+                return list(done.choices[0].token_ids), list(done.choices[0].logprobs.token_logprobs)
+            tokens, logprobs = [], []
+            async for chunk in await client.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    tokens += choice.token_ids or []
+                    logprobs += choice.logprobs.token_logprobs if choice.logprobs else []
+            return tokens, logprobs
+
+        async def hang_up() -> int:
+            stream = await client.completions.create(model=str(folder), prompt=prompts[3], max_tokens=64, stream=True,
+                                                     temperature=0, extra_body={"num_recurrences": 4})  # fmt: skip
+            chunks = 0
+            async for _ in stream:
+                chunks += 1
+                if chunks == 2:
+                    await stream.close()  # the client goes away mid-stream
+                    break
+            return chunks
+
+        async def everyone():
+            return await asyncio.gather(hang_up(), *(one(i) for i in range(12)))
+
+        chunks, *served = asyncio.run(everyone())
+        assert chunks == 2
+        for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(served, reference)):
+            assert tokens == ref_tokens, (i, depths[i])
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-3, (i, depths[i])
+
+        sync = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        refused = {
+            "num_recurrences": ({"num_recurrences": 5}, "num_recurrences=5: must be an integer from 1 to 4"),
+            "vllm_xargs.kv_budget": ({"vllm_xargs": {"kv_budget": 0}}, "kv_budget=0: must be an integer from 1 to 4"),
+            "num_recurrences ": ({"num_recurrences": "2"}, "num_recurrences='2': must be an integer"),
+            "exit_threshold": ({"exit_threshold": 0.5}, "this model has no exit gate with the threshold readout"),
+        }
+        for field, (extra, message) in refused.items():
+            with pytest.raises(openai.BadRequestError) as err:
+                sync.completions.create(model=str(folder), prompt=prompts[0], max_tokens=2, extra_body=extra)
+            assert message in str(err.value), field
+        # Still serving, at a depth after the refusals.
+        after = sync.completions.create(model=str(folder), prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True, **depths[1]})  # fmt: skip
+        assert list(after.choices[0].token_ids) == reference[1][0]
+
+
+@needs_vllm
+def test_the_depth_mix_benchmark_runs_and_prints_its_table(capsys) -> None:
+    """bench_serve.py --depth-mix, tiny: every side timed, the table and the loop's share printed."""
+    from conftest import load_benchmark
+
+    bench = load_benchmark("bench_serve")
+    argv = ["--depth-mix", "--hidden", "64", "--layers", "1", "1", "1", "--r", "2", "--shallow", "1", "--vocab", "64",
+            "--prompt-len", "4", "--new-tokens", "2", "--concurrency", "2", "--repeats", "1"]  # fmt: skip
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| requests | mixed r=1 + r=2 (s) |" in out and "the loop is " in out
+    assert out.strip().splitlines()[-1].startswith("| 2 | ")
+
+
+def test_the_admission_guards_name_carries_the_servers_depths_and_loads_by_name() -> None:
+    """vLLM loads the guard as ``module:Name`` (a dot in the name would be an attribute path)."""
+    from looped_hf.serving import plugin
+
+    for served in (ServedDepth(3, 8, 2, None, False), ServedDepth(4, 4, None, 1.0, False), ServedDepth(2, 2, None, 1e-05, True)):
+        name = plugin.guard_name(served)
+        assert "." not in name and plugin._served_from_name(name) == served

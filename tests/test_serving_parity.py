@@ -185,15 +185,15 @@ def test_the_kv_budget_changes_what_is_served_and_the_slots_it_needs(references)
 
 
 @needs_vllm
-def test_a_request_for_another_r_is_refused_and_the_engines_r_is_accepted(checkpoints, prompts, workdir) -> None:
+def test_a_request_outside_the_servers_depths_is_refused_and_one_inside_is_served(checkpoints, prompts, workdir) -> None:
     from vllm.exceptions import VLLMValidationError
 
     llm = make_llm(checkpoints["study"], {"kv_budget": 2})
     try:
-        with pytest.raises((ValueError, VLLMValidationError), match=r"num_recurrences=5: this engine serves num_recurrences=3"):
+        with pytest.raises((ValueError, VLLMValidationError), match=r"num_recurrences=5: must be an integer from 1 to 3"):
             greedy(llm, prompts[:1], extra_args={"num_recurrences": 5})
-        with pytest.raises((ValueError, VLLMValidationError), match=r"kv_budget=1: this engine serves"):
-            greedy(llm, prompts[:1], extra_args={"kv_budget": 1})
+        with pytest.raises((ValueError, VLLMValidationError), match=r"kv_budget=3: must be an integer from 1 to 2"):
+            greedy(llm, prompts[:1], extra_args={"kv_budget": 3})
         assert len(greedy(llm, prompts[:1], extra_args={"num_recurrences": 3, "kv_budget": 2})[0].token_ids) == NEW_TOKENS
     finally:
         close(llm)

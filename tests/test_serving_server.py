@@ -314,7 +314,8 @@ def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
         ({"prompt": "x", "sampling_params": {"extra_args": {"num_recurrences": "4"}}},
          "sampling_params.extra_args.num_recurrences='4'"),  # fmt: skip
         ({"prompt": "x", "num_recurrences": True}, "num_recurrences=True"),
-        ({"prompt": "x", "num_recurrences": 4, "kv_budget": None}, None),  # the engine's own: served
+        ({"prompt": "x", "num_recurrences": 4, "kv_budget": None}, None),  # within the server's bounds: served
+        ({"prompt": "x", "num_recurrences": 1}, None),
         ({"prompt": "x", "max_tokens": 2}, None),
         # Keys in the user's data are not options: a JSON schema's property, a message.
         ({"messages": [{"role": "user", "content": "hi", "num_recurrences": 9}],
@@ -322,15 +323,16 @@ def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
               "num_recurrences": {"type": "integer"}}}}}}, None),  # fmt: skip
     ],
 )
-def test_a_request_body_naming_another_r_or_budget_is_refused(body, refused) -> None:
-    from looped_hf.serving.plugin import body_refusal
+def test_a_request_body_naming_a_depth_the_server_cannot_honour_is_refused(body, refused) -> None:
+    from looped_hf.serving.depth import ServedDepth
+    from looped_hf.serving.plugin import map_body
 
-    found = body_refusal(json.dumps(body).encode(), 4, None)
+    _, found = map_body(body, ServedDepth(4, 4, None, None, False))  # r 4 (ceiling 4), no budget
     if refused is None:
         assert found is None
     else:
         field, why = found
-        assert why.startswith(refused + ": this engine serves num_recurrences=4, kv_budget=None"), why
+        assert why.startswith(refused + ": "), why
         assert field == refused.split("=")[0]
 
 
@@ -348,7 +350,9 @@ def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    hf_config = SimpleNamespace(num_recurrences=2, kv_budget=1)
+    from serving_helpers import serving_config
+
+    hf_config = serving_config(num_recurrences=2, kv_budget=1)
     app = SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(
         hf_config=hf_config))))  # fmt: skip
 
@@ -372,12 +376,12 @@ def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
     assert status == 400 and not seen
     error = json.loads(body)["error"]
     assert error["code"] == 400 and error["param"] == "num_recurrences"
-    assert error["message"].startswith("num_recurrences=8: this engine serves num_recurrences=2, kv_budget=1")
+    assert error["message"].startswith("num_recurrences=8: must be an integer from 1 to 2")
     status, body = call({"prompt": "x", "num_recurrences": 2, "vllm_xargs": {"kv_budget": 1}})
     assert status == 200 and body == b"ok"
-    # vLLM got the whole body, as the client sent it.
-    assert b"".join(m["body"] for m in seen) == json.dumps({"prompt": "x", "num_recurrences": 2,
-                                                             "vllm_xargs": {"kv_budget": 1}}).encode()  # fmt: skip
+    # vLLM got the whole body, its top-level depth moved into vllm_xargs (where vLLM hands it to the engine).
+    assert json.loads(b"".join(m["body"] for m in seen)) == {"prompt": "x", "vllm_xargs": {"kv_budget": 1,
+                                                                                          "num_recurrences": 2}}
 
 
 # --- a real server ----------------------------------------------------------------------------
@@ -484,12 +488,12 @@ def test_server_completions_equal_offline_vllm_and_generate_and_chat_works(tmp_p
             "model": model_name, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True,
         })  # fmt: skip
-        # A request cannot change the engine's r: asking for another one is a 400 that says so.
+        # A request above the server's ceiling (its r: no --max-num-recurrences) is a 400 that says so.
         with pytest.raises(urllib.error.HTTPError) as refused:
             _post(url + "/v1/completions", {"model": model_name, "prompt": prompts[0], "max_tokens": 2,
                                             "vllm_xargs": {"num_recurrences": R + 1}})  # fmt: skip
         assert refused.value.code == 400
-        assert f"this engine serves num_recurrences={R}" in refused.value.read().decode()
+        assert f"must be an integer from 1 to {R}" in refused.value.read().decode()
     assert served == expected[:-1]
     assert chat["prompt_token_ids"] == chat_ids  # the template was applied
     assert chat["choices"][0]["token_ids"] == expected[-1]
@@ -561,7 +565,7 @@ def test_train_publish_serve_and_query_with_the_openai_client_and_lm_eval(tmp_pa
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model, prompt=prompts[0], max_tokens=2,
                                       extra_body={"num_recurrences": 3})  # fmt: skip
-        assert "num_recurrences=3: this engine serves num_recurrences=2" in str(refused.value)
+        assert "num_recurrences=3: must be an integer from 1 to 2" in str(refused.value)
 
         tasks = tmp_path / "tasks"
         tasks.mkdir()

@@ -9,28 +9,25 @@ It makes three things known to vLLM:
 - architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
   process that builds the model);
 - a config hook (vLLM's ``MODELS_CONFIG_MAP``, run when the engine's config is made, in the process
-  the user started) that refuses what cannot be served with one clear line, and, for a
-  ``kv_budget`` below r, turns off the two scheduler features that would split tokens into forward
-  calls differently from ``generate()`` (see ``vllm_model``'s docstring): prefix caching and
-  chunked prefill. It also adds the engine's request guard (below) to its logits processors.
+  the user started) that refuses what cannot be served with one clear line, installs the CPU worker
+  that hands each request's depth to the model (``worker``; unless the user chose a worker), turns
+  off what would serve a request the wrong depth's KV (``_depth_settings``: prefix caching when the
+  server runs more than one depth, chunked prefill with a kv_budget), and adds the request guard.
 
-r and kv_budget are per engine, and a request that asks for another is refused, never served at the
-engine's r in silence. Two guards do it:
+Each request runs at its own depth (``depth.ServedDepth``: num_recurrences, kv_budget,
+exit_threshold, within the server's bounds), and one outside them is refused, never served at
+another depth in silence. Two guards do it:
 
 - ``RequestGuard``, an ASGI middleware that ``looped-hf serve`` adds to vLLM's server
   (``--middleware looped_hf.serving.plugin.RequestGuard``): it reads each POST body before vLLM
-  does and answers HTTP 400 when ``num_recurrences`` or ``kv_budget`` appears anywhere in it (the
-  top level, where the OpenAI client's ``extra_body`` lands and vLLM would ignore it; ``vllm_xargs``;
-  any nested object) with a value other than the engine's. Keys inside the user's data (prompts,
-  messages, JSON schemas, tool definitions) are not options and are not read.
-- a logits processor whose ``validate_params`` runs at admission, for the one per-request channel
-  that reaches the engine, ``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI body; the
-  offline ``vllm.LLM``): the CPU model runner never hands it to the model's forward, so it cannot
-  change r. Its ``apply`` changes nothing. The engine's values are in the guard's name
-  (``RecurrenceGuard_r3_k2``; k 0: no budget), made on demand by this module's ``__getattr__``, so
-  vLLM can load it by name in every process.
-
-A value equal to the engine's is accepted by both.
+  does, moves the depth fields at its top level (where the OpenAI client's ``extra_body`` lands and
+  vLLM would drop them) into ``vllm_xargs``, and answers HTTP 400 naming the field and the allowed
+  range for a value out of bounds, or for such a field anywhere else (a nested object). Keys inside
+  the user's data (prompts, messages, JSON schemas, tool definitions) are not options and are not read.
+- a logits processor whose ``validate_params`` runs ``ServedDepth.resolve`` at admission on
+  ``SamplingParams.extra_args`` (``vllm_xargs``; the offline ``vllm.LLM``). Its ``apply`` changes
+  nothing. The server's bounds are in the guard's name (``guard_name``), made on demand by this
+  module's ``__getattr__``, so vLLM can load it by name in every process.
 """
 
 from __future__ import annotations
@@ -85,20 +82,21 @@ def _install_worker(vllm_config) -> None:
         parallel.worker_cls = WORKER_CLS
 
 
-_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9.e+-]+)_(locked|free)")
+_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)")
 
 
 def guard_name(served: ServedDepth) -> str:
-    """The request guard's class name for a server's depths (``ServedDepth``; k 0: no budget)."""
-    threshold = "none" if served.exit_threshold is None else repr(served.exit_threshold)
+    """The request guard's class name for a server's depths (``ServedDepth``; k 0: no budget). vLLM reads
+    a dot in the name as an attribute path, so the threshold's is a ``p`` (and a minus an ``m``)."""
+    threshold = "none" if served.exit_threshold is None else repr(served.exit_threshold).replace(".", "p").replace("-", "m")
     lock = "locked" if served.locked else "free"
     return f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}_t{threshold}_{lock}"
 
 
 def _served_from_name(name: str) -> ServedDepth:
     r, ceiling, k, threshold, lock = _GUARD_NAME.fullmatch(name).groups()
-    return ServedDepth(int(r), int(ceiling), int(k) or None, None if threshold == "none" else float(threshold),
-                       lock == "locked")  # fmt: skip
+    threshold = None if threshold == "none" else float(threshold.replace("p", ".").replace("m", "-"))
+    return ServedDepth(int(r), int(ceiling), int(k) or None, threshold, lock == "locked")
 
 
 # Fields whose keys are the user's data, not options: a JSON schema may well have a property named

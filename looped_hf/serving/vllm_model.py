@@ -39,8 +39,13 @@ tokens are what ``generate()`` gives for that text as one prompt (without a budg
 not depend on the split, and preemption changes nothing). A KV cache sized for the batch
 (``VLLM_CPU_KVCACHE_SPACE``, ``gpu_memory_utilization``) never preempts.
 
-r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrences": R,
-"kv_budget": K}``. What cannot be served exactly is refused by ``looped_hf.serving.servable_problems``.
+Per-request depth: each request's r, kv_budget and exit threshold reach the forward as per-token
+tensors (``worker``; docs/serving.md). The engine holds the KV slots of its deepest request
+(``depth.ServedDepth.plan``: ``max_num_recurrences`` at the server's budget; the coda's slots follow
+the block's of that plan); a request at r with budget k writes block slots P + (i mod min(k, r))*K + j.
+A batch whose requests share r and k runs the loop as one; otherwise recurrence i runs only the
+tokens of requests with r > i (``_VllmRecurrentBlock.run_mixed``, ``batch_depth``). What cannot be
+served exactly is refused by ``looped_hf.serving.servable_problems``.
 """
 
 from __future__ import annotations
@@ -432,7 +437,7 @@ class LoopedVllmModel(nn.Module):
         self.norm = norm()
         # Ouro's exit gate. Its "threshold" readout picks each token's state at its exit step after the
         # loop (every recurrence runs and writes its KV either way, as in generate()): exact, at the
-        # engine's r. "last" reads the r-th state; "weighted" is refused (check_servable).
+        # request's r. "last" reads the r-th state; "weighted" is refused (check_servable).
         self.exit_gate = nn.Linear(config.hidden_size, 1, bias=True) if config.exit_gate else None
         self.exit_threshold = None
         if config.exit_gate and config.exit_gate_output == "threshold":
