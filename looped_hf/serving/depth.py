@@ -81,6 +81,12 @@ class ServedDepth:
             threshold = float(config.exit_gate_threshold)
         return cls(r, ceiling, config.kv_budget, threshold, bool(config.is_recurrence_locked))
 
+    @property
+    def single_depth(self) -> bool:
+        """Whether every request runs the same depth (a hyperconnection model or a ceiling of 1, no budget, no
+        threshold readout): then nothing per request reaches the forward, and vLLM may torch.compile it."""
+        return (self.locked or self.max_num_recurrences == 1) and self.kv_budget is None and self.exit_threshold is None
+
     def plan(self, config: Any):
         """The engine's ``KVSlotPlan``: the deepest request's slots at the server's budget. A request
         at r with budget k uses its block slots P + (i mod min(k, r))*K + j and the coda's here."""

@@ -54,8 +54,7 @@ def _depth_settings(vllm_config) -> None:
     config = vllm_config.model_config.hf_config
     served = ServedDepth.from_config(config)
     cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
-    one_depth = served.locked or served.max_num_recurrences == 1
-    if cache_config.enable_prefix_caching and not (one_depth and served.kv_budget is None):
+    if cache_config.enable_prefix_caching and not served.single_depth:
         logger.info("looped_hf: requests may run at different depths (1 .. %d), turning prefix caching off",
                     served.max_num_recurrences)  # fmt: skip
         cache_config.enable_prefix_caching = False

@@ -399,8 +399,16 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         return layer(x, self.positions, self.rope, self.kv_slots[self.plan.block(step, j)].attn)
 
 
+def _single_depth(vllm_config: VllmConfig) -> bool:
+    """torch.compile traces one graph for every batch (fullgraph), and per-request depth is data-dependent
+    Python (which tokens each recurrence runs, the subset's attention metadata): a server that runs more
+    than one depth runs eager; one that runs a single depth compiles as before."""
+    return ServedDepth.from_config(vllm_config.model_config.hf_config).single_depth
+
+
 @support_torch_compile(
-    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0},
+    enable_if=_single_depth,
 )
 class LoopedVllmModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -412,8 +420,7 @@ class LoopedVllmModel(nn.Module):
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
         quant_config = vllm_config.quant_config
         self.config = config
-        self.served_depth = ServedDepth.from_config(config)
-        self.plan = self.served_depth.plan(config)  # the deepest request's slots (depth.py)
+        self.plan = ServedDepth.from_config(config).plan(config)  # the deepest request's slots (depth.py)
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")  # fmt: skip
         norm = lambda: _KernelRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731

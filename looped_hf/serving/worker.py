@@ -61,6 +61,8 @@ class LoopedModelRunner(CPUModelRunner):
         if n == 0:
             return kwargs
         served = self.served_depth
+        if served.single_depth:  # one depth for all: the forward needs nothing (and may be compiled)
+            return kwargs
         # Admission checked these fields already (plugin's guard); resolve() cannot fail here.
         depths = [served.resolve(self.requests[req_id].sampling_params.extra_args) for req_id in self.input_batch.req_ids[:n]]
         starts = self.query_start_loc.np[: n + 1]
