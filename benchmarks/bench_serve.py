@@ -176,8 +176,27 @@ def generate_worker(folder: str, dtype: str) -> int:
     return 0
 
 
-def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> dict[str, dict[int, list[float]]]:
-    """{side: {concurrency: [tokens/s per repeat]}} for vLLM looped, generate() looped, vLLM Llama."""
+def norm_path(model: Any) -> str:
+    """How a served model's RMSNorms run: their classes and, for vLLM's ``RMSNorm``, the CustomOp
+    forward it dispatched to and the vLLM IR implementations of ``rms_norm`` in priority order."""
+    from vllm import ir
+
+    norms = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1].endswith("norm")]
+    classes = sorted({type(m).__name__ for m in norms})
+    forwards = sorted({getattr(m, "_forward_method", m.forward).__name__ for m in norms})
+    return f"{'/'.join(classes)} via {'/'.join(forwards)}, rms_norm impls {ir.ops.rms_norm.get_priority()}"
+
+
+Rates = dict[str, dict[int, list[float]]]  # {side: {concurrency: [tokens per second, one per repeat]}}
+
+
+def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> tuple[Rates, Rates, str]:
+    """(tokens/s of vLLM looped, generate() looped and vLLM Llama; tokens per CPU-second of the two
+    vLLM sides; how both vLLM models ran their RMSNorms). The two must run them the same way
+    (``norm_path``), so the ratio compares the models, not two norm kernels. CPU-seconds are this
+    process's (``time.process_time``, every thread), which holds vLLM's engine core unless
+    VLLM_ENABLE_V1_MULTIPROCESSING=1: on a machine other jobs share they count the work done, not
+    the time waited for a core, so their ratio is the steadier one there."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -186,14 +205,21 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
     prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args)}
+    paths = {name: engine.apply_model(norm_path)[0] for name, engine in engines.items()}
+    if len(set(paths.values())) != 1:
+        raise SystemExit(f"bench_serve: the looped model and the Llama run their RMSNorms differently: {paths}")
     worker = None
     if not args.skip_generate:
         worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens, args.dtype)
 
+    cpu: Rates = {name: {n: [] for n in args.concurrency} for name in engines}
+
     def run_vllm(name: str, n: int) -> float:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outs = engines[name].generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:n]], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        cpu[name][n].append(tokens / (time.process_time() - cpu_start))
+        return tokens / (time.perf_counter() - start)
 
     sides: dict[str, Callable[[int], float]] = {"vllm_looped": lambda n: run_vllm("vllm_looped", n)}
     if worker is not None:
@@ -201,6 +227,8 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
     sides["vllm_llama"] = lambda n: run_vllm("vllm_llama", n)
     for fn in sides.values():  # warm-up: first calls allocate and (with --compile) compile
         fn(min(args.concurrency))
+    for name in cpu:
+        cpu[name][min(args.concurrency)].clear()
     results: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.concurrency} for name in sides}
     for rep in range(args.repeats):
         for n in args.concurrency:
@@ -211,7 +239,7 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> d
         worker.close()
     for engine in engines.values():
         close(engine)
-    return results
+    return results, cpu, paths["vllm_llama"]
 
 
 def kv_capacity(args: argparse.Namespace, looped_dir: Path, config: Any) -> list[dict[str, Any]]:
@@ -253,6 +281,16 @@ def throughput_table(results: dict[str, dict[int, list[float]]]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(cpu: Rates) -> str:
+    """Markdown: tokens per CPU-second of the two vLLM sides per concurrency, and their ratio (of
+    medians)."""
+    lines = ["| concurrent requests | vLLM, looped | vLLM, equal-depth Llama | looped / Llama |", "|---|---|---|---|"]
+    for n in cpu["vllm_looped"]:
+        ratio = statistics.median(cpu["vllm_looped"][n]) / statistics.median(cpu["vllm_llama"][n])
+        lines.append(f"| {n} | {spread(cpu['vllm_looped'][n])} | {spread(cpu['vllm_llama'][n])} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
 def kv_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| r | kv_budget | KV caches (P + k*K + C) | tokens / GiB (vLLM) | tokens / GiB (expected) |",
              "|---|---|---|---|---|"]  # fmt: skip
@@ -287,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         import vllm
 
         looped_dir, llama_dir, config = save_models(root, args)
-        results = throughput(args, looped_dir, llama_dir)
+        results, cpu, norms = throughput(args, looped_dir, llama_dir)
         rows = [] if args.skip_kv else kv_capacity(args, looped_dir, config)
     prelude, block, coda = args.layers
     print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -295,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "
           f"{'compiled' if args.compile else 'eager'}, engine core "
           f"{'in this process' if os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0' else 'in its own process'}")  # fmt: skip
+    print(f"RMSNorms, looped and Llama alike: {norms}")
     extras = "none (--llama-layers)" if args.llama_layers else "QK-norm, logit soft-cap, embedding norm"
     print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, r={args.r} (effective depth "
           f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), looped extras: {extras}, "
@@ -302,11 +341,14 @@ def main(argv: list[str] | None = None) -> int:
           f"prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median (min .. max) of "
           f"{args.repeats} repeats\n")  # fmt: skip
     print(throughput_table(results))
+    print("\nvLLM tokens per CPU-second of this process (engine core included when in this process):\n")
+    print(cpu_table(cpu))
     if rows:
         print(f"\nKV cache (VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB} GiB):\n")
         print(kv_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "throughput": results, "kv": rows}, indent=2))
+        report = {"args": vars(args), "throughput": results, "cpu_throughput": cpu, "norms": norms, "kv": rows}
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -47,15 +47,21 @@ def num_scaling_params(model: nn.Module) -> dict[str, int]:
     """Parameters of a ``LoopedForCausalLM`` in the study's groups; the parts sum to the real count.
 
     ``once``, ``recurrent`` and ``embedding`` as ``parameter_groups``; ``lm_head`` apart (a tied
-    head counts 0 here: its weights are the embedding's); ``total``. The scaling law's N_once and
-    N_rec are ``once`` and ``recurrent``. Raises ``RuntimeError`` if a parameter belongs to no
-    group (a module added to the model without a place in the accounting).
+    head counts 0 here: its weights are the embedding's); ``loop_lora`` for a retrofit's per-loop
+    LoRA; ``total``. The scaling law's N_once and N_rec are ``once`` and ``recurrent``. Raises
+    ``RuntimeError`` if a parameter belongs to no group (a module added to the model without a place
+    in the accounting).
     """
     base = model.model
     groups = {name: sum(p.numel() for p in params) for name, params in parameter_groups(base).items()}
     tied = model.lm_head.weight is base.embed_tokens.weight
     groups["lm_head"] = 0 if tied else model.lm_head.weight.numel()
-    groups["total"] = groups["once"] + groups["recurrent"] + groups["embedding"] + groups["lm_head"]
+    # A retrofit's per-loop LoRA (retrofit/loop_lora.py, ``model.loop_lora``): loop t runs only its
+    # own deltas, so they are neither run-once nor run r times: a group apart.
+    lora = getattr(model, "loop_lora", None)
+    if lora is not None:
+        groups["loop_lora"] = sum(p.numel() for p in lora.parameters())
+    groups["total"] = sum(groups.values())
     # Unique tensors only, so a shared or tied weight is never counted twice.
     real = sum(p.numel() for p in model.parameters())
     if groups["total"] != real:
@@ -89,6 +95,12 @@ def _flops_terms(
     # padded rows (they are computed, then cropped), as the study's estimate_flops does.
     n_head = config.padded_vocab_size * config.hidden_size * head_passes(config, r, training)
     n_rec = params["recurrent"]
+    lora = getattr(model, "loop_lora", None)
+    if lora is not None:
+        # Each recurrence also runs its own LoRA matrices: 2 * rank * (in + out) per token and
+        # projection forward, the same for every loop, so one loop's matrices join N_rec. Its norm
+        # and bias deltas are elementwise (left out, as the norms are).
+        n_rec += sum(p.numel() for p in lora.steps[0].parameters() if p.ndim == 2)
     base = model.model
     hc = base.hyperconnection
     if hc is not None:
@@ -103,7 +115,7 @@ def _flops_terms(
     norms = (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None), base.norm)
     scalars = sum(p.numel() for m in norms if m is not None for p in m.parameters())
     # The exit gate reads every recurrence but the last (the last step takes the remainder of the
-    # exit distribution whatever its gate says: modeling_looped.exit_gate_probabilities), so it
+    # exit distribution whatever its gate says: recurrent_block_looped.exit_gate_probabilities), so it
     # runs r - 1 times, not r as N_rec does. The step it skips is the last, which always carries
     # gradient, so taking its parameters off the once-per-token term (6x in training, 2x in
     # inference) is exact. A FlopCounterMode check is in tests/test_probes.py.
@@ -155,4 +167,30 @@ def inference_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: i
     return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * model.config.num_layer_applications(r))
 
 
-__all__ = ["head_passes", "inference_flops_per_token", "num_scaling_params", "parameter_groups", "training_flops_per_token"]
+def teacher_flops_per_token(teacher: nn.Module, seq_len: int) -> float:
+    """Forward-only FLOPs per token of a dense transformers causal LM (a distillation teacher, run
+    under no_grad): 2 * (N_body + V * d) + 4 * h * q * T per layer, the same count as
+    `inference_flops_per_token` at r = 1. N_body is every parameter but the input embedding and
+    an untied output head (its norms too, as the layers' norms above); the head's matmul is V * d
+    whether or not it is tied. Reads shapes only (a meta-device model serves)."""
+    config = teacher.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    embed = teacher.get_input_embeddings().weight
+    head = teacher.get_output_embeddings()
+    untied_head = head is not None and head.weight is not embed
+    untied = head.weight.numel() if untied_head else 0
+    n_body = sum(p.numel() for p in teacher.parameters()) - embed.numel() - untied
+    vocab, width = int(embed.shape[0]), int(embed.shape[1])
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or width // heads)
+    return float(2 * (n_body + vocab * width) + 4 * heads * head_dim * seq_len * int(text.num_hidden_layers))
+
+
+__all__ = [
+    "head_passes",
+    "inference_flops_per_token",
+    "num_scaling_params",
+    "parameter_groups",
+    "teacher_flops_per_token",
+    "training_flops_per_token",
+]

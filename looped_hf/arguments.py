@@ -62,7 +62,7 @@ from looped_hf.field_checks import (
     steps_or_unset,
 )
 from looped_hf.fileio import first_line, yaml_load
-from looped_hf.recurrence import RECURRENCE_SAMPLINGS
+from looped_hf.recurrence import CURRICULUM_SHAPES, RECURRENCE_SAMPLINGS
 
 OPTIMIZERS = ("adamw", "muon", "muonh")
 LR_SCALINGS = ("hyperp", "none")
@@ -86,6 +86,20 @@ NOT_RECIPE_FIELDS = frozenset(
     {"vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "looped_format", "num_hidden_layers",
      "rope_parameters"}
 )  # fmt: skip
+# Retrofit training fields (docs/retrofit.md) that a recipe may set only together with the field
+# that switches their feature on: {field: (switch, what the switch must be)}.
+RETROFIT_DEPENDENT_FIELDS = {
+    "curriculum_start": "recurrence_curriculum", "curriculum_fraction": "recurrence_curriculum",
+    "lora_alpha": "lora_rank", "distill_alpha": "distill_from", "distill_temperature": "distill_from",
+}  # fmt: skip
+
+
+def fraction_of_run(value: Any) -> None:
+    """In (0, 1]: a fraction of the run's optimizer steps."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= 1:  # NaN too
+        raise ValueError("must be a finite number in (0, 1]")
+
+
 # YAML 1.2 floats: PyYAML (YAML 1.1) reads 1e-3 and 1.5e8 (no dot, or no sign in the exponent)
 # as strings; a recipe means the number.
 _YAML12_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)$")
@@ -379,12 +393,76 @@ class LoopedTrainingArguments(TrainingArguments):
     results_file: Annotated[str | None, non_empty] = field(
         default=None, metadata={"help": "Also append the run record to this JSONL file (atomic, locked)."}
     )
+    # --- retrofit training (docs/retrofit.md): start from a looped folder, the paper's recipe ----
+    init_from: Annotated[str | None, names_dir] = field(
+        default=None,
+        metadata={
+            "help": "A looped checkpoint folder (config.json + safetensors: `looped-hf retrofit`'s output, a run "
+            "directory, a converted folder) whose weights and config the run starts from. Model fields the "
+            "recipe sets override the folder's config (num_recurrences, backprop_recurrences, ...); a change "
+            "of shape is refused when the weights load."
+        },
+    )
+    recurrence_curriculum: str = field(
+        default="none",
+        metadata={
+            "choices": CURRICULUM_SHAPES,
+            "help": "none, linear or 1-sqrt: the mean r rises from curriculum_start to num_recurrences over the "
+            "first curriculum_fraction of the steps (McLeish et al. 2025: 1 -> 4, 0.75, 1-sqrt). Step s of "
+            "W = ceil(fraction x max_steps) runs mean max(start, ceil(max x f)), f = s/W (linear) or "
+            "1 - sqrt(1 - s/W) (1-sqrt), 1 after W; recurrence_sampling draws each step's r around it "
+            "(looped_hf.recurrence).",
+        },
+    )
+    curriculum_start: Annotated[int, AT_LEAST_1] = field(
+        default=1, metadata={"help": "The curriculum's first mean r (the paper's `start`, 1)."}
+    )
+    curriculum_fraction: Annotated[float, fraction_of_run] = field(
+        default=0.75,
+        metadata={"help": "Fraction of the run's steps over which the mean r rises (the paper's 0.75)."},
+    )
+    freeze_backbone: bool = field(
+        default=False,
+        metadata={
+            "help": "Train only the injection adapter ([state; embedding] -> state); every other "
+            "weight stays as loaded (the paper's freeze_backbone)."
+        },
+    )
+    lora_rank: Annotated[int | None, AT_LEAST_1] = field(
+        default=None,
+        metadata={
+            "help": "Train peft LoRA adapters of this rank on every linear layer but lm_head (peft's "
+            "all-linear; the paper's later code: rank 16, alpha 32, no dropout); the base weights stay "
+            "frozen and the run directory gets the merged model. Needs optimizer adamw (the paper's code "
+            "refuses LoRA with Muon)."
+        },
+    )
+    lora_alpha: Annotated[float, POSITIVE] = field(
+        default=32.0, metadata={"help": "LoRA alpha (the paper's 32)."}
+    )
+    distill_from: Annotated[str | None, names_dir] = field(
+        default=None,
+        metadata={
+            "help": "A dense transformers checkpoint folder (the retrofit's parent): the loss becomes "
+            "distill_alpha x CE + (1 - distill_alpha) x T^2 x KL between the teacher's and the student's "
+            "softened next-token distributions (looped_hf.trainer.distillation_loss); the teacher's forward "
+            "counts in train_flops."
+        },
+    )
+    distill_alpha: Annotated[float, UNIT] = field(
+        default=0.5,
+        metadata={"help": "Weight of the cross-entropy in the distillation loss (the paper's 0.5)."},
+    )
+    distill_temperature: Annotated[float, POSITIVE] = field(
+        default=2.0, metadata={"help": "Distillation temperature T (the paper's 2)."}
+    )
 
     def __post_init__(self):
         # Types, ranges and choices: the fields' declarations, which recipes are checked against
         # too; below only how the fields go together.
         check_declared_fields(self)
         self._check_optimizer_fields()
+        self._check_retrofit_fields()
         self._check_recurrence_sampling()
         given = [name for name in LENGTH_FIELDS if getattr(self, name) not in (None, -1)]
         if len(given) > 1:
@@ -392,6 +470,32 @@ class LoopedTrainingArguments(TrainingArguments):
                 f"LoopedTrainingArguments: {' and '.join(given)} are all set; a run length takes exactly one"
             )
         super().__post_init__()
+
+    def _check_retrofit_fields(self) -> None:
+        """No retrofit field silently unused; one way to choose what trains; LoRA with AdamW; a
+        curriculum run recorded under a variant of its own (it is no point of a fixed-r sweep)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.init}
+        switched_on = {"recurrence_curriculum": self.recurrence_curriculum != "none",
+                       "lora_rank": self.lora_rank is not None, "distill_from": self.distill_from is not None}  # fmt: skip
+        for name, switch in RETROFIT_DEPENDENT_FIELDS.items():
+            if getattr(self, name) != defaults[name] and not switched_on[switch]:
+                raise RecipeError(
+                    f"LoopedTrainingArguments.{name}={show(getattr(self, name))}: used only with {switch} set "
+                    f"({switch}={show(getattr(self, switch))})"
+                )
+        if self.freeze_backbone and self.lora_rank is not None:
+            raise RecipeError(
+                f"LoopedTrainingArguments.lora_rank={self.lora_rank}: freeze_backbone trains the adapter alone and "
+                "LoRA trains low-rank updates of every linear layer; choose one"
+            )
+        if self.lora_rank is not None and self.optimizer != "adamw":
+            raise RecipeError(
+                f"LoopedTrainingArguments.optimizer={self.optimizer!r}: LoRA (lora_rank={self.lora_rank}) trains with "
+                "adamw (the paper's code refuses LoRA with Muon: orthogonalised low-rank factors are not LoRA)"
+            )
+        if self.recurrence_curriculum != "none" and self.variant == "base":
+            sampled = self.recurrence_sampling != "fixed"
+            self.variant = "curriculum_sampled_r" if sampled else "curriculum"
 
     def _check_recurrence_sampling(self) -> None:
         """A known scheme, and a sampled-r run recorded under a variant of its own (the fit's filter)."""
@@ -730,8 +834,14 @@ def resolved_recipe(model_args: Any, data_args: Any, training_args: TrainingArgu
     built config has it (so a later change of a LoopedConfig default cannot change the rerun),
     every data field, and the training fields that differ from their defaults (TrainingArguments
     has ~150)."""
-    config = model_args.to_config(LoopedConfig.__dataclass_fields__["vocab_size"].default, data_args.seq_len)
-    out: dict[str, Any] = {name: _plain(getattr(config, name)) for name in model_fields()}
+    if getattr(training_args, "init_from", None) is not None:
+        # The folder's config is the base: only the fields the recipe changes (the rest would
+        # overwrite the folder's shapes with LoopedConfig's defaults on a rerun).
+        out: dict[str, Any] = {name: _plain(value) for name, value in model_args.settings.items()}
+    else:
+        vocab = LoopedConfig.__dataclass_fields__["vocab_size"].default
+        config = model_args.to_config(vocab, data_args.seq_len)
+        out = {name: _plain(getattr(config, name)) for name in model_fields()}
     out["attn_implementation"] = model_args.attn_implementation
     for obj in (data_args,):
         for f in dataclasses.fields(obj):

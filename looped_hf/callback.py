@@ -18,6 +18,13 @@ and to every `report_to` backend):
 and records `n_once`, `n_rec`, `num_recurrences`, `effective_num_layers` and
 `backprop_recurrences` (in the final training log entry and in `summary()`).
 
+A distillation teacher (`teacher_flops_per_token=`, `accounting_looped.teacher_flops_per_token`:
+its forward only, 2 x its parameters per token plus its attention) is added to every training
+token's FLOPs. `log_recurrences=True` (a sampled r or a curriculum) adds `step_num_recurrences`
+(the r the last optimizer step ran) and `mean_num_recurrences` (over the steps since the previous
+training log entry) to every training log entry. A peft-wrapped model (LoRA) is hooked as given
+and counted as its base model (frozen weights are counted as trained: an upper bound).
+
 Throughput: every training log entry also carries `tokens_per_second` (all processes) and
 `model_flops_per_second` (the looped-aware FLOPs above, all processes) over the optimizer steps
 since the previous training log entry, and `mfu` = model FLOPs/s / (num_processes x the device's
@@ -71,14 +78,33 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
         peak_flops: Dense bf16 peak of ONE training device in FLOP/s, for `mfu`. `None` (default):
             `looped_hf.hardware.device_peak_flops` of the Trainer's device (None on CPUs and GPUs
             it does not list: then no `mfu` is logged).
+        teacher_flops_per_token: Forward FLOPs per token of a distillation teacher
+            (`accounting_looped.teacher_flops_per_token`), added to every training token's count.
+        log_recurrences: add `step_num_recurrences` and `mean_num_recurrences` to training log entries.
     """
 
-    def __init__(self, seq_len: int | None = None, peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        seq_len: int | None = None,
+        peak_flops: float | None = None,
+        teacher_flops_per_token: float = 0.0,
+        log_recurrences: bool = False,
+    ) -> None:
         if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0
                                            and math.isfinite(peak_flops)):  # fmt: skip
             raise ValueError(f"LoopedComputeCallback peak_flops={peak_flops!r}: must be a positive number of FLOP/s")
+        if not (isinstance(teacher_flops_per_token, (int, float)) and teacher_flops_per_token >= 0
+                and math.isfinite(teacher_flops_per_token)):  # fmt: skip
+            raise ValueError(
+                f"LoopedComputeCallback teacher_flops_per_token={teacher_flops_per_token!r}: must be a number >= 0"
+            )
         self.seq_len = seq_len
         self.peak_flops = None if peak_flops is None else float(peak_flops)
+        self.teacher_flops_per_token = float(teacher_flops_per_token)
+        self.log_recurrences = bool(log_recurrences)
+        self._base: torch.nn.Module | None = None  # what is counted: the model, or a peft model's base
+        self._step_r: int | None = None  # r of the current optimizer step's micro-batches
+        self._window_r: list[int] = []  # r of each optimizer step since the last training log
         self._peak: float | None = self.peak_flops  # the one in use (given, or the device's)
         self._world = 1
         # Training clock (perf_counter): `_clock` is where the current training stretch began;
@@ -160,15 +186,20 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
             # across processes) the tokens the FLOP count multiplies.
             args.include_num_input_tokens_seen = "all"
         if model is not None and model is not self._model:
-            if not hasattr(model, "training_flops_per_token") or not hasattr(model, "num_scaling_params"):
+            # peft's wrapper calls its base model's forward directly (no hooks): hook the wrapper,
+            # count the base.
+            from looped_hf.optim import peft_base
+
+            base = peft_base(model)
+            if not hasattr(base, "training_flops_per_token") or not hasattr(base, "num_scaling_params"):
                 raise TypeError(
                     f"LoopedComputeCallback needs a model with training_flops_per_token() and "
                     f"num_scaling_params() (LoopedForCausalLM); got {type(model).__name__}"
                 )
             self._remove_hook()
-            self._model = model
+            self._model, self._base = model, base
             self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
-            self.static = self._static_fields(model)
+            self.static = self._static_fields(base)
 
     def _remove_hook(self) -> None:
         if self._hook is not None:
@@ -190,7 +221,8 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
     def _flops_per_token(self, seq_len: int, num_recurrences: int | None = None) -> float:
         key = (seq_len, num_recurrences)
         if key not in self._fpt_cache:
-            self._fpt_cache[key] = float(training_flops_per_token(self._model, seq_len, num_recurrences))
+            student = float(training_flops_per_token(self._base, seq_len, num_recurrences))
+            self._fpt_cache[key] = student + self.teacher_flops_per_token
         return self._fpt_cache[key]
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -205,6 +237,7 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
             ids = ids[..., 0]
         seq_len = self.seq_len or int(ids.shape[-1])
         r = kwargs.get("num_recurrences")  # what this call runs (None: the config's r)
+        self._step_r = int(self._base.config.num_recurrences if r is None else r)
         self._last_seq_len = seq_len
         n = int(ids.numel())
         self._step_tokens += n
@@ -345,6 +378,9 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
         tokens = int(state.num_input_tokens_seen)
         if self._step_tokens:
             self._last_fpt = self._step_flops / self._step_tokens
+        if self._step_r is not None:
+            self._window_r.append(self._step_r)
+            self._step_r = None
         if tokens > self._counted_tokens:
             self._flops += (tokens - self._counted_tokens) * self._pending_fpt()
             self._counted_tokens = tokens
@@ -373,6 +409,10 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
             # A training log entry: rates over the steps since the previous one.
             self._tick(count=True)
             extra.update(self._window_throughput(state, extra))
+            if self.log_recurrences and self._window_r:
+                extra.update(step_num_recurrences=self._window_r[-1],
+                             mean_num_recurrences=sum(self._window_r) / len(self._window_r))  # fmt: skip
+            self._window_r = []
         else:
             self._tick(count=False)  # an evaluation's entry: the evaluation was not training time
         logs.update(extra)

@@ -2,7 +2,8 @@
 
 Each subcommand lives with the module that owns its work and exposes ``main(argv) -> int``;
 this file only routes, so the numpy-only commands (``fit``, a cached ``plan``) need no torch of
-their own (``import looped_hf`` imports it where installed, to register the Auto classes).
+their own. The ``looped-hf`` console script enters through ``looped_hf_launcher``, which keeps
+``import looped_hf`` from registering the Auto classes (torch and transformers) for those commands.
 New knobs belong in recipes (YAML), not in new flags here.
 """
 
@@ -24,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "card": ("looped_hf.cards", "write a sweep's model card (phi, plots, runs)"),
     "publish": ("looped_hf.publish", "write a Hub-ready folder for one run; --push uploads it"),
     "convert": ("looped_hf.convert", "convert a study (nanochat), Huginn or retrofitted checkpoint into a Hub-ready folder"),
+    "retrofit": ("looped_hf.retrofit", "turn a dense Llama / Mistral / Qwen2 / Qwen3 / OLMo-2 checkpoint into a looped folder (layers, loop in place, RRT share)"),
     "eval": ("looped_hf.evaluation.cli", "downstream tasks (study bundles, built-in primitives, lm-eval) at every r"),
     "serve": ("looped_hf.serving.cli", "serve a checkpoint with vLLM's OpenAI-compatible server (r, kv_budget per server)"),
     "test-time": ("looped_hf.recurrence_curves", "held-out loss of a checkpoint at r = 1 .. 4x its trained r (table + plot)"),

@@ -22,11 +22,11 @@ the key was written by 0.1.0 and loads as format 1.
 This file is shipped with every checkpoint as remote code: it imports only transformers.
 """
 
+import functools
 import math
 import operator
 import os
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
@@ -58,6 +58,18 @@ LOOPED_FORMATS = (1, LOOPED_FORMAT)
 # within a few x), and each recurrence costs K layer applications per token, so a typo such as
 # r = 10**7 is refused with its cost instead of running for days.
 RECURRENCE_CEILING_FACTOR = 64
+# The most recurrences any config or call may name (``num_recurrences``, ``max_recurrences`` and the
+# per-call ceiling above): far past every published looped model (Huginn tests up to 64, Ouro runs
+# 4) and past any extrapolation that helps, so a config.json's r of 10**12 is refused in one line
+# instead of a forward that never ends.
+MAX_NUM_RECURRENCES = 4096
+# The most parameters a config may describe (embedding, head and unique layers): 10**13, 20 TB in
+# bf16, more than any machine allocates. A config.json with hidden_size 10**9 is refused in one line
+# naming the field instead of failing inside torch's allocator.
+MAX_PARAMETERS = 10**13
+# The most unique layers (prelude + block + coda) a config may describe: each is a module of its own,
+# so 10**8 of them would exhaust memory while building; the deepest published decoders have ~128.
+MAX_UNIQUE_LAYERS = 4096
 # "truncated_normal": Huginn's h_0, a normal at state_init_std truncated at +-3 std, times the
 # embedding multiplier (seal-rg/recurrent-pretraining raven_modeling_minimal.py initialize_state).
 STATE_INITS = ("prelude", "zeros", "noise", "truncated_normal")
@@ -127,7 +139,8 @@ class Interval:
     def describe(self) -> str:
         kind = "an integer" if self.integer else "a finite number"
         if self.low is not None and self.high is not None:
-            text = f"{kind} in [{self.low}, {self.high}]"
+            # Both ends given: finite by the range itself.
+            text = f"{'an integer' if self.integer else 'a number'} in [{self.low}, {self.high}]"
         elif self.low is not None:
             text = f"{kind} {'>' if self.low_open else '>='} {self.low}"
         else:
@@ -147,6 +160,35 @@ def at_least(low: int, *, why: str = "") -> Callable[..., Any]:
     return lambda default: validated_field(rule, default=default)
 
 
+# The rules of the fields that ``forward`` / ``generate`` also take per call: the field and the
+# keyword run the same rule (``check_override``), so one rule has one message.
+R_RULE = Interval(1, None, integer=True)  # and at most MAX_NUM_RECURRENCES: validate_loop
+KV_BUDGET_RULE = Interval(1, None, integer=True, why="None: every recurrence keeps its KV cache")
+MIN_RECURRENCES_RULE = Interval(1, None, integer=True)
+EXIT_GATE_THRESHOLD_RULE = Interval(0, 1, why="a cumulative exit probability")
+
+
+def check_override(field: str, value: Any, rule: Interval) -> Any:
+    """A per-call value of config field ``field`` (``num_recurrences=`` of ``forward``, ...) checked
+    by the field's own ``rule``; returns it (an integer rule takes numpy and 0-d tensor integers,
+    as a Python int: ``torch.compile`` builds one graph per r). Raises ``LoopedConfigError``
+    "field=value: why" in the words of the field's own refusal."""
+    if rule.integer:
+        try:
+            number = operator.index(value) if not isinstance(value, bool) else None
+        except TypeError:
+            number = None
+    else:
+        number = value if _is_real(value) else None
+    if number is None:
+        raise LoopedConfigError(f"{field}={value!r}: must be {rule.describe()}")
+    try:
+        rule(number)
+    except ValueError as err:
+        raise LoopedConfigError(f"{field}={value!r}: {err}") from None
+    return number
+
+
 def field_choices(annotation: Any) -> tuple[Any, ...]:
     """The values a ``Literal[...]`` field (or ``Literal[...] | None``) takes; () for other types."""
     if get_origin(annotation) is Literal:
@@ -159,35 +201,50 @@ class LoopedConfigError(StrictDataclassError, ValueError):
     ``ValueError`` (as before ``@strict``) and huggingface_hub's ``StrictDataclassError``."""
 
 
-_TYPE_ERROR = re.compile(r"^Field '[^']*' (expected .*?)(?: \(value: .*\))?$")
+def _field_refusal(cls: type, name: str, value: Any, err: StrictDataclassError) -> LoopedConfigError:
+    """``@strict``'s refusal of ``cls.name = value`` as one line, "LoopedConfig.name=value: why".
+
+    ``@strict`` wraps what a field's validator raises (chained as ``__cause__``) in a two-line
+    message. The "why" comes from the field's declaration: its choices, or "expected T, got U"
+    for a plain type, or else the validator's own words (an ``Interval``'s rule, a union's list)."""
+    cause = err.__cause__
+    why = str(cause) if cause is not None else str(err)
+    if isinstance(cause, TypeError):  # the type check: an Interval only ever raises ValueError
+        annotation = cls.__annotations__.get(name)
+        if choices := field_choices(annotation):
+            why = f"must be one of {tuple(c for c in choices if c is not None)}"
+        elif isinstance(annotation, type):
+            why = f"expected {annotation.__name__}, got {type(value).__name__}"
+    return LoopedConfigError(f"{cls.__name__}.{name}={value!r}: {why}")
 
 
 def _one_line_errors(cls: type) -> type:
-    """Re-raise ``@strict``'s two-line errors ("Validation error for field 'x':\n  ValueError: ...")
-    as one line, "LoopedConfig.x=value: why", which a CLI can print as it is."""
-    strict_setattr, strict_validate = cls.__setattr__, cls.validate
-    choices = {name: field_choices(annotation) for name, annotation in cls.__annotations__.items()}
+    """Make ``@strict``'s refusals one line (``LoopedConfigError``), which a CLI can print as it is.
 
+    Applied on top of ``@strict``, it wraps the two entry points every refusal passes through:
+    field assignment (``__init__`` assigns each field, so construction too) and ``validate()``
+    (run after ``__init__`` and before ``save_pretrained``). Nothing else can: ``@strict`` wraps
+    every ``ValueError`` / ``TypeError`` a validator raises, ``LoopedConfigError`` included, and
+    runs the type check before a field's own validator. ``functools.wraps`` keeps the wrapped
+    methods' attributes, so a subclass may apply ``@strict`` again, as to any strict class."""
+    strict_setattr, strict_validate = cls.__setattr__, cls.validate
+
+    @functools.wraps(strict_setattr)
     def __setattr__(self: Any, name: str, value: Any) -> None:
         try:
             strict_setattr(self, name, value)
         except StrictDataclassError as err:
-            cause = err.__cause__
-            why = str(cause) if cause is not None else str(err)
-            if choices.get(name) and isinstance(cause, TypeError):
-                why = f"must be one of {tuple(c for c in choices[name] if c is not None)}"
-            elif (match := _TYPE_ERROR.match(why)) is not None:
-                why = match.group(1)
-            raise LoopedConfigError(f"{cls.__name__}.{name}={value!r}: {why}") from None
+            raise _field_refusal(cls, name, value, err) from None
 
+    @functools.wraps(strict_validate)
     def validate(self: Any) -> None:
         try:
             strict_validate(self)
         except StrictDataclassError as err:
+            # The ``validate_*`` rules raise "LoopedConfig.field=value: why" themselves (``_bad``).
             raise LoopedConfigError(str(err.__cause__ or err)) from None
 
     cls.__setattr__, cls.validate = __setattr__, validate
-    validate.__is_defined_by_strict_decorator__ = True  # a subclass's @strict may redefine it
     return cls
 
 
@@ -212,61 +269,6 @@ def tensor_parallel_plan(
         for stack in stacks
         for module, style in modules
     }
-
-
-@dataclass(frozen=True)
-class KVSlotPlan:
-    """Which KV-cache slot each layer application of one forward writes and reads.
-
-    The one place that owns the looped cache layout, shared by ``modeling_looped`` (transformers'
-    ``Cache``) and the vLLM model (one ``Attention`` per slot): prelude layer j -> slot j; block
-    layer j at recurrence i (0-based) -> slot P + (i mod k)*K + j (the study's nanochat/gpt.py
-    ``_get_kv_layer_idx``); coda layer j -> slot P + k*K + j. k = min(kv_budget, r), so with no
-    budget every layer application owns a slot (P + r*K + C in all).
-    """
-
-    num_prelude: int
-    num_recurrent: int
-    num_coda: int
-    num_recurrences: int
-    kv_budget: int  # effective: min(k, r)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_prelude + self.kv_budget * self.num_recurrent + self.num_coda
-
-    @property
-    def shares_slots(self) -> bool:
-        """True when a later recurrence overwrites an earlier one's slot (kv_budget < r)."""
-        return self.kv_budget < self.num_recurrences
-
-    def prelude(self, j: int) -> int:
-        return j
-
-    def block(self, step: int, j: int) -> int:
-        return self.num_prelude + (step % self.kv_budget) * self.num_recurrent + j
-
-    def coda(self, j: int) -> int:
-        return self.num_prelude + self.kv_budget * self.num_recurrent + j
-
-    def overwritten(self, step: int) -> bool:
-        """Whether a later recurrence of the same forward writes recurrence ``step``'s slots again
-        (step < r - k): its KV serves its own tokens only and is cropped back out of the cache."""
-        return step < self.num_recurrences - self.kv_budget
-
-    def block_layer(self, slot: int) -> int:
-        """The block layer j that writes ``slot`` (a block slot: P <= slot < P + k*K)."""
-        return (slot - self.num_prelude) % self.num_recurrent
-
-    def applications(self) -> Iterator[tuple[str, int, int, int]]:
-        """Every layer application in forward order: (stack, recurrence step or 0, layer j, slot)."""
-        for j in range(self.num_prelude):
-            yield "prelude", 0, j, self.prelude(j)
-        for step in range(self.num_recurrences):
-            for j in range(self.num_recurrent):
-                yield "recurrent", step, j, self.block(step, j)
-        for j in range(self.num_coda):
-            yield "coda", 0, j, self.coda(j)
 
 
 @_one_line_errors
@@ -476,21 +478,21 @@ class LoopedConfig(PreTrainedConfig):
     num_prelude_layers: int = at_least(0)(default=2)
     num_recurrent_layers: int = at_least(0)(default=4)
     num_coda_layers: int = at_least(0)(default=2)
-    num_recurrences: int = at_least(1)(default=4)
+    num_recurrences: int = validated_field(R_RULE, default=4)
     input_injection: Literal[INPUT_INJECTIONS] = "linear"
     num_hyperconnection_lanes: int = at_least(1)(default=2)
     state_init: Literal[STATE_INITS] | None = None
     state_init_std: int | float = interval(0, None, why="a standard deviation")(default=1.0)
     backprop_recurrences: int | None = at_least(1, why="None: full backprop")(default=None)
     recurrence_norm: bool = True
-    kv_budget: int | None = at_least(1, why="None: every recurrence keeps its KV cache")(default=None)
-    max_recurrences: int | None = at_least(1)(default=None)
+    kv_budget: int | None = validated_field(KV_BUDGET_RULE, default=None)
+    max_recurrences: int | None = validated_field(R_RULE, default=None)
     exit_criterion: Literal[EXIT_CRITERIA + ("none",)] | None = None
     exit_threshold: int | float | None = interval(None, None)(default=None)  # its range depends on the criterion
-    min_recurrences: int = at_least(1)(default=1)
+    min_recurrences: int = validated_field(MIN_RECURRENCES_RULE, default=1)
     exit_gate: bool = False
     exit_gate_output: Literal[EXIT_GATE_OUTPUTS] = "last"
-    exit_gate_threshold: int | float = interval(0, 1, why="a cumulative exit probability")(default=0.5)
+    exit_gate_threshold: int | float = validated_field(EXIT_GATE_THRESHOLD_RULE, default=0.5)
     exit_gate_entropy_beta: int | float | None = interval(0, None, why="None: the loss of the logits")(default=None)
     num_hidden_layers: int | None = None
     looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT
@@ -532,13 +534,50 @@ class LoopedConfig(PreTrainedConfig):
             raise self._bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2 != 0:
             raise self._bad("head_dim", "must be even for rotary embeddings")
+        self._check_size()
         theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
         if theta is not None and not (_is_real(theta) and theta > 0):
             raise self._bad("rope_parameters", "rope_theta must be a finite number > 0")
 
+    def _check_size(self) -> None:
+        """Refuse a config whose weights no machine could allocate (``MAX_PARAMETERS``), naming the
+        size field that contributes most (the one whose own default would shrink the count most)."""
+        if self.num_unique_layers > MAX_UNIQUE_LAYERS:
+            field = max(("num_prelude_layers", "num_recurrent_layers", "num_coda_layers"), key=lambda f: getattr(self, f))
+            raise self._bad(field, f"the model would have {self.num_unique_layers} unique layers, over the bound of "
+                                   f"{MAX_UNIQUE_LAYERS} (MAX_UNIQUE_LAYERS: each is a module of its own)")  # fmt: skip
+        total = self.approx_num_parameters()
+        if total <= MAX_PARAMETERS:
+            return
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "num_prelude_layers", "num_recurrent_layers", "num_coda_layers")  # fmt: skip
+        defaults = {"intermediate_size": 4 * 256, "num_key_value_heads": 4, "head_dim": 64}
+        field = min(sizes, key=lambda f: self.approx_num_parameters(
+            **{f: defaults.get(f, self.__dataclass_fields__[f].default)}))  # fmt: skip
+        raise self._bad(field, f"the model would have ~{total:.3g} parameters, over the bound of "
+                               f"{MAX_PARAMETERS:.0e} (MAX_PARAMETERS: no machine allocates them)")  # fmt: skip
+
+    def approx_num_parameters(self, **sizes: int) -> int:
+        """The weights' count from the size fields (``sizes`` overriding them): embedding, untied
+        head, and per unique layer the attention and MLP matrices; Python ints, so a hostile size
+        cannot overflow. An upper bound's worth of exactness for ``MAX_PARAMETERS`` only (the
+        accounting is ``accounting_looped``)."""
+        get = lambda name: sizes.get(name, getattr(self, name))  # noqa: E731
+        d, heads, kv, hd = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads"), get("head_dim")
+        vocab = get("vocab_size")
+        attention = d * heads * hd * 2 + d * kv * hd * 2
+        mlp = (2 if self.hidden_act == "relu2" else 3) * d * get("intermediate_size")
+        layers = get("num_prelude_layers") + get("num_recurrent_layers") + get("num_coda_layers")
+        return vocab * d * (1 if self.tie_word_embeddings else 2) + layers * (attention + mlp)
+
     def validate_loop(self) -> None:
         """The loop's settings against r: truncation, the hyperconnection lock, exit, the ceiling."""
         r = self.num_recurrences
+        for field in ("num_recurrences", "max_recurrences"):
+            if (getattr(self, field) or 0) > MAX_NUM_RECURRENCES:
+                raise self._bad(field, f"exceeds MAX_NUM_RECURRENCES={MAX_NUM_RECURRENCES}, the most recurrences any "
+                                       f"looped model may run (each costs {self.num_recurrent_layers} layer "
+                                       "applications per token)")  # fmt: skip
         k = self.backprop_recurrences
         if k is not None and k > r:
             raise self._bad("backprop_recurrences", f"exceeds num_recurrences={r}")
@@ -645,22 +684,13 @@ class LoopedConfig(PreTrainedConfig):
 
     def num_kv_slots(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> int:
         """KV-cache slots a call needs: P + min(k, r)*K + C, k the KV budget (default: the config's;
-        none means every recurrence keeps its slots, k = r). See ``kv_budget``."""
-        return self.slot_plan(num_recurrences, kv_budget).num_slots
-
-    def slot_plan(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> KVSlotPlan:
-        """The KV-cache layout of a call at ``num_recurrences`` (default: r) with ``kv_budget``
-        (default: the config's; none: every recurrence keeps its slots). Raises ``ValueError``
-        naming the field and the value."""
-        r = self.num_recurrences if num_recurrences is None else num_recurrences
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"num_recurrences={r!r}: must be an integer >= 1")
-        k = self.kv_budget if kv_budget is None else kv_budget
-        if k is None:
-            k = r
-        elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"kv_budget={k!r}: must be None (every recurrence keeps its KV cache) or an integer >= 1")
-        return KVSlotPlan(self.num_prelude_layers, self.num_recurrent_layers, self.num_coda_layers, r, min(k, r))
+        none means every recurrence keeps its slots, k = r), each value checked by its field's rule
+        (``LoopedConfigError`` naming it). The layout itself, slot by slot, is
+        ``generation_looped.KVSlotPlan.for_call``: it lives with the cache code that uses it."""
+        r = self.num_recurrences if num_recurrences is None else check_override("num_recurrences", num_recurrences, R_RULE)
+        k = self.kv_budget if kv_budget is None else check_override("kv_budget", kv_budget, KV_BUDGET_RULE)
+        k = r if k is None else min(k, r)
+        return self.num_prelude_layers + k * self.num_recurrent_layers + self.num_coda_layers
 
     def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
         """The r of a call: ``num_recurrences`` (default: the config's) as a Python int, checked.
@@ -669,20 +699,13 @@ class LoopedConfig(PreTrainedConfig):
         integers convert. Raises ``ValueError`` naming the value: not an integer >= 1, or another r
         than the trained one for a hyperconnection model (its parameters are indexed by step)."""
         r = self.num_recurrences if num_recurrences is None else num_recurrences
-        try:
-            r = operator.index(r) if not isinstance(r, bool) else None
-        except TypeError:
-            r = None
-        if r is None:
-            raise ValueError(f"num_recurrences={num_recurrences!r}: must be an integer >= 1")
-        if r < 1:
-            raise ValueError(f"num_recurrences={r}: must be >= 1")
+        r = check_override("num_recurrences", r, R_RULE)
         if r > self.recurrence_ceiling:
             raise ValueError(
                 f"num_recurrences={r}: exceeds this model's ceiling of {self.recurrence_ceiling} recurrences "
                 f"({self._ceiling_source()}); it would run {self.num_layer_applications(r)} layer applications per "
-                f"token, against {self.num_layer_applications()} at the trained num_recurrences={self.num_recurrences}. "
-                "Set config.max_recurrences to allow it"
+                f"token, against {self.num_layer_applications()} at the trained num_recurrences={self.num_recurrences}"
+                + (". Set config.max_recurrences to allow it" if self.recurrence_ceiling < MAX_NUM_RECURRENCES else "")
             )
         if self.is_recurrence_locked and r != self.num_recurrences:
             raise ValueError(
@@ -699,9 +722,9 @@ class LoopedConfig(PreTrainedConfig):
         ``ValueError`` naming the field and the value."""
         criterion = self.exit_criterion if criterion is None else criterion
         threshold = self.exit_threshold if threshold is None else threshold
-        minimum = self.min_recurrences if min_recurrences is None else min_recurrences
-        if not isinstance(minimum, int) or isinstance(minimum, bool) or minimum < 1:
-            raise ValueError(f"min_recurrences={minimum!r}: must be an integer >= 1")
+        minimum = self.min_recurrences
+        if min_recurrences is not None:
+            minimum = check_override("min_recurrences", min_recurrences, MIN_RECURRENCES_RULE)
         if criterion is None or criterion == "none":
             return None
         if criterion not in EXIT_CRITERIA:
@@ -732,12 +755,12 @@ class LoopedConfig(PreTrainedConfig):
                 raise ValueError(f"{given[0]}: this model has no exit gate (config.exit_gate=False)")
             return None
         output = self.exit_gate_output if output is None else output
-        threshold = self.exit_gate_threshold if threshold is None else threshold
+        if threshold is None:
+            threshold = self.exit_gate_threshold
+        else:
+            threshold = check_override("exit_gate_threshold", threshold, EXIT_GATE_THRESHOLD_RULE)
         if output not in EXIT_GATE_OUTPUTS:
             raise ValueError(f"exit_gate_output={output!r}: must be one of {EXIT_GATE_OUTPUTS}")
-        if not _is_real(threshold) or not 0 <= threshold <= 1:
-            raise ValueError(f"exit_gate_threshold={threshold!r}: must be a number in [0, 1] (a cumulative exit "
-                             "probability)")  # fmt: skip
         if output != "last" and self.num_coda_layers > 0:
             raise ValueError(f"exit_gate_output={output!r}: needs every recurrence's logits, which "
                              f"num_coda_layers={self.num_coda_layers} would decode with a coda pass per step")  # fmt: skip
@@ -761,11 +784,13 @@ class LoopedConfig(PreTrainedConfig):
         ``RECURRENCE_CEILING_FACTOR`` x the trained ``num_recurrences``."""
         if self.max_recurrences is not None:
             return self.max_recurrences
-        return RECURRENCE_CEILING_FACTOR * self.num_recurrences
+        return min(RECURRENCE_CEILING_FACTOR * self.num_recurrences, MAX_NUM_RECURRENCES)
 
     def _ceiling_source(self) -> str:
         if self.max_recurrences is not None:
             return "config.max_recurrences"
+        if RECURRENCE_CEILING_FACTOR * self.num_recurrences > MAX_NUM_RECURRENCES:
+            return f"MAX_NUM_RECURRENCES={MAX_NUM_RECURRENCES}"
         return f"{RECURRENCE_CEILING_FACTOR} x the trained num_recurrences={self.num_recurrences}"
 
     @property
@@ -778,4 +803,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["KVSlotPlan", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["MAX_NUM_RECURRENCES", "MAX_PARAMETERS", "MAX_UNIQUE_LAYERS", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

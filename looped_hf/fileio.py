@@ -341,7 +341,9 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be a looped model: the message names the file and what is wrong."""
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``: anything else (unreadable, not UTF-8 JSON, a list) is a
+    `CheckpointError` naming the file (checkpoint folders and the converters' sources read so)."""
     try:
         value = json.loads(path.read_bytes())
     except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
@@ -349,6 +351,10 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+#: safetensors' own bound on a header (MAX_HEADER_SIZE in the safetensors crate).
+SAFETENSORS_MAX_HEADER = 100_000_000
 
 
 def check_safetensors(path: str | os.PathLike) -> None:
@@ -367,6 +373,9 @@ def check_safetensors(path: str | os.PathLike) -> None:
                 f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
             )
         length = int.from_bytes(head, "little")
+        if length > SAFETENSORS_MAX_HEADER:  # read before the size check: a huge file must not be read whole
+            raise CheckpointError(f"{path}: not safetensors (a header of {length} bytes, above the format's "
+                                  f"{SAFETENSORS_MAX_HEADER})")  # fmt: skip
         if length > size - 8:
             raise CheckpointError(
                 f"{path}: truncated or not safetensors (header of {length} bytes in a file of {size})"
@@ -397,7 +406,7 @@ def check_checkpoint_dir(folder: str | os.PathLike, model_type: str = "looped") 
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing (not a checkpoint folder)")
-    config = _read_json_object(config_path)
+    config = read_json_object(config_path)
     if config.get("model_type") != model_type:
         raise CheckpointError(
             f"{config_path}: model_type={config.get('model_type')!r}; only {model_type!r} checkpoints are read here"

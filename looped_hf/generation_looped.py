@@ -11,7 +11,7 @@ relative import), so it imports only torch, transformers and ``.configuration_lo
 - The cache a call needs: one slot per layer application (``_grow_cache``; a cache is filled at
   one r and one budget, ``_check_cache_recurrences``). A KV budget k (``config.kv_budget`` or
   ``kv_budget=`` per call, the study's engine) keeps only k recurrence slots; which slot each
-  layer application uses is the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``, the one
+  layer application uses is the call's ``KVSlotPlan`` (``KVSlotPlan.for_call``, the one
   formula); a slot keeps the KV of the last recurrence that wrote it (see
   ``LoopedConfig.kv_budget``); the model's forward does the writes and crops.
 - ``generate(..., draft_num_recurrences=k)`` decodes self-speculatively: the same weights at k
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from .configuration_looped import KVSlotPlan
+from .configuration_looped import KV_BUDGET_RULE, R_RULE, LoopedConfig, check_override
 from .interface_looped import (
     CACHE_RENAMED,
     KEEPS_UNWRITTEN_SLOTS,
@@ -69,7 +69,7 @@ class _ExitKV:
         self.latest: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * plan.num_recurrent
 
     def update(self, key: torch.Tensor, value: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = self.plan.block_layer(slot)
+        j = self.plan.layer_of_slot(slot)
         if self.exited is not None:
             stopped = self.exited[:, None, :, None]  # key/value: (batch, kv heads, tokens, head_dim)
             key = torch.where(stopped, self.latest[j][0], key)
@@ -179,7 +179,7 @@ def resolve_exit_rule(
         return None
     name, _, minimum = rule
     if minimum > r:
-        raise ValueError(f"min_recurrences={minimum} exceeds num_recurrences={r} (the cap on recurrences per token)")
+        raise ValueError(f"min_recurrences={minimum}: exceeds num_recurrences={r}, the cap on recurrences per token")
     if name in _HEAD_CRITERIA and head is None:
         raise ValueError(
             f"exit_criterion={name!r} reads the next-token distribution, so it needs the LM head: call "
@@ -204,27 +204,99 @@ def resolve_exit_rule(
 
 
 def coda_predictor(
-    coda_layers: nn.ModuleList, norm: nn.Module, head: Callable[[torch.Tensor], torch.Tensor], coda_start: int,
-    layer_kwargs: dict, num_new_tokens: int,
+    model: nn.Module, head: Callable[[torch.Tensor], torch.Tensor], coda_start: int, layer_kwargs: dict,
+    num_new_tokens: int,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The distribution criteria's decoder: a state's next-token logits through the coda, the final
-    norm and the head (Huginn's), leaving the cache's coda slots as they were (written, then
-    cropped back out)."""
+    """The distribution criteria's decoder: a state's next-token logits as the forward would make
+    them had the loop stopped there (``LoopedModel.step_output``: the norms after the loop and the
+    coda; Huginn's),
+    then the head, leaving the cache's coda slots as they were (written, then cropped back out).
+    ``model`` is the ``LoopedModel``."""
     cache = layer_kwargs.get("cache")
 
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(coda_layers):
+    def coda(x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(model.coda_layers):
             x = layer(x, cache_index=coda_start + i, **layer_kwargs)[0]
             if cache is not None:
                 crop_slot(cache.layers[coda_start + i], num_new_tokens)
-        return head(norm(x))
+        return x
 
-    return predict
+    return lambda state: head(model.step_output(state, coda))
 
 
 # ---------------------------------------------------------------------------------------------
 # The cache a call needs: one slot per layer application (or per budgeted one), filled at one r
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVSlotPlan:
+    """Which KV-cache slot each layer application of one forward writes and reads.
+
+    The one place that owns the looped cache layout, shared by ``modeling_looped`` (transformers'
+    ``Cache``) and the vLLM model (one ``Attention`` per slot): prelude layer j -> slot j; block
+    layer j at recurrence i (0-based) -> slot P + (i mod k)*K + j (the study's nanochat/gpt.py
+    ``_get_kv_layer_idx``); coda layer j -> slot P + k*K + j. k = min(kv_budget, r), so with no
+    budget every layer application owns a slot (P + r*K + C in all).
+    """
+
+    num_prelude: int
+    num_recurrent: int
+    num_coda: int
+    num_recurrences: int
+    kv_budget: int  # effective: min(k, r)
+
+    @classmethod
+    def for_call(cls, config: LoopedConfig, num_recurrences: int | None = None, kv_budget: int | None = None,
+                 ) -> KVSlotPlan:  # fmt: skip
+        """``config``'s layout at ``num_recurrences`` (default: r) with ``kv_budget`` (default: the
+        config's; none: every recurrence keeps its slots), each checked by its config field's rule
+        (every user of a layout calls this). Raises ``LoopedConfigError`` naming the value."""
+        r = config.num_recurrences
+        if num_recurrences is not None:
+            r = check_override("num_recurrences", num_recurrences, R_RULE)
+        k = config.kv_budget if kv_budget is None else check_override("kv_budget", kv_budget, KV_BUDGET_RULE)
+        if k is None:
+            k = r
+        return cls(config.num_prelude_layers, config.num_recurrent_layers, config.num_coda_layers, r, min(k, r))
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_prelude + self.kv_budget * self.num_recurrent + self.num_coda
+
+    @property
+    def shares_slots(self) -> bool:
+        """True when a later recurrence overwrites an earlier one's slot (kv_budget < r)."""
+        return self.kv_budget < self.num_recurrences
+
+    def prelude(self, j: int) -> int:
+        return j
+
+    def block(self, step: int, j: int) -> int:
+        return self.num_prelude + (step % self.kv_budget) * self.num_recurrent + j
+
+    def coda(self, j: int) -> int:
+        return self.num_prelude + self.kv_budget * self.num_recurrent + j
+
+    def overwritten(self, step: int) -> bool:
+        """Whether a later recurrence of the same forward writes recurrence ``step``'s slots again
+        (step < r - k): its KV serves its own tokens only and is cropped back out of the cache."""
+        return step < self.num_recurrences - self.kv_budget
+
+    def layer_of_slot(self, slot: int) -> int:
+        """The block layer j that writes ``slot`` (a block slot: P <= slot < P + k*K)."""
+        return (slot - self.num_prelude) % self.num_recurrent
+
+    def applications(self) -> Iterator[tuple[str, int, int, int]]:
+        """Every layer application in forward order: (stack, recurrence step or 0, layer j, slot)."""
+        for j in range(self.num_prelude):
+            yield "prelude", 0, j, self.prelude(j)
+        for step in range(self.num_recurrences):
+            for j in range(self.num_recurrent):
+                yield "recurrent", step, j, self.block(step, j)
+        for j in range(self.num_coda):
+            yield "coda", 0, j, self.coda(j)
+
 
 
 def _grow_cache(cache: Cache, num_slots: int, shrink: bool = False) -> None:
@@ -382,22 +454,25 @@ class LoopedGenerationMixin(GenerationMixin):
     def logit_lens(self, recurrent_states: tuple[torch.Tensor, ...], through_coda: bool = True) -> list[torch.Tensor]:
         """Decode each intermediate recurrence state to logits (for logit-lens analysis).
 
-        With ``through_coda`` (Huginn's convention) each state runs through the coda, the final
-        norm and the head, as if the loop had stopped there; otherwise only norm + head.
-        No cache is used; pass states from a call without one or of the whole sequence.
+        Each state is decoded as the forward decodes the last one (``LoopedModel.step_output``, the
+        modules after the loop: the post-loop
+        norm, the coda with ``through_coda`` (Huginn's convention), the final norm unless the loop
+        already closed with it, as Ouro's does), then the head; so the lens of the last state is the
+        model's own logits, for every design. ``through_coda=False`` skips only the coda. No cache
+        is used; pass states from a call without one or of the whole sequence.
         """
         base = self.model
-        out = []
-        for state in recurrent_states:
-            h = state
-            if through_coda and len(base.coda_layers):
-                pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-                mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
-                pe = base.rotary_emb(h, pos)
-                for layer in base.coda_layers:
-                    h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)[0]
-            out.append(self.logits_from_hidden(base.norm(h)))
-        return out
+
+        def coda(h: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+            pe = base.rotary_emb(h, pos)
+            for layer in base.coda_layers:
+                h = layer(h, attention_mask=mask, position_embeddings=pe, position_ids=pos)[0]
+            return h
+
+        use_coda = coda if through_coda and len(base.coda_layers) else None
+        return [self.logits_from_hidden(base.step_output(state, use_coda)) for state in recurrent_states]
 
     # -----------------------------------------------------------------------------------------
     # generate(): transformers' loop, with two hooks (no second decoding loop)

@@ -4,18 +4,20 @@
            -> r times: h = block(inject(h, e)) [-> norm]     block: K shared layers
            -> coda (C layers) -> norm -> lm_head [-> soft-cap]
 
-Top to bottom: Llama's layer (pre-norm, RoPE, GQA) with the study's switches (squared-ReLU MLP,
-QK-norm, logit soft-cap), the hyperconnection lanes, the models, the standard heads. The loop
-itself is ``LoopedRecurrentBlock`` (``recurrent_block_looped.py``), which ``LoopedModel.forward``
-runs between the prelude and the coda. Where the study's code (kschwethelm/looped-lm-scaling,
+Top to bottom: the rotary table and the logit soft-cap, the models, the standard heads. The
+decoder layers (Llama's, with the study's switches: squared-ReLU MLP, QK-norm; one class per norm
+placement) are ``decoder_layers_looped.py``; the loop itself, its modules (injection,
+hyperconnection lanes, norms, exit gate) and what runs after it are ``recurrent_block_looped.py``
+(``LoopedRecurrentBlock``, which ``LoopedModel.forward`` runs between the prelude and the coda). Where the study's code (kschwethelm/looped-lm-scaling,
 nanochat/gpt.py) fixes a convention, this file follows it and says so; ``config.looped_format ==
 1`` keeps looped_hf 0.1.0's forward for its checkpoints. Every layer *application* (P + r*K + C
-per token) owns a KV-cache slot, placed by the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``).
+per token) owns a KV-cache slot, placed by the call's ``KVSlotPlan`` (``KVSlotPlan.for_call``).
 
 It behaves like transformers 5.24's Llama wherever a looped model can (``cache=``, tuples with
 ``return_dict=False``, per-application hidden states and attentions, ``torch.compile(fullgraph=
 True)`` at a fixed r); an unknown keyword raises ``TypeError``. Beside it, shipped with every
-checkpoint as remote code: ``recurrent_block_looped.py`` (the loop), ``interface_looped.py``
+checkpoint as remote code: ``decoder_layers_looped.py`` (the layers), ``recurrent_block_looped.py``
+(the loop), ``interface_looped.py``
 (outputs, keywords, the attention mask), ``generation_looped.py`` (KV budget, adaptive exit,
 self-drafting) and ``accounting_looped.py`` (parameters and FLOPs). It imports only torch,
 transformers and those modules.
@@ -29,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -37,14 +38,21 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .accounting_looped import inference_flops_per_token, num_scaling_params, training_flops_per_token
 from .configuration_looped import LoopedConfig
+
+# The layers and the loop's modules live beside this file; the names below stay importable from
+# here (the vLLM model, tests and older callers import them from modeling_looped).
+from .decoder_layers_looped import DECODER_LAYERS as DECODER_LAYERS
+from .decoder_layers_looped import LoopedAttention, LoopedDecoderLayer, LoopedRMSNorm
+from .decoder_layers_looped import apply_rotary_pos_emb as apply_rotary_pos_emb
 from .generation_looped import (
+    KVSlotPlan,
     LoopedGenerateOutput,
     LoopedGenerationMixin,
     RecurrenceDraftCandidateGenerator,
@@ -54,7 +62,6 @@ from .generation_looped import (
 )
 from .interface_looped import (
     _LOSS_KWARGS,
-    CheckpointingLayer,
     LoopedCausalLMOutputWithPast,
     LoopedModelOutputWithPast,
     _checked_kwargs,
@@ -64,7 +71,17 @@ from .interface_looped import (
     check_token_ids,
     warn_past_positions,
 )
-from .recurrent_block_looped import LoopedRecurrentBlock
+from .recurrent_block_looped import (
+    LoopedHyperConnection,
+    LoopedRecurrentBlock,
+    LoopNorms,
+    after_loop,
+    build_loop_modules,
+    exit_gate_probabilities,
+    loop_norms,
+    threshold_readout,
+)
+from .recurrent_block_looped import threshold_exit_steps as threshold_exit_steps
 
 try:
     from transformers.modeling_utils import slice_logits_to_keep
@@ -81,24 +98,6 @@ except ImportError:  # transformers < 5.20 (vLLM's pinned range) slices inline, 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (Llama's, with the study's switches)
 # ---------------------------------------------------------------------------------------------
-
-
-class LoopedRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused op instead of eight: decoding at batch 1 is bound by per-op overhead, and
-            # a looped model applies its norms r times. Bit-identical to the path below in fp32.
-            return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
-        # Normalise in fp32 (bf16 variance underflows), cast back, then scale: Llama's order, with
-        # the fp32 part fused (one kernel instead of five).
-        input_dtype = hidden_states.dtype
-        normed = F.rms_norm(hidden_states.to(torch.float32), self.weight.shape, None, self.variance_epsilon)
-        return self.weight * normed.to(input_dtype)
 
 
 class LoopedRotaryEmbedding(nn.Module):
@@ -157,311 +156,6 @@ class _SoftCap(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (t,) = ctx.saved_tensors
         return torch.ops.aten.tanh_backward(grad, t).to(ctx.input_dtype), None
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    key_states = repeat_kv(key, module.num_key_value_groups)
-    value_states = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value_states)
-    return attn_output.transpose(1, 2).contiguous(), attn_weights
-
-
-class LoopedMLP(nn.Module):
-    """Squared-ReLU (the study, non-gated: 2 matrices) or gated (SwiGLU/GeGLU: 3 matrices)."""
-
-    def __init__(self, config: LoopedConfig) -> None:
-        super().__init__()
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gated = config.hidden_act != "relu2"
-        if self.gated:
-            self.gate_proj = nn.Linear(d, f, bias=bias)
-            self.act_fn = ACT2FN[config.hidden_act]
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
-        # The study's init: MLP-in std 1/sqrt(d), MLP-out Kaiming fan-in std 1/sqrt(f) (f = 4d).
-        for proj in (self.up_proj, getattr(self, "gate_proj", None)):
-            if proj is not None:
-                proj.looped_study_init = ("uniform", d**-0.5)
-        self.down_proj.looped_study_init = ("uniform", f**-0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.relu(self.up_proj(x)).square())
-
-
-class LoopedAttention(nn.Module):
-    def __init__(self, config: LoopedConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        d, h, kv, bias = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.attention_bias
-        # qk_bias (Huginn): q and k get a bias, v and o do not. The projection's own bias adds the same
-        # vector right after the matmul, before any QK-norm and RoPE, where Huginn adds it.
-        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias or config.qk_bias)
-        self.k_proj = nn.Linear(d, kv * self.head_dim, bias=bias or config.qk_bias)
-        self.v_proj = nn.Linear(d, kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)
-        # QK-norm bounds the attention logits, which matters more when the same weights are applied
-        # r times. The study (nanochat/gpt.py) normalises q and k after RoPE with no learnable scale;
-        # "learnable_before_rope" is the Qwen3 placement (and looped_hf 0.1.0's), per head;
-        # "learnable_projection_before_rope" is OLMo-2's, one norm over all heads of q (and of k).
-        self.qk_norm = config.qk_norm
-        self.qk_norm_eps = config.rms_norm_eps
-        if self.qk_norm == "learnable_before_rope":
-            self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        elif self.qk_norm == "learnable_projection_before_rope":
-            self.q_norm = LoopedRMSNorm(h * self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LoopedRMSNorm(kv * self.head_dim, eps=config.rms_norm_eps)
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            proj.looped_study_init = ("uniform", d**-0.5)  # std 1/sqrt(d): read by _init_weights
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-        cache_index: int,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, key_states = self.q_proj(hidden_states), self.k_proj(hidden_states)
-        if self.qk_norm == "learnable_projection_before_rope":
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        query_states, key_states = query_states.view(hidden_shape), key_states.view(hidden_shape)
-        if self.qk_norm == "learnable_before_rope":
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
-        # only then turn into attention's (batch, heads, seq, head_dim) view: the same values bit for
-        # bit (elementwise ops and a norm over head_dim), without norming a strided view.
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, unsqueeze_dim=2)
-        if self.qk_norm == "after_rope":
-            # RMS over head_dim with no weights, as the study (its fused kernel accumulates in fp32).
-            query_states = F.rms_norm(query_states, (self.head_dim,), eps=self.qk_norm_eps)
-            key_states = F.rms_norm(key_states, (self.head_dim,), eps=self.qk_norm_eps)
-        query_states = query_states.transpose(1, 2)
-        key_states = key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if cache is not None:
-            # A shared layer has one cache slot per application, not per module.
-            key_states, value_states = cache.update(key_states, value_states, cache_index)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, attn_weights
-
-
-class LoopedDecoderLayer(CheckpointingLayer):
-    """A decoder layer, attention then MLP, each call of a shared layer checkpointed on its own.
-
-    This class is ``norm_placement="pre"`` (Llama, the study): x = x + attn(n1 x); x = x + mlp(n2 x).
-    The other placements are the subclasses below: each names its norms (``norm_names``, in the
-    order they run) and writes its two residual steps; ``DECODER_LAYERS`` maps the config's
-    ``norm_placement`` to its class. Norm names follow the transformers model with that placement
-    (Llama, Gemma-2, OLMo-2): ``post_attention_layernorm`` is the MLP's input norm in Llama's
-    pre-norm and the attention output's norm in Gemma-2's and OLMo-2's.
-    """
-
-    norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-
-    def __init__(self, config: LoopedConfig) -> None:
-        super().__init__()
-        self.self_attn = LoopedAttention(config)
-        self.mlp = LoopedMLP(config)
-        for name in self.norm_names:
-            setattr(self, name, LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: Cache | None = None,
-        cache_index: int = 0,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        residual = hidden_states
-        attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
-        )
-        hidden_states = residual + attn
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, attn_weights
-
-
-class LoopedSandwichDecoderLayer(LoopedDecoderLayer):
-    """``norm_placement="sandwich"`` (Huginn's SandwichBlock): a norm before each sublayer and one
-    after each residual add, x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x))."""
-
-    norm_names = ("input_layernorm", "post_attention_residual_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_residual_layernorm")  # fmt: skip
-
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
-                **kwargs):  # fmt: skip
-        attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
-        )
-        hidden_states = self.post_attention_residual_layernorm(attn + hidden_states)
-        hidden_states = self.post_feedforward_residual_layernorm(
-            self.mlp(self.pre_feedforward_layernorm(hidden_states)) + hidden_states
-        )
-        return hidden_states, attn_weights
-
-
-class LoopedSublayerOutputNormDecoderLayer(LoopedDecoderLayer):
-    """``norm_placement="sublayer_output"`` (OLMo-2): no input norms, each sublayer's output normed
-    before the residual add, x = x + n1(attn x); x = x + n2(mlp x)."""
-
-    norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
-
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
-                **kwargs):  # fmt: skip
-        attn, attn_weights = self.self_attn(
-            hidden_states, position_embeddings, attention_mask, cache, cache_index, **kwargs
-        )
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        hidden_states = hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
-        return hidden_states, attn_weights
-
-
-class LoopedPreAndOutputNormDecoderLayer(LoopedDecoderLayer):
-    """``norm_placement="pre_and_output"`` (Ouro, Gemma-2): four norms, on each sublayer's input and
-    on its output before the residual add, x = x + n2(attn(n1 x)); x = x + n4(mlp(n3 x))."""
-
-    norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm")  # fmt: skip
-
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
-                **kwargs):  # fmt: skip
-        attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, cache_index, **kwargs
-        )
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        hidden_states = hidden_states + self.post_feedforward_layernorm(
-            self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        )
-        return hidden_states, attn_weights
-
-
-#: ``LoopedConfig.norm_placement`` -> the decoder layer class that places its norms so.
-DECODER_LAYERS: dict[str, type[LoopedDecoderLayer]] = {
-    "pre": LoopedDecoderLayer,
-    "sandwich": LoopedSandwichDecoderLayer,
-    "sublayer_output": LoopedSublayerOutputNormDecoderLayer,
-    "pre_and_output": LoopedPreAndOutputNormDecoderLayer,
-}
-
-
-class LoopedHyperConnection(nn.Module):
-    """Hyperconnections at loop boundaries (the study's probe; Zhu et al. 2024 applied per layer).
-
-    ``N`` lanes H, all starting as the prelude output e. At step i the block reads
-    x = sum_j alpha[i, j] H_j and the lanes update as H <- M[i] H + beta[i] norm(block(x)), norm
-    being the recurrence norm applied to the block's output, none on the lanes (the study's
-    nanochat/gpt.py ``_hyperconnect_step``). Cyclic init (alpha_i = e_(i mod N), M = I, beta = 1)
-    breaks the lane symmetry. The lanes are summed before the coda. Parameters are per step, so
-    the model runs only at its trained r. (looped_format 1 wrote the residual delta block(x) - x
-    and normed the lanes.)
-    """
-
-    def __init__(self, config: LoopedConfig) -> None:
-        super().__init__()
-        r, n = config.num_recurrences, config.num_hyperconnection_lanes
-        self.num_lanes = n
-        self.alpha = nn.Parameter(torch.empty(r, n))
-        self.mixing = nn.Parameter(torch.empty(r, n, n))
-        self.beta = nn.Parameter(torch.empty(r, n))
-
-    def reset_parameters(self) -> None:
-        r, n = self.alpha.shape
-        alpha = torch.zeros(r, n)
-        alpha[torch.arange(r), torch.arange(r) % n] = 1.0
-        init.copy_(self.alpha, alpha)
-        init.copy_(self.mixing, torch.eye(n).expand(r, n, n))
-        init.ones_(self.beta)
-
-    def read(self, lanes: torch.Tensor, step: int) -> torch.Tensor:
-        return torch.einsum("n,n...->...", self.alpha[step].to(lanes.dtype), lanes)
-
-    def write(self, lanes: torch.Tensor, step: int, update: torch.Tensor) -> torch.Tensor:
-        """H <- M[step] H + beta[step] * update (one gain per lane)."""
-        mixed = torch.einsum("mn,n...->m...", self.mixing[step].to(lanes.dtype), lanes)
-        gain = self.beta[step].to(lanes.dtype).view(-1, *([1] * update.dim()))
-        return mixed + gain * update.unsqueeze(0)
-
-
-def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torch.Tensor:
-    """Ouro's exit distribution over the r recurrences, (batch, tokens, r), in float32 (a bf16
-    product of r survival terms would lose the small exit probabilities).
-
-    ``gate`` is ``LoopedModel.exit_gate``, Linear(hidden -> 1, with bias), read on each
-    recurrence's state s_t (after the recurrence norm): lambda_t = sigmoid(gate(s_t)) is the chance
-    of stopping at step t having reached it, so p_t = lambda_t * prod_(j<t) (1 - lambda_j), the
-    last step taking what is left (p sums to 1 whatever the last gate says). A plain function of
-    the module, not a method of a subclass, so a LoRA-wrapped gate still runs its own forward."""
-    remaining = None
-    probabilities = []
-    for t, state in enumerate(states):
-        if t == len(states) - 1:
-            probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
-            break
-        stop = torch.sigmoid(gate(state).squeeze(-1).float())
-        probabilities.append(stop if remaining is None else stop * remaining)
-        remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
-    return torch.stack(probabilities, dim=-1)
-
-
-def threshold_exit_steps(probabilities: torch.Tensor, threshold: float) -> torch.LongTensor:
-    """Per token, the 0-based step at which the exit CDF first reaches ``threshold`` (Ouro's
-    threshold exit); the last step where it never does (the CDF rounds to just under 1)."""
-    reached = probabilities.cumsum(dim=-1) >= threshold
-    first = reached.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
-    return torch.where(reached.any(dim=-1), first, probabilities.shape[-1] - 1)
 
 
 def exit_gate_loss(
@@ -551,7 +245,10 @@ class LoopedPreTrainedModel(PreTrainedModel):
 
 
 class LoopedModel(LoopedPreTrainedModel):
-    def __init__(self, config: LoopedConfig) -> None:
+    def __init__(self, config: LoopedConfig, exit_gate: bool = True) -> None:
+        """``exit_gate=False`` leaves out the exit gate of a gated config (``config.exit_gate``): the
+        sequence, token and span heads read the last recurrence's final state, never the gate's
+        readout, so a gate there would be a parameter that never trains."""
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size, self.padding_idx)
@@ -560,22 +257,8 @@ class LoopedModel(LoopedPreTrainedModel):
         self.prelude_layers = nn.ModuleList(layer(config) for _ in range(config.num_prelude_layers))
         self.recurrent_layers = nn.ModuleList(layer(config) for _ in range(config.num_recurrent_layers))
         self.coda_layers = nn.ModuleList(layer(config) for _ in range(config.num_coda_layers))
-        # The linear injection adapter is a plain nn.Linear(2d -> d) so LoRA and tensor parallelism
-        # see it like any projection; its weight keeps 0.1.0's key (``model.injection.weight``).
-        self.injection = None
-        if config.input_injection == "linear":
-            self.injection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-            self.injection.looped_study_init = "injection"
-        self.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
-        # A norm whose weight is the final norm's ("final") is no module of its own: one tensor, one
-        # checkpoint key (model.norm.weight); the forward and the loop call ``self.norm`` there.
-        own = config.recurrence_norm and config.recurrence_norm_weight == "own"
-        self.recurrence_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
-        own = config.post_loop_norm == "own"
-        self.post_loop_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if own else None
-        self.norm = LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # Ouro's exit gate (LoopedConfig.exit_gate): one logit per token on each recurrence's state.
-        self.exit_gate = nn.Linear(config.hidden_size, 1, bias=True) if config.exit_gate else None
+        norm = lambda: LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
+        build_loop_modules(self, config, norm, exit_gate=exit_gate)
         self.rotary_emb = LoopedRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -586,18 +269,9 @@ class LoopedModel(LoopedPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def loop_norms(self) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
-        """(the recurrence norm, the post-loop norm, the norm after the coda), each ``None`` where the
-        config has none, a shared one as the final norm itself (``recurrence_norm_weight`` /
-        ``post_loop_norm`` ``"final"``). When the recurrence norm is the final norm and there is no
-        coda, the loop's last norm already is the final norm: nothing runs after the loop."""
-        config = self.config
-        recurrence = self.recurrence_norm
-        if config.recurrence_norm and config.recurrence_norm_weight == "final":
-            recurrence = self.norm
-        post_loop = self.norm if config.post_loop_norm == "final" else self.post_loop_norm
-        final = None if recurrence is self.norm and config.num_coda_layers == 0 else self.norm
-        return recurrence, post_loop, final
+    def loop_norms(self) -> LoopNorms:
+        """(the recurrence norm, the post-loop norm, the norm after the coda): ``loop_norms``."""
+        return loop_norms(self)
 
     @accepts_past_key_values
     @_select_hidden_states_at_r
@@ -634,7 +308,7 @@ class LoopedModel(LoopedPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         r = config.resolve_num_recurrences(num_recurrences)
-        plan = config.slot_plan(r, kv_budget)
+        plan = KVSlotPlan.for_call(config, r, kv_budget)
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
         if exit_rule is not None and self.exit_gate is not None:
             raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with exit_gate=True (the gate decides each "
@@ -677,25 +351,22 @@ class LoopedModel(LoopedPreTrainedModel):
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
         num_new_tokens = inputs_embeds.shape[1]
-        _, post_loop, final = self.loop_norms()
-        predict = None  # the distribution exit criteria's decoder: [post-loop norm,] coda, norm, head
+        predict = None  # the distribution exit criteria's decoder: after_loop (coda cropped back), head
         if exit_rule is not None and exit_head is not None:
-            predict = coda_predictor(self.coda_layers, final if final is not None else nn.Identity(), exit_head,
-                                     plan.coda(0), layer_kwargs, num_new_tokens)  # fmt: skip
-            if post_loop is not None:
-                predict = _after(post_loop, predict)
+            predict = coda_predictor(self, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
         # The gate reads every recurrence's state, so the loop keeps them when there is one.
         h, recurrent_states, used = loop(h, exit_rule, predict, output_recurrent_states or self.exit_gate is not None)
         exit_probabilities = None
         if self.exit_gate is not None:
             exit_probabilities = exit_gate_probabilities(self.exit_gate, recurrent_states)
-        if post_loop is not None:
-            h = post_loop(h)
-        for j, layer in enumerate(self.coda_layers):
-            h = layer(h, cache_index=plan.coda(j), **layer_kwargs)[0]
-        if final is not None:
-            h = self.norm(h)
+
+        def coda(x: torch.Tensor) -> torch.Tensor:
+            for j, layer in enumerate(self.coda_layers):
+                x = layer(x, cache_index=plan.coda(j), **layer_kwargs)[0]
+            return x
+
+        h = after_loop(self, h, coda)
 
         return LoopedModelOutputWithPast(
             last_hidden_state=h,
@@ -705,19 +376,14 @@ class LoopedModel(LoopedPreTrainedModel):
             exit_probabilities=exit_probabilities,
         )
 
-    def step_output(self, state: torch.Tensor) -> torch.Tensor:
+    def step_output(
+        self, state: torch.Tensor, coda: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """What ``last_hidden_state`` would be if the loop stopped at ``state`` (a recurrence's
-        state; no coda layers: the exit gate's readouts are refused with them): the norms that run
-        after the loop (none for Ouro, whose loop closes with the final norm)."""
-        _, post_loop, final = self.loop_norms()
-        if post_loop is not None:
-            state = post_loop(state)
-        return final(state) if final is not None else state
-
-
-def _after(norm: nn.Module, predict: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``predict`` of the normed state: the exit criteria decode a state as the forward does."""
-    return lambda h: predict(norm(h))
+        state): the modules after the loop (``recurrent_block_looped.after_loop``), with ``coda``
+        running the coda layers as the caller's cache needs (``None``: no coda pass; the exit gate's
+        readouts, refused with coda layers). The logit lens and the exit criteria decode through it."""
+        return after_loop(self, state, coda)
 
 
 class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
@@ -852,10 +518,8 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
         if output == "threshold":
             # Each token's state (or, when every step's logits exist anyway, its logits) at its
             # exit step: one head pass, not one per step.
-            steps = threshold_exit_steps(probabilities, threshold)
-            stacked = torch.stack(step_logits if step_logits is not None else states, dim=2)
-            index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
-            picked = stacked.gather(2, index).squeeze(2)
+            picked, steps = threshold_readout(step_logits if step_logits is not None else states, probabilities,
+                                              threshold)  # fmt: skip
             logits = picked if step_logits is not None else self.logits_from_hidden(picked)
             used = steps + 1
         elif output == "weighted":
@@ -892,7 +556,9 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
 
 
 # The generic heads build their trunk with ``AutoModel.from_config``, which cannot resolve the looped
-# trunk as remote code without looped_hf installed; so each builds ``LoopedModel`` itself.
+# trunk as remote code without looped_hf installed; so each builds ``LoopedModel`` itself, without
+# a gated config's exit gate: they read the last recurrence's final state, so a gate would be a
+# parameter that never trains (a causal-LM checkpoint's gate weights load as unused keys).
 
 
 class LoopedForSequenceClassification(GenericForSequenceClassification, LoopedPreTrainedModel):
@@ -901,7 +567,7 @@ class LoopedForSequenceClassification(GenericForSequenceClassification, LoopedPr
     def __init__(self, config: LoopedConfig) -> None:
         LoopedPreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
-        self.model = LoopedModel(config)
+        self.model = LoopedModel(config, exit_gate=False)  # no gate readout here: no gate
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
 
@@ -912,7 +578,7 @@ class LoopedForTokenClassification(GenericForTokenClassification, LoopedPreTrain
     def __init__(self, config: LoopedConfig) -> None:
         LoopedPreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
-        self.model = LoopedModel(config)
+        self.model = LoopedModel(config, exit_gate=False)  # no gate readout here: no gate
         # The generic head's dropout: classifier_dropout, else hidden_dropout, else 0.1.
         dropout = getattr(config, "classifier_dropout", None)
         if dropout is None:
@@ -927,7 +593,7 @@ class LoopedForQuestionAnswering(GenericForQuestionAnswering, LoopedPreTrainedMo
 
     def __init__(self, config: LoopedConfig) -> None:
         LoopedPreTrainedModel.__init__(self, config)
-        self.model = LoopedModel(config)
+        self.model = LoopedModel(config, exit_gate=False)  # no gate readout here: no gate
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 

@@ -223,6 +223,12 @@ class MuonH(torch.optim.Optimizer):
 # ---------------------------------------------------------------------------------------------
 # Parameter groups
 # ---------------------------------------------------------------------------------------------
+def peft_base(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a peft wrapper (LoRA), or ``model`` itself: the wrapper's parameters are
+    the base's, and the groups are chosen by the base's modules."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _split_parameters(model: torch.nn.Module) -> tuple[list, list, list]:
     """(matrices inside layers, hyperconnection gains, everything else), each param once."""
     base = model.model
@@ -491,7 +497,13 @@ def build_optimizer(
 
     Every param group carries a "name" (`learning_rates` reads them). muonh with lr_scaling
     "hyperp" needs the run's `tokens_per_step` and `train_tokens` (see `hyperp_learning_rates`).
+    Only parameters that require gradients are taken (a frozen backbone, LoRA: `peft_base` finds
+    the looped model inside a peft wrapper). "muon" is also the split of McLeish et al. 2025's
+    retrofit (their `train.py`: Muon for the body, adapter included, AdamW for embeddings, head
+    and norms, at separate lrs: `muon_learning_rate` 1e-3 and `learning_rate` 5e-5 in
+    recipes/retrofit_*.yaml).
     """
+    model = peft_base(model)
     if args.optimizer == "muonh":
         lrs = hyperp_learning_rates(
             args, model.config, tokens_per_step=tokens_per_step, train_tokens=train_tokens
@@ -521,14 +533,16 @@ def build_optimizer(
         ]
         return torch.optim.AdamW([g for g in groups if g["params"]] + hyper_group, **adam_kwargs)
     if args.optimizer == "muon":
-        muon = torch.optim.Muon(
-            [{"params": matrices, "name": "muon"}], lr=args.muon_learning_rate, weight_decay=args.weight_decay
-        )
-        adam = torch.optim.AdamW(
-            [{"params": rest, "lr": args.learning_rate, "weight_decay": 0.0, "name": "adamw"}] + hyper_group,
-            **adam_kwargs,
-        )
-        return CombinedOptimizer([muon, adam])
+        optimizers: list[torch.optim.Optimizer] = []
+        if matrices:
+            optimizers.append(torch.optim.Muon(
+                [{"params": matrices, "name": "muon"}], lr=args.muon_learning_rate, weight_decay=args.weight_decay
+            ))  # fmt: skip
+        adam = {"params": rest, "lr": args.learning_rate, "weight_decay": 0.0, "name": "adamw"}
+        adam_groups = [adam, *hyper_group]
+        if any(g["params"] for g in adam_groups):  # a frozen backbone may leave only adapter matrices
+            optimizers.append(torch.optim.AdamW([g for g in adam_groups if g["params"]], **adam_kwargs))
+        return CombinedOptimizer(optimizers)
     raise ValueError(
         f"LoopedTrainingArguments.optimizer={args.optimizer!r}: must be 'adamw', 'muon' or 'muonh'"
     )
@@ -634,6 +648,7 @@ __all__ = [
     "learning_rates",
     "lr_train_tokens",
     "muonh_parameter_groups",
+    "peft_base",
     "polar_express",
     "study_schedule",
 ]

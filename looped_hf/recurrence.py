@@ -26,11 +26,32 @@ Use it with any `Trainer`:
                                          LoopedComputeCallback()])
 
 `LoopedComputeCallback` then counts the FLOPs of the r each step actually ran.
+
+Curriculum over the mean r (McLeish et al. 2025, "Teaching pretrained language models to think
+deeper with retrofitted recurrence", arXiv 2511.07384; their `train.py`, `mean_recurrence_schedule`).
+A retrofitted model starts close to its dense parent at r = 1; jumping straight to a deep loop
+throws that away, so the mean r grows during training. Their code reads the mean from transformers'
+`warmup_stable_decay` schedule (`_get_wsd_scheduler_lambda`) with the peak at ``max``, no decay,
+stepped once per optimizer step, rounded up and floored at ``start``. With W = ceil(fraction x
+max_steps) warm-up steps and s finished optimizer steps (the Trainer's ``global_step``):
+
+    p = s / W                                 (progress through the warm-up; 1 once s >= W)
+    f = p                                     (shape "linear")
+    f = 1 - sqrt(1 - p)                       (shape "1-sqrt": slow at first, fast at the end)
+    mean r(s) = max(start, ceil(max x f))     (max = the recipe's num_recurrences)
+
+The paper's recipe is start 1, max 4, fraction 0.75, "1-sqrt" (shells/llama.sh, tinyllama.sh); it
+draws each step's r around that mean with the Poisson-lognormal sampler above and backprops through
+the last k. Here the draw is ``recurrence_sampling``'s: ``poisson_lognormal`` draws around the
+step's mean (a mean of 1 runs r = 1: the only r >= 1 with mean 1), ``fixed`` runs the mean itself.
+(Their draw has E[r] = mean + 1, see above; here E[r] = mean.) `RecurrenceCurriculum` is the
+formula; `RecurrenceSamplingCallback(curriculum=...)` applies it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +60,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 #: Values of the recipe field ``recurrence_sampling``.
 RECURRENCE_SAMPLINGS = ("fixed", "poisson_lognormal")
+#: Shapes of the recipe field ``recurrence_curriculum`` ("none": no curriculum).
+CURRICULUM_SHAPES = ("none", "linear", "1-sqrt")
 #: Huginn's lognormal sigma (raven_modeling_minimal.py / model_dynamic.py: ``sigma = 0.5``).
 HUGINN_SIGMA = 0.5
 #: Mixed into the seed so that this stream never coincides with another (seed, step) stream.
@@ -76,19 +99,75 @@ def sample_num_recurrences(
     return 1 + int(rng.poisson(rate))
 
 
+@dataclass(frozen=True)
+class RecurrenceCurriculum:
+    """The mean r of every optimizer step: `start` to `maximum` over the first `fraction` of
+    `max_steps`, shaped `linear` or `1-sqrt` (the paper's formula: see the module docstring)."""
+
+    shape: str
+    start: int
+    maximum: int
+    fraction: float
+    max_steps: int
+
+    def __post_init__(self) -> None:
+        if self.shape not in CURRICULUM_SHAPES[1:]:
+            raise ValueError(f"recurrence_curriculum={self.shape!r}: must be one of {CURRICULUM_SHAPES[1:]}")
+        if not 1 <= self.start <= self.maximum:
+            raise ValueError(
+                f"curriculum_start={self.start}: must be >= 1 and <= num_recurrences={self.maximum}"
+            )
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"curriculum_fraction={self.fraction!r}: must be in (0, 1]")
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps}: must be >= 1")
+
+    @property
+    def warmup_steps(self) -> int:
+        """W = ceil(fraction x max_steps): the steps over which the mean rises (the paper's rounding)."""
+        return math.ceil(self.fraction * self.max_steps)
+
+    def mean_at(self, step: int) -> int:
+        """The mean r of optimizer step ``step`` (0-based: the steps finished before it)."""
+        progress = min(1.0, step / max(1, self.warmup_steps))
+        factor = progress if self.shape == "linear" else 1.0 - math.sqrt(1.0 - progress)
+        # The paper rounds up, so the max is reached a little before the warm-up ends; the
+        # 1e-9 keeps 4 x 0.75 = 3.0000000000000004 at 3 rather than 4.
+        return max(self.start, math.ceil(self.maximum * factor - 1e-9))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe's view of it (kept in the run record)."""
+        return {"shape": self.shape, "start": self.start, "max": self.maximum, "fraction": self.fraction,
+                "warmup_steps": self.warmup_steps}  # fmt: skip
+
+
+def draw_num_recurrences(mean: int, step: int, seed: int, scheme: str) -> int:
+    """`sample_num_recurrences`, and r = 1 for a mean of 1 (a curriculum's first steps): the only
+    draw with r >= 1 and mean 1."""
+    if mean == 1 and scheme != "fixed":
+        return 1
+    return sample_num_recurrences(mean, step, seed, scheme)
+
+
 def sampled_recurrences_summary(
-    mean: int, steps: int, seed: int, scheme: str = "poisson_lognormal"
+    mean: int,
+    steps: int,
+    seed: int,
+    scheme: str = "poisson_lognormal",
+    curriculum: RecurrenceCurriculum | None = None,
 ) -> dict[str, Any]:
-    """What a run of ``steps`` optimizer steps ran: mean, min, max of r and how often each r came up.
+    """What a run of ``steps`` optimizer steps ran: mean, min, max of r and how often each r came up;
+    with a curriculum also the curriculum and the r of every step (``per_step``).
 
     Computed from the sampler itself (r is a function of the step), so it covers the steps
     trained before a resume too.
     """
-    draws = [sample_num_recurrences(mean, step, seed, scheme) for step in range(steps)]
+    means = [mean if curriculum is None else curriculum.mean_at(step) for step in range(steps)]
+    draws = [draw_num_recurrences(m, step, seed, scheme) for step, m in enumerate(means)]
     if not draws:
         return {"scheme": scheme, "steps": 0}
     values, counts = np.unique(draws, return_counts=True)
-    return {
+    out = {
         "scheme": scheme,
         "steps": steps,
         "mean": float(np.mean(draws)),
@@ -96,6 +175,9 @@ def sampled_recurrences_summary(
         "max": int(values[-1]),
         "counts": {str(int(v)): int(c) for v, c in zip(values, counts)},
     }
+    if curriculum is not None:
+        out.update(curriculum=curriculum.to_dict(), per_step=draws)
+    return out
 
 
 class RecurrenceSamplingCallback(TrainerCallback):
@@ -108,16 +190,26 @@ class RecurrenceSamplingCallback(TrainerCallback):
 
     Args:
         seed: the run seed (use ``TrainingArguments.seed``); with the step it fixes r.
-        scheme: ``poisson_lognormal`` (default) or ``fixed`` (a no-op, for symmetric code).
+        scheme: ``poisson_lognormal`` (default) or ``fixed`` (a no-op without a curriculum, for
+            symmetric code; with one, every step runs the curriculum's mean).
         mean: the mean r; ``None`` = the model's ``config.num_recurrences``.
+        curriculum: a `RecurrenceCurriculum`: step s draws around ``curriculum.mean_at(s)`` instead
+            of ``mean``.
     """
 
-    def __init__(self, seed: int = 0, scheme: str = "poisson_lognormal", mean: int | None = None) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        scheme: str = "poisson_lognormal",
+        mean: int | None = None,
+        curriculum: RecurrenceCurriculum | None = None,
+    ) -> None:
         if scheme not in RECURRENCE_SAMPLINGS:
             raise ValueError(f"recurrence_sampling={scheme!r}: must be one of {RECURRENCE_SAMPLINGS}")
         self.seed = int(seed)
         self.scheme = scheme
         self.mean = mean
+        self.curriculum = curriculum
         self._state: TrainerState | None = None
         self._hook: Any = None
         self._model: torch.nn.Module | None = None
@@ -130,6 +222,8 @@ class RecurrenceSamplingCallback(TrainerCallback):
             raise RuntimeError(
                 "RecurrenceSamplingCallback: mean r unknown before training starts (pass mean=)"
             )
+        if self.curriculum is not None:
+            return draw_num_recurrences(self.curriculum.mean_at(step), step, self.seed, self.scheme)
         return sample_num_recurrences(self.mean, step, self.seed, self.scheme)
 
     def _hook_fn(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -154,7 +248,7 @@ class RecurrenceSamplingCallback(TrainerCallback):
             raise TypeError(
                 f"RecurrenceSamplingCallback needs a looped model (config.num_recurrences); got {type(model).__name__}"
             )
-        if getattr(config, "is_recurrence_locked", False) and self.scheme != "fixed":
+        if getattr(config, "is_recurrence_locked", False) and (self.scheme != "fixed" or self.curriculum):
             raise ValueError(
                 f"recurrence_sampling={self.scheme!r}: this model uses input_injection="
                 f"{config.input_injection!r}, whose parameters are indexed by recurrence step; it can only "
@@ -180,13 +274,16 @@ class RecurrenceSamplingCallback(TrainerCallback):
         """`sampled_recurrences_summary` of the first ``steps`` optimizer steps of this run."""
         if self.mean is None:
             raise RuntimeError("RecurrenceSamplingCallback.summary: mean r unknown (training never started)")
-        return sampled_recurrences_summary(self.mean, steps, self.seed, self.scheme)
+        return sampled_recurrences_summary(self.mean, steps, self.seed, self.scheme, self.curriculum)
 
 
 __all__ = [
+    "CURRICULUM_SHAPES",
     "HUGINN_SIGMA",
+    "RecurrenceCurriculum",
     "RECURRENCE_SAMPLINGS",
     "RecurrenceSamplingCallback",
+    "draw_num_recurrences",
     "sample_num_recurrences",
     "sampled_recurrences_summary",
 ]

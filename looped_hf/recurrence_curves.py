@@ -80,6 +80,39 @@ def recurrence_grid(trained_r: int, max_factor: int = DEFAULT_MAX_FACTOR) -> lis
     return list(range(1, max_factor * trained_r + 1))
 
 
+#: Local ``--data`` files read as text (checked to be UTF-8); other types (parquet, arrow) only non-empty.
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".json", ".jsonl", ".jsonlines", ".csv", ".tsv")
+
+
+def check_data_files(dataset: str) -> None:
+    """A local ``--data`` file (or every file of a local folder) that holds something and, for a
+    text type, is UTF-8 text: an empty or binary file is refused in one line naming it, before any
+    model is loaded (datasets would raise a traceback). A name that is not a local path (a Hub
+    dataset) is left to datasets."""
+    import codecs
+
+    path = Path(dataset)
+    if not path.exists():
+        return
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise TestTimeError(f"--data {dataset!r}: the folder holds no file")
+    for file in files:
+        with open(file, "rb") as fh:
+            head = fh.read(1 << 20)
+        if not head:
+            raise TestTimeError(f"--data {str(file)!r}: empty file, no held-out text")
+        if file.suffix.lower() in TEXT_SUFFIXES or not file.suffix:
+            bad = head.find(b"\x00")  # NUL is valid UTF-8, and never in text
+            if bad < 0:
+                try:  # incremental: a character cut at the end of the first MiB is not an error
+                    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+                except UnicodeDecodeError as err:
+                    bad = err.start
+            if bad >= 0:
+                raise TestTimeError(f"--data {str(file)!r}: not UTF-8 text (byte {bad}); is it a binary file?")
+
+
 def _read_record(run_dir: Path, required: bool = True) -> dict[str, Any]:
     """The run record of a finished run; ``required=False``: ``{}`` for a folder without one (a
     converted checkpoint measured on ``--data``), a record that is there must still be a finished run's."""
@@ -434,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
             check_checkpoint_dir(run_dir)  # looped, weights not truncated
             check_output_path(run_dir, "RUN_DIR", directory=True)
+        if args.data is not None:
+            check_data_files(args.data)
         if args.compare is not None:
             check_output_path(args.compare, "--compare")
     except ValueError as err:
@@ -474,6 +509,7 @@ __all__ = [
     "CURVE_PNG",
     "TestTimeError",
     "check_curve_recurrences",
+    "check_data_files",
     "evaluate_recurrences",
     "decoding_heldout_loss",
     "heldout_curve",

@@ -5,24 +5,180 @@
 h = block(inject(h, e)) [-> recurrence norm] (or the hyperconnection lanes' read / write), with
 truncated backprop (the first r - k recurrences under ``no_grad``: the study's detach of the
 state), per-token adaptive exit, and the states after every recurrence. Which cache
-slot each block layer application writes is the call's ``KVSlotPlan`` (``LoopedConfig.slot_plan``),
+slot each block layer application writes is the call's ``KVSlotPlan`` (``KVSlotPlan.for_call``),
 the one layout generation and the vLLM model share.
 
+The loop's modules live here too: ``build_loop_modules`` (injection, hyperconnection lanes, norms,
+exit gate: the one builder of ``LoopedModel`` and the vLLM model), ``loop_norms`` / ``after_loop``
+(the one rule for what runs after the loop: the forward, the logit lens, the exit criteria and
+the vLLM model decode a state through it) and the exit gate's distribution and threshold readout.
+
 Shipped beside ``modeling_looped.py`` in every checkpoint (remote code follows the relative
-import), so it imports only torch and the looped modules it names.
+import), so it imports only torch, transformers and the looped modules it names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
-from .configuration_looped import KVSlotPlan
-from .generation_looped import _AdaptiveExit, _ExitKV
+from .configuration_looped import LoopedConfig
+from .generation_looped import KVSlotPlan, _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
+
+
+class LoopedHyperConnection(nn.Module):
+    """Hyperconnections at loop boundaries (the study's probe; Zhu et al. 2024 applied per layer).
+
+    ``N`` lanes H, all starting as the prelude output e. At step i the block reads
+    x = sum_j alpha[i, j] H_j and the lanes update as H <- M[i] H + beta[i] norm(block(x)), norm
+    being the recurrence norm applied to the block's output, none on the lanes (the study's
+    nanochat/gpt.py ``_hyperconnect_step``). Cyclic init (alpha_i = e_(i mod N), M = I, beta = 1)
+    breaks the lane symmetry. The lanes are summed before the coda. Parameters are per step, so
+    the model runs only at its trained r. (looped_format 1 wrote the residual delta block(x) - x
+    and normed the lanes.)
+    """
+
+    def __init__(self, config: LoopedConfig) -> None:
+        super().__init__()
+        r, n = config.num_recurrences, config.num_hyperconnection_lanes
+        self.num_lanes = n
+        self.alpha = nn.Parameter(torch.empty(r, n))
+        self.mixing = nn.Parameter(torch.empty(r, n, n))
+        self.beta = nn.Parameter(torch.empty(r, n))
+
+    def reset_parameters(self) -> None:
+        r, n = self.alpha.shape
+        alpha = torch.zeros(r, n)
+        alpha[torch.arange(r), torch.arange(r) % n] = 1.0
+        init.copy_(self.alpha, alpha)
+        init.copy_(self.mixing, torch.eye(n).expand(r, n, n))
+        init.ones_(self.beta)
+
+    def read(self, lanes: torch.Tensor, step: int) -> torch.Tensor:
+        return torch.einsum("n,n...->...", self.alpha[step].to(lanes.dtype), lanes)
+
+    def write(self, lanes: torch.Tensor, step: int, update: torch.Tensor) -> torch.Tensor:
+        """H <- M[step] H + beta[step] * update (one gain per lane)."""
+        mixed = torch.einsum("mn,n...->m...", self.mixing[step].to(lanes.dtype), lanes)
+        gain = self.beta[step].to(lanes.dtype).view(-1, *([1] * update.dim()))
+        return mixed + gain * update.unsqueeze(0)
+
+
+def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torch.Tensor:
+    """Ouro's exit distribution over the r recurrences, (batch, tokens, r), in float32 (a bf16
+    product of r survival terms would lose the small exit probabilities).
+
+    ``gate`` is ``LoopedModel.exit_gate``, Linear(hidden -> 1, with bias), read on each
+    recurrence's state s_t (after the recurrence norm): lambda_t = sigmoid(gate(s_t)) is the chance
+    of stopping at step t having reached it, so p_t = lambda_t * prod_(j<t) (1 - lambda_j), the
+    last step taking what is left (p sums to 1 whatever the last gate says). A plain function of
+    the module, not a method of a subclass, so a LoRA-wrapped gate still runs its own forward."""
+    remaining = None
+    probabilities = []
+    for t, state in enumerate(states):
+        if t == len(states) - 1:
+            probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
+            break
+        stop = torch.sigmoid(gate(state).squeeze(-1).float())
+        probabilities.append(stop if remaining is None else stop * remaining)
+        remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
+    return torch.stack(probabilities, dim=-1)
+
+
+def threshold_exit_steps(probabilities: torch.Tensor, threshold: float | torch.Tensor) -> torch.LongTensor:
+    """Per token, the 0-based step at which the exit CDF first reaches ``threshold`` (Ouro's
+    threshold exit); the last step where it never does (the CDF rounds to just under 1). A tensor
+    ``threshold`` of shape (..., tokens, 1) gives each token its own (the vLLM model's per-request
+    thresholds)."""
+    reached = probabilities.cumsum(dim=-1) >= threshold
+    first = reached.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
+    return torch.where(reached.any(dim=-1), first, probabilities.shape[-1] - 1)
+
+
+def threshold_readout(values: list[torch.Tensor], probabilities: torch.Tensor, threshold: float | torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.LongTensor]:  # fmt: skip
+    """Ouro's threshold exit, per token: (the value at each token's exit step, that 0-based step).
+    ``values`` holds one tensor per recurrence (states or logits; (..., tokens, width)), and
+    ``probabilities`` the exit distribution (..., tokens, r); the step is ``threshold_exit_steps``'
+    (``threshold``: one number, or one per token).
+    The one readout of ``LoopedForCausalLM`` and the vLLM model."""
+    steps = threshold_exit_steps(probabilities, threshold)
+    stacked = torch.stack(values, dim=-2)
+    index = steps[..., None, None].expand(*steps.shape, 1, stacked.shape[-1])
+    return stacked.gather(-2, index).squeeze(-2), steps
+
+
+def build_loop_modules(
+    model: nn.Module, config: LoopedConfig, norm: Callable[[], nn.Module], exit_gate: bool = True
+) -> None:
+    """Build the loop's modules on ``model`` under the names every checkpoint has: the linear
+    injection adapter (``injection``), the hyperconnection lanes (``hyperconnection``), the
+    recurrence and post-loop norms of their own, the final norm (``norm``) and Ouro's exit gate
+    (``exit_gate``), each ``None`` where the config has none. The one builder of ``LoopedModel``
+    and the vLLM model: ``norm()`` makes an RMSNorm of width ``hidden_size`` (each its own
+    kernel); ``exit_gate=False`` leaves a gated config's gate out (a head that never reads it). A
+    norm whose weight is the final norm's (``"final"``) is no module of its own: one
+    tensor, one checkpoint key (``model.norm.weight``); ``loop_norms`` hands out ``norm`` there."""
+    d = config.hidden_size
+    # A plain nn.Linear(2d -> d), so LoRA and tensor parallelism see it like any projection; its
+    # weight keeps 0.1.0's key (``model.injection.weight``).
+    model.injection = None
+    if config.input_injection == "linear":
+        model.injection = nn.Linear(2 * d, d, bias=False)
+        model.injection.looped_study_init = "injection"  # [I | 0] at init, LoopedPreTrainedModel._init_weights
+    model.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
+    own = config.recurrence_norm and config.recurrence_norm_weight == "own"
+    model.recurrence_norm = norm() if own else None
+    model.post_loop_norm = norm() if config.post_loop_norm == "own" else None
+    model.norm = norm()
+    # Ouro's exit gate (LoopedConfig.exit_gate): one logit per token on each recurrence's state.
+    model.exit_gate = nn.Linear(d, 1, bias=True) if config.exit_gate and exit_gate else None
+
+
+class LoopNorms(NamedTuple):
+    """The model-level norms around the loop, each ``None`` where the config has none."""
+
+    recurrence: nn.Module | None  # at the end of every recurrence
+    post_loop: nn.Module | None  # once, after the loop, before the coda
+    final: nn.Module | None  # after the coda, before the head
+
+
+def loop_norms(model: nn.Module) -> LoopNorms:
+    """The one rule for which norms run around the loop, read by name from ``model`` (``LoopedModel``
+    or the vLLM model: ``config``, ``recurrence_norm``, ``post_loop_norm``, ``norm``).
+
+    A norm whose weight is the final norm's (``recurrence_norm_weight`` / ``post_loop_norm``
+    ``"final"``) is the final norm module itself. When the recurrence norm is the final norm and
+    there is no coda, the loop's last norm already is the final norm, so none runs after the coda
+    (Ouro: its ``model.norm`` closes every loop and the last loop's state feeds the head)."""
+    config = model.config
+    recurrence = model.recurrence_norm
+    if config.recurrence_norm and config.recurrence_norm_weight == "final":
+        recurrence = model.norm
+    post_loop = model.norm if config.post_loop_norm == "final" else model.post_loop_norm
+    final = None if recurrence is model.norm and config.num_coda_layers == 0 else model.norm
+    return LoopNorms(recurrence, post_loop, final)
+
+
+def after_loop(
+    model: nn.Module, state: torch.Tensor, coda: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """What the model makes of a loop state before its head: [post-loop norm] -> ``coda`` -> [final
+    norm] (``loop_norms``). The forward, the adaptive-exit criteria, the exit gate's per-step
+    readouts, the logit lens and the vLLM model all decode a state through this one function;
+    ``coda`` runs the coda layers as the caller's cache needs (``None``: no coda pass)."""
+    _, post_loop, final = loop_norms(model)
+    if post_loop is not None:
+        state = post_loop(state)
+    if coda is not None:
+        state = coda(state)
+    return final(state) if final is not None else state
 
 
 class LoopedRecurrentBlock:
@@ -40,11 +196,9 @@ class LoopedRecurrentBlock:
         self.layers = model.recurrent_layers
         self.injection = model.injection
         self.hyperconnection = model.hyperconnection
-        self.recurrence_norm = model.recurrence_norm
-        if self.config.recurrence_norm and self.config.recurrence_norm_weight == "final":
-            # The final norm itself, one weight (Ouro): see ``LoopedModel.loop_norms``. Read by name, as
-            # every module here, so the vLLM model (its own ``norm``) runs this loop too.
-            self.recurrence_norm = model.norm
+        # Own, or the final norm itself (Ouro's one weight): ``loop_norms``, which reads the modules
+        # by name, as everything here, so the vLLM model (its own ``norm``) runs this loop too.
+        self.recurrence_norm = loop_norms(model).recurrence
         self.plan = plan
         self.layer_kwargs = layer_kwargs
         self.cache = layer_kwargs.get("cache")
@@ -180,4 +334,14 @@ class LoopedRecurrentBlock:
         return h, recurrent_states, exit_.used if exit_ is not None else None
 
 
-__all__ = ["LoopedRecurrentBlock"]
+__all__ = [
+    "LoopNorms",
+    "LoopedHyperConnection",
+    "LoopedRecurrentBlock",
+    "after_loop",
+    "build_loop_modules",
+    "exit_gate_probabilities",
+    "loop_norms",
+    "threshold_exit_steps",
+    "threshold_readout",
+]

@@ -20,10 +20,17 @@ loop: Trainer's `eval_loss` is a mean of batch means) and the run directory (`ou
     checkpoints/                                  (Trainer checkpoints; a rerun resumes from the last)
 
 A rerun with the same `output_dir` resumes from the last checkpoint in `checkpoints/`.
+
+Retrofit training (docs/retrofit.md): `init_from` starts from a looped folder's weights,
+`recurrence_curriculum` raises the mean r over the run (`looped_hf.recurrence`), `freeze_backbone`
+trains the injection adapter alone, `lora_rank` trains peft LoRA (the merged model is saved), and
+`distill_from` adds a frozen dense teacher (`looped_hf.trainer.DistillingTrainer`) whose forward
+counts in `train_flops`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -60,6 +67,9 @@ from looped_hf.fileio import (
 )
 
 RECIPE_NAME = "recipe.yaml"
+#: The lineage `looped-hf retrofit` writes (parent, its sha256, layer map, method); a run that
+#: starts from such a folder keeps it in its record and its own folder.
+RETROFIT_NAME = "retrofit.json"
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_NAME = "progress.json"
 
@@ -72,6 +82,7 @@ RECORD_KEYS = (
     "seq_len", "num_processes", "config", "recipe", "versions", "wall_time_s", "run_id", "run_dir",
     "learning_rates", "recurrence_sampling", "sampled_recurrences",
     "tokens_per_second", "model_flops_per_second", "mfu", "peak_flops",
+    "init_from", "trainable", "distillation", "retrofit", "parent_loss",
 )  # fmt: skip
 
 
@@ -244,7 +255,9 @@ def heldout_loss(
 
     Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
     across processes, so the mean is exact whatever the batch split. `num_recurrences` runs the
-    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.recurrence_curves`).
+    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.recurrence_curves`);
+    left None, the call passes no r at all, so a dense transformers model (a retrofit's parent) is
+    measured on the same held-out blocks by the same loop.
     """
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
@@ -257,7 +270,8 @@ def heldout_loss(
         rows = dataset[indices[start : start + batch_size]]["input_ids"]
         ids = torch.as_tensor(rows, dtype=torch.long, device=device)
         labels = ids.clone()
-        out = model(input_ids=ids, labels=labels, num_recurrences=num_recurrences)
+        at_r = {} if num_recurrences is None else {"num_recurrences": num_recurrences}
+        out = model(input_ids=ids, labels=labels, **at_r)
         loss = out.loss
         if getattr(model.config, "exit_gate_entropy_beta", None) is not None:
             # An exit gate trained with Ouro's objective returns sum_t p_t L_t - beta H(p) as its
@@ -272,6 +286,28 @@ def heldout_loss(
     model.train(was_training)
     loss_sum, n_tokens = total.tolist()
     return (loss_sum / n_tokens if n_tokens else math.nan), int(n_tokens)
+
+
+def retrofit_lineage(init_from: str | None) -> dict[str, Any] | None:
+    """The `retrofit.json` of the folder a run starts from (None: no folder, or not a retrofit)."""
+    if init_from is None or not (Path(init_from) / RETROFIT_NAME).is_file():
+        return None
+    return json.loads((Path(init_from) / RETROFIT_NAME).read_text(encoding="utf-8"))
+
+
+def parent_heldout_loss(
+    parent_dir: str, dataset: Any, batch_size: int, accelerator: Any = None, model: Any = None
+) -> dict[str, Any]:
+    """``{"path", "loss", "eval_tokens"}`` of a dense transformers parent on ``dataset`` (the run's
+    held-out blocks, `heldout_loss`). ``model``: the parent already loaded (a distillation teacher)."""
+    from transformers import AutoModelForCausalLM
+
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(parent_dir, dtype=torch.float32)
+        if accelerator is not None:
+            model = model.to(accelerator.device)
+    loss, tokens = heldout_loss(model, dataset, batch_size, accelerator)
+    return {"path": str(parent_dir), "loss": loss, "eval_tokens": tokens}
 
 
 def _empty_record(training_args: LoopedTrainingArguments, run_dir: Path) -> dict[str, Any]:
@@ -303,6 +339,8 @@ class ResolvedRun:
     source: str
     n_once: int
     n_rec: int
+    #: The teacher's forward FLOPs per token (0 without distillation); included in `flops_per_token`.
+    teacher_flops_per_token: float = 0.0
 
 
 def resolve_run(
@@ -342,16 +380,15 @@ def resolve_run(
         tokenizer = load_tokenizer(data_args.tokenizer)
     except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed
         raise RecipeError(f"tokenizer={data_args.tokenizer!r}: cannot be loaded: {first_line(err)}") from err
-    config = model_args.to_config(
-        len(tokenizer), seq_len,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    config = start_config(model_args, training_args, tokenizer, seq_len)
     try:
         # Shapes are all that is read: on the meta device, without initialisation, nothing is allocated.
         with torch.device("meta"), no_init_weights():
             model = LoopedForCausalLM(config)
         flops_per_token = model.training_flops_per_token(seq_len)
         params = model.num_scaling_params()
+        if training_args.freeze_backbone:
+            trainable_adapter(model)
     except (RuntimeError, ValueError, OverflowError) as err:  # sizes past what torch can index
         raise RecipeError(
             f"the model of this recipe cannot be built (hidden_size={config.hidden_size}, "
@@ -371,6 +408,17 @@ def resolve_run(
                 f"LoopedConfig.num_recurrences={config.num_recurrences}: recurrence_sampling={sampling!r} "
                 "needs a mean r >= 2"
             )
+    if training_args.recurrence_curriculum != "none":
+        check_curriculum(training_args, config)
+    if training_args.lora_rank is not None and importlib.util.find_spec("peft") is None:
+        raise RecipeError(
+            f"LoopedTrainingArguments.lora_rank={training_args.lora_rank}: LoRA needs peft (pip install peft), "
+            "which is not installed"
+        )
+    teacher_fpt = 0.0
+    if training_args.distill_from is not None:
+        teacher_fpt = teacher_flops(training_args.distill_from, config, seq_len)
+        flops_per_token += teacher_fpt
     max_steps, step_tokens = resolve_max_steps(training_args, flops_per_token, seq_len)
     # muonh's per-run lrs (HyperP) from this run's batch, tokens and width, before any training:
     # a bad lr setting is a recipe error. `lr_tokens` is T of the data scaling (the target tokens).
@@ -386,8 +434,136 @@ def resolve_run(
             raise RecipeError(str(err)) from err
     return ResolvedRun(
         tokenizer, config, flops_per_token, max_steps, step_tokens, lr_tokens, lr_scaling, source,
-        n_once=int(params["once"]), n_rec=int(params["recurrent"]),
+        n_once=int(params["once"]), n_rec=int(params["recurrent"]), teacher_flops_per_token=teacher_fpt,
     )  # fmt: skip
+
+
+def start_config(
+    model_args: ModelArguments, training_args: LoopedTrainingArguments, tokenizer: Any, seq_len: int
+) -> Any:
+    """The run's `LoopedConfig`: the recipe's model fields over the defaults, or (``init_from``) over
+    the folder's config, whose vocabulary, special tokens and rope settings then stay."""
+    from looped_hf import LoopedConfig
+
+    if training_args.init_from is None:
+        return model_args.to_config(
+            len(tokenizer), seq_len,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+    where = f"LoopedTrainingArguments.init_from={training_args.init_from!r}"
+    try:
+        base = LoopedConfig.from_pretrained(training_args.init_from)
+    except (OSError, ValueError, TypeError) as err:
+        raise RecipeError(f"{where}: not a looped checkpoint folder ({first_line(err)})") from None
+    try:
+        config = LoopedConfig.from_dict({**base.to_dict(), **model_args.settings})
+    except (TypeError, ValueError, OverflowError) as err:
+        raise RecipeError(first_line(err)) from err
+    if config.max_position_embeddings < seq_len:
+        raise RecipeError(
+            f"DataArguments.seq_len={seq_len}: longer than the max_position_embeddings="
+            f"{config.max_position_embeddings} of {training_args.init_from!r}"
+        )
+    if len(tokenizer) > config.vocab_size:
+        raise RecipeError(
+            f"DataArguments.tokenizer={getattr(tokenizer, 'name_or_path', '?')!r}: {len(tokenizer):,} tokens, more "
+            f"than the vocab_size={config.vocab_size:,} of {training_args.init_from!r} (use the folder's tokenizer)"
+        )
+    return config
+
+
+def check_curriculum(training_args: LoopedTrainingArguments, config: Any) -> None:
+    """A curriculum needs a model whose r can change, and a start no higher than its max
+    (``num_recurrences``)."""
+    if config.is_recurrence_locked:
+        raise RecipeError(
+            f"LoopedTrainingArguments.recurrence_curriculum={training_args.recurrence_curriculum!r}: input_injection="
+            f"{config.input_injection!r} is r-locked (parameters indexed by recurrence step); use 'none'"
+        )
+    if training_args.curriculum_start > config.num_recurrences:
+        raise RecipeError(
+            f"LoopedTrainingArguments.curriculum_start={training_args.curriculum_start}: above the curriculum's max, "
+            f"num_recurrences={config.num_recurrences}"
+        )
+
+
+def curriculum_of(training_args: LoopedTrainingArguments, config: Any, max_steps: int) -> Any:
+    """The run's `RecurrenceCurriculum`, or None."""
+    from looped_hf.recurrence import RecurrenceCurriculum
+
+    if training_args.recurrence_curriculum == "none":
+        return None
+    return RecurrenceCurriculum(
+        training_args.recurrence_curriculum, training_args.curriculum_start, int(config.num_recurrences),
+        float(training_args.curriculum_fraction), max_steps,
+    )  # fmt: skip
+
+
+def teacher_flops(folder: str, config: Any, seq_len: int) -> float:
+    """The teacher's forward FLOPs per token (`accounting_looped.teacher_flops_per_token`, from its
+    config on the meta device); a folder that is no transformers causal LM, or one whose vocabulary
+    differs from the student's, is a `RecipeError`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from looped_hf.accounting_looped import teacher_flops_per_token
+
+    where = f"LoopedTrainingArguments.distill_from={folder!r}"
+    try:
+        teacher_config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"), no_init_weights():
+            teacher = AutoModelForCausalLM.from_config(teacher_config)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RecipeError(f"{where}: not a transformers causal LM folder ({first_line(err)})") from None
+    vocab = teacher.get_input_embeddings().weight.shape[0]
+    if vocab != config.vocab_size:
+        raise RecipeError(
+            f"{where}: vocab_size={vocab:,}, the student's is {config.vocab_size:,}; they must match"
+        )
+    return teacher_flops_per_token(teacher, seq_len)
+
+
+def trainable_adapter(model: torch.nn.Module) -> list[str]:
+    """``freeze_backbone``: every weight frozen but the injection adapter's; returns what trains.
+    A model without an adapter with weights is a `RecipeError`."""
+    injection = getattr(model.model, "injection", None)
+    if injection is None or not any(True for _ in injection.parameters()):
+        raise RecipeError(
+            f"LoopedTrainingArguments.freeze_backbone=True: input_injection={model.config.input_injection!r} "
+            "has no adapter weights to train (use 'linear')"
+        )
+    model.requires_grad_(False)
+    injection.requires_grad_(True)
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.nn.Module:
+    """The model the run trains: new (initialised by the seed), or ``init_from``'s weights in
+    float32; then frozen but its adapter (``freeze_backbone``) or wrapped in peft LoRA (``lora_rank``:
+    every linear layer but lm_head, no dropout)."""
+    from looped_hf import LoopedForCausalLM
+
+    if training_args.init_from is None:
+        model = LoopedForCausalLM(config)
+    else:
+        try:
+            model = LoopedForCausalLM.from_pretrained(
+                training_args.init_from, config=config, dtype=torch.float32
+            )
+        except (OSError, ValueError, RuntimeError) as err:  # missing weights, shapes the recipe changed
+            raise RecipeError(
+                f"LoopedTrainingArguments.init_from={training_args.init_from!r}: its weights do not load into this "
+                f"config ({first_line(err)})"
+            ) from None
+    if training_args.freeze_backbone:
+        trainable_adapter(model)
+    if training_args.lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=training_args.lora_rank, lora_alpha=training_args.lora_alpha,
+                          target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+        model = get_peft_model(model, lora)
+    return model
 
 
 def check_recipe(
@@ -446,9 +622,32 @@ def describe_check(
         f"  length     {resolved.max_steps:,} optimizer steps x {resolved.step_tokens:,} tokens = {tokens:,} tokens "
         f"({length}); {resolved.flops_per_token:.4g} FLOPs/token, {resolved.flops_per_token * tokens:.4g} FLOPs",
         f"  optimizer  {lrs}; {schedule}; max_grad_norm {training_args.max_grad_norm:g}",
-        f"  output     {training_args.output_dir}",
     ]
+    retrofit = _describe_retrofit(training_args, resolved)
+    if retrofit:
+        lines.append(f"  retrofit   {retrofit}")
+    lines.append(f"  output     {training_args.output_dir}")
     return "\n".join(lines)
+
+
+def _describe_retrofit(training_args: LoopedTrainingArguments, resolved: ResolvedRun) -> str:
+    """The retrofit fields a recipe sets, in one line of `--check` ("" when none is)."""
+    parts = []
+    if training_args.init_from is not None:
+        parts.append(f"starts from {training_args.init_from}")
+    curriculum = curriculum_of(training_args, resolved.config, resolved.max_steps)
+    if curriculum is not None:
+        parts.append(f"mean r {curriculum.start} -> {curriculum.maximum} over the first {curriculum.warmup_steps:,} "
+                     f"steps ({curriculum.shape})")  # fmt: skip
+    if training_args.freeze_backbone:
+        parts.append("trains the injection adapter only")
+    if training_args.lora_rank is not None:
+        parts.append(f"LoRA rank {training_args.lora_rank}, alpha {training_args.lora_alpha:g}")
+    if training_args.distill_from is not None:
+        parts.append(f"distils from {training_args.distill_from} (a {training_args.distill_alpha:g}, "
+                     f"T {training_args.distill_temperature:g}; its forward "
+                     f"{resolved.teacher_flops_per_token:.4g} FLOPs/token counted)")  # fmt: skip
+    return "; ".join(parts)
 
 
 def train(
@@ -467,7 +666,6 @@ def train(
     Failures during training (exception, out of memory, non-finite loss) do not raise: the record
     has `status="failed"` and `error`.
     """
-    from looped_hf import LoopedForCausalLM
     from looped_hf.callback import LoopedComputeCallback
     from looped_hf.data import TokenBlocks, build_datasets, collator
     from looped_hf.optim import build_optimizer_and_scheduler, learning_rates
@@ -521,14 +719,22 @@ def train(
     trainer = None
     try:
         set_seed(training_args.seed)
-        model = LoopedForCausalLM(config)
+        model = build_student(config, training_args)
+        record.update(
+            init_from=training_args.init_from,
+            trainable={"parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                       "of": sum(p.numel() for p in model.parameters()),
+                       "mode": "lora" if training_args.lora_rank else "adapter" if training_args.freeze_backbone else "all"},
+        )  # fmt: skip
         # The study's kernel choice (FA3 / FA2 / FA4 / sdpa by device and installed packages), kept
         # in the record so that a throughput number can be traced to the kernel that produced it.
         backend = apply_attention_backend(model, model_args.attn_implementation)
         record["attention_backend"] = backend.to_record()
         if is_main:
             print(f"[train] attention: {backend.reason}")
-        compile_forward(model, training_args, sampled=sampling != "fixed")
+        curriculum = curriculum_of(training_args, config, max_steps)
+        varying_r = sampling != "fixed" or curriculum is not None
+        compile_forward(model, training_args, sampled=varying_r)
         with training_args.main_process_first(desc="tokenize and pack"):
             train_ds, eval_ds = build_datasets(data_args, tokenizer)
         train_ds = TokenBlocks.wrap(train_ds)  # same rows, read without a per-batch Arrow take
@@ -543,13 +749,36 @@ def train(
             lr_text = ", ".join(f"{k} {v:.4g}" for k, v in used.items())
             print(f"[train] {record['run_id']}: {max_steps:,} steps x {step_tokens:,} tokens; held-out "
                   f"{len(eval_ds):,} blocks x {seq_len:,} = {len(eval_ds) * seq_len:,} tokens; peak lrs: {lr_text}")  # fmt: skip
-        compute = LoopedComputeCallback(seq_len=seq_len, peak_flops=training_args.peak_flops)
+        compute = LoopedComputeCallback(
+            seq_len=seq_len, peak_flops=training_args.peak_flops,
+            teacher_flops_per_token=resolved.teacher_flops_per_token, log_recurrences=varying_r,
+        )  # fmt: skip
         guard = NonFiniteLossGuard()
         sampler = None
-        if sampling != "fixed":
+        if varying_r:
             from looped_hf.recurrence import RecurrenceSamplingCallback
 
-            sampler = RecurrenceSamplingCallback(seed=training_args.seed, scheme=sampling)
+            sampler = RecurrenceSamplingCallback(
+                seed=training_args.seed, scheme=sampling, curriculum=curriculum
+            )
+        trainer_kwargs: dict[str, Any] = {}
+        if training_args.distill_from is not None:
+            from transformers import AutoModelForCausalLM
+
+            from looped_hf.trainer import DistillingTrainer
+
+            if trainer_class is not None and not issubclass(trainer_class, DistillingTrainer):
+                raise RecipeError(
+                    f"LoopedTrainingArguments.distill_from={training_args.distill_from!r}: needs a DistillingTrainer, "
+                    f"not {trainer_class.__name__}"
+                )
+            trainer_class = trainer_class or DistillingTrainer
+            teacher = AutoModelForCausalLM.from_pretrained(training_args.distill_from, dtype=torch.float32)
+            trainer_kwargs = dict(teacher=teacher, alpha=training_args.distill_alpha,
+                                  temperature=training_args.distill_temperature)  # fmt: skip
+            record["distillation"] = {"teacher": training_args.distill_from, "alpha": training_args.distill_alpha,
+                                      "temperature": training_args.distill_temperature,
+                                      "teacher_flops_per_token": resolved.teacher_flops_per_token}  # fmt: skip
         trainer = (trainer_class or LoopedTrainer)(
             model=model,
             args=training_args,
@@ -565,11 +794,15 @@ def train(
                 *(callbacks or []),
             ],
             optimizers=(optimizer, scheduler),
+            **trainer_kwargs,
         )
         resume = training_args.resume_from_checkpoint or last_checkpoint(training_args.output_dir)
         output = trainer.train(resume_from_checkpoint=resume)
         uncompile_forward(model)
         summary = compute.summary(trainer.state)
+        if training_args.lora_rank is not None:
+            # The run directory holds a looped model like any run's: the LoRA updates merged in.
+            model = trainer.model = model.merge_and_unload()
         loss, eval_tokens = heldout_loss(
             model, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator
         )
@@ -586,6 +819,7 @@ def train(
             train_runtime_s=output.metrics.get("train_runtime"),
             resumed_from=resume,
             recurrence_sampling=sampling,
+            # With a curriculum also the r of every step (`per_step`) and the curriculum itself.
             sampled_recurrences=sampler.summary(trainer.state.global_step) if sampler else None,
             # The run's average over training time (evaluation and checkpoint writes left out);
             # mfu only where the device's dense bf16 peak is known (recipe peak_flops or the table).
@@ -594,8 +828,18 @@ def train(
             mfu=summary["mfu"],
             peak_flops=summary["peak_flops"],
         )
-        if sampler is not None:  # the mean over the r actually run, not the planning value at mean r
+        if sampler is not None or resolved.teacher_flops_per_token:
+            # The mean over the r actually run (not the planning value at mean r), teacher included.
             record["train_flops_per_token"] = summary["train_flops_per_token"]
+        lineage = retrofit_lineage(training_args.init_from)
+        parent_dir = training_args.distill_from or ((lineage or {}).get("parent") or {}).get("path")
+        record.update(retrofit=lineage, parent_loss=None)
+        if parent_dir is not None and Path(parent_dir).is_dir():
+            # The card's reference line: the dense parent on the same held-out blocks, measured once.
+            record["parent_loss"] = parent_heldout_loss(
+                parent_dir, eval_ds, training_args.per_device_eval_batch_size, trainer.accelerator,
+                getattr(trainer, "teacher", None),
+            )  # fmt: skip
         if guard.error is not None:
             record["error"] = guard.error
         elif not math.isfinite(loss):
@@ -605,6 +849,8 @@ def train(
         # Trainer turns the cache off for training; the published model should generate with it.
         model.config.use_cache = True
         trainer.save_model(str(run_dir))
+        if is_main and lineage is not None:  # the folder names its parent, as the retrofit's did
+            write_json_atomic(run_dir / RETROFIT_NAME, lineage)
         if is_main:  # safetensors writes 0600; the run's weights are for whoever may read the run
             for weights in run_dir.glob("model*.safetensors"):
                 weights.chmod(0o666 & ~current_umask())

@@ -30,6 +30,9 @@ off (`recipes/iso_depth_gpu.yaml`, `recipes/iso_depth_paper*.yaml`); what is lef
 logging step (the logged values).
 
 `benchmarks/bench_vs_study.py` times these parts under both classes (its Trainer-cost table).
+
+`DistillingTrainer` is `LoopedTrainer` with a frozen teacher (a retrofit's dense parent) and the
+loss of `distillation_loss` (McLeish et al. 2025's later code, `train.py` `distill_fwd_bwd`).
 """
 
 from __future__ import annotations
@@ -128,10 +131,89 @@ class LoopedTrainer(Trainer):
         )
 
 
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    ce_loss: torch.Tensor,
+    alpha: float = 0.5,
+    temperature: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha * ce_loss + (1 - alpha) * T^2 * KL, KL)``, the paper's distillation loss.
+
+    The KL is the paper code's (`_compute_kl_distill_loss`): ``torch.nn.functional.kl_div(
+    log_softmax(s / T), softmax(t / T), reduction="batchmean")`` over the positions whose target
+    is not -100, i.e. KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)) at
+    temperature T, averaged over those positions (batchmean of the gathered rows: a per-token
+    mean). Torch's argument order (student's log-probabilities first) is what the issue's
+    "KL(student || teacher)" names; the divergence computed is the teacher-weighted (forward) one.
+    The T^2 keeps the soft loss's gradients at the scale of the CE's as T changes (Hinton et al.).
+    ``labels`` are unshifted (the model's convention): logits at position i are scored against
+    the label at i + 1, so the last position and every position before a -100 label are left out.
+    """
+    shifted = labels[..., 1:]
+    valid = shifted != -100
+    student = student_logits[..., :-1, :][valid].float() / temperature
+    teacher = teacher_logits[..., :-1, :][valid].float() / temperature
+    if student.shape[0] == 0:
+        kl = student_logits.new_zeros(())
+    else:
+        kl = torch.nn.functional.kl_div(
+            torch.log_softmax(student, dim=-1), torch.softmax(teacher, dim=-1), reduction="batchmean"
+        )
+    return alpha * ce_loss + (1 - alpha) * temperature**2 * kl, kl
+
+
+class DistillingTrainer(LoopedTrainer):
+    """`LoopedTrainer` whose training loss is `distillation_loss` against a frozen ``teacher``.
+
+    The teacher (a dense transformers causal LM with the student's vocabulary) runs forward only,
+    in eval mode, without gradients, on the same input ids; evaluation keeps the plain CE. The loss
+    is a mean over each micro-batch's tokens (as the paper's), so the Trainer divides it by the
+    accumulation steps (``loss_is_scaled_for_ga = False``). The distillation term of the last
+    logged steps is logged as ``distill_kl``.
+    """
+
+    def __init__(
+        self, *args: Any, teacher: nn.Module, alpha: float = 0.5, temperature: float = 2.0, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
+        self.alpha, self.temperature = float(alpha), float(temperature)
+        self.loss_is_scaled_for_ga = False
+        self._kl_sum, self._kl_count = 0.0, 0
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs)  # the CE as a per-token mean over this micro-batch
+        with torch.no_grad():
+            ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+            teacher_logits = self.teacher(input_ids=ids, attention_mask=mask).logits
+        loss, kl = distillation_loss(
+            outputs.logits, teacher_logits, inputs["labels"], outputs.loss, self.alpha, self.temperature
+        )
+        self._kl_sum += float(kl.detach())
+        self._kl_count += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "loss" in logs and self._kl_count:
+            logs["distill_kl"] = self._kl_sum / self._kl_count
+            self._kl_sum, self._kl_count = 0.0, 0
+        super().log(logs, *args, **kwargs)
+
+
 def _already_training(model: nn.Module, mode: bool = True) -> nn.Module:
     """`model.train` during a `training_step` whose model is all in training mode already: nothing
     to set for `mode=True`; any other mode goes to the class's own `train`."""
     return model if mode is True else type(model).train(model, mode)
 
 
-__all__ = ["LoopedTrainer"]
+__all__ = ["DistillingTrainer", "LoopedTrainer", "distillation_loss"]

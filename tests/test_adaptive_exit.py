@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
+from test_logit_lens import with_random_norms
 from transformers import DynamicCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM, LoopedModel
@@ -123,9 +124,21 @@ def criterion_values(model: LoopedForCausalLM, x: torch.Tensor, criterion: str) 
     return torch.stack(values, dim=1)
 
 
+# Designs whose decoding of a state differs (the reference decodes through ``logit_lens``, which
+# must run what the forward runs after the loop): the study's, and a post-loop norm that is the
+# final norm's weight before the coda (Huginn's ln_f), with trained-looking (random) norm weights.
+EXIT_DESIGNS = {"study": {}, "post_loop_final_norm": {"post_loop_norm": "final", "norm_placement": "sandwich"}}
+
+
+def _design_model(design: str) -> LoopedForCausalLM:
+    model = model_(**EXIT_DESIGNS[design])
+    return with_random_norms(model) if design != "study" else model
+
+
+@pytest.mark.parametrize("design", EXIT_DESIGNS)
 @pytest.mark.parametrize("criterion", EXIT_CRITERIA)
-def test_each_token_stops_at_the_first_recurrence_where_its_criterion_fires(criterion: str) -> None:
-    model = model_()
+def test_each_token_stops_at_the_first_recurrence_where_its_criterion_fires(criterion: str, design: str) -> None:
+    model = _design_model(design)
     x = ids(batch=16, length=1, seed=3)
     values = criterion_values(model, x, criterion)
     fires_on = (lambda v, t: v >= t) if criterion == "argmax_stability" else (lambda v, t: v < t)
@@ -328,9 +341,10 @@ def test_a_bad_exit_setting_is_refused_in_the_config_and_per_call(overrides: dic
 
 def test_exit_refuses_what_it_cannot_honour() -> None:
     model, x = model_(), ids()
-    with pytest.raises(ValueError, match="min_recurrences=6 exceeds num_recurrences=5"):
+    # One rule, one message: the call's and the config's refusal say the same.
+    with pytest.raises(ValueError, match="^min_recurrences=6: exceeds num_recurrences=5, the cap on recurrences per token$"):
         model(x, exit_criterion="kl", min_recurrences=6)
-    with pytest.raises(ValueError, match="LoopedConfig.min_recurrences=6: exceeds num_recurrences=5"):
+    with pytest.raises(ValueError, match="^LoopedConfig.min_recurrences=6: exceeds num_recurrences=5, the cap on recurrences per token$"):
         tiny_looped_config(num_recurrences=5, exit_criterion="kl", min_recurrences=6)
     with pytest.raises(ValueError, match="output_hidden_states"):
         model(x, exit_criterion="cosine", output_hidden_states=True)

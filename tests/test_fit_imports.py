@@ -1,10 +1,13 @@
 """`import looped_hf` registers the Auto classes at once, with nothing installed into the import
-system, and the fit's numeric core (``looped-hf fit``, a cached ``plan``) still runs where torch and
+system; the ``looped-hf`` console script defers that registration for the commands that need no
+model, so ``fit`` and the help load neither torch nor transformers; a model name registers on first
+use; and the fit's numeric core (``looped-hf fit``, a cached ``plan``) still runs where torch and
 transformers cannot be imported (the registration is skipped there)."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import subprocess
 import sys
@@ -48,7 +51,7 @@ def test_fit_cli_runs_without_torch_or_transformers(results: Path) -> None:
     code = WITHOUT_TORCH + (
         "import looped_hf.cli\n"
         "rc = looped_hf.cli.main(['fit', sys.argv[1], '--bootstrap', '4', '--fix-phi', '0.5'])\n"
-        "print('RC', rc, hasattr(looped_hf, 'LoopedConfig'))\n"
+        "print('RC', rc, 'looped_hf.configuration_looped' in sys.modules)\n"
     )
     out = _run(["-c", code, str(results)]).stdout
     assert "phi" in out and "bootstrap fit checks:" in out
@@ -106,7 +109,10 @@ def test_bare_import_registers_the_auto_classes_with_no_import_hook(tmp_path: Pa
     )
     out = _run(["-c", code, str(tmp_path / "ckpt")]).stdout.strip().splitlines()
     # Registered by the import itself, before the program touched transformers.
-    assert [line for line in out if line.startswith(("AT IMPORT", "REGISTERED"))] == ["AT IMPORT True", "REGISTERED True []"]
+    assert [line for line in out if line.startswith(("AT IMPORT", "REGISTERED"))] == [
+        "AT IMPORT True",
+        "REGISTERED True []",
+    ]
     assert (
         out[-2] == "LoopedConfig LoopedForCausalLM LoopedForCausalLM ['AutoConfig', 'AutoModelForCausalLM']"
     )
@@ -116,11 +122,66 @@ def test_bare_import_registers_the_auto_classes_with_no_import_hook(tmp_path: Pa
 
 def test_the_package_installs_nothing_into_the_import_system() -> None:
     # The old design wrapped loaders through a sys.meta_path finder and read CPython's private
-    # spec._initializing; neither may come back.
-    tree = ast.parse((REPO / "looped_hf" / "__init__.py").read_text())
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    assert not used & {"meta_path", "path_hooks", "_initializing", "MetaPathFinder"}, used
+    # spec._initializing; neither may come back, in the package or in the console script's launcher.
+    for path in (REPO / "looped_hf" / "__init__.py", REPO / "looped_hf_launcher" / "__init__.py"):
+        tree = ast.parse(path.read_text())
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not used & {"meta_path", "path_hooks", "_initializing", "MetaPathFinder", "__import__"}, path
+
+
+# The console script as pip writes it for `looped-hf = "looped_hf_launcher:main"`, then the model
+# stack this process loaded.
+LAUNCHED = (
+    "import sys\n"
+    "from looped_hf_launcher import main\n"
+    "try:\n"
+    "    rc = main(sys.argv[1:])\n"
+    "except SystemExit as stop:  # argparse's --help\n"
+    "    rc = stop.code\n"
+    "print('RC', rc, sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+)
+
+
+def test_the_console_script_is_the_launcher_and_ships() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["looped-hf"] == "looped_hf_launcher:main"
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert any(fnmatch.fnmatch("looped_hf_launcher", pattern) for pattern in include)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], [], ["fit", "--help"], ["fit", "{results}", "--fix-phi", "0.5"]]
+)
+def test_looped_hf_fit_and_help_load_neither_torch_nor_transformers(results: Path, argv: list[str]) -> None:
+    out = _run(["-c", LAUNCHED, *(a.format(results=results) for a in argv)]).stdout
+    assert out.strip().splitlines()[-1] == "RC 0 []"
+    assert ("phi" in out) if "{results}" in argv else ("usage: looped-hf" in out)
+
+
+def test_a_deferred_registration_runs_on_a_model_names_first_use(tmp_path: Path) -> None:
+    # What an uncached `plan` (or any code path) does in a process whose launcher deferred the
+    # registration: reading a model name registers everything, remote code included.
+    code = (
+        "import sys, looped_hf_launcher\n"
+        "looped_hf_launcher.defer_registration = True\n"
+        "import looped_hf\n"
+        "print('AT IMPORT', 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+        "from looped_hf import LoopedForCausalLM\n"
+        "from transformers import AutoConfig, AutoModelForSequenceClassification\n"
+        "cfg = AutoConfig.for_model('looped', hidden_size=64, num_attention_heads=2, num_key_value_heads=2,\n"
+        "                           intermediate_size=128, vocab_size=64)\n"
+        "LoopedForCausalLM(cfg).save_pretrained(sys.argv[1])\n"
+        "head = AutoModelForSequenceClassification.from_config(cfg)\n"
+        "print(type(cfg).__name__, type(head).__name__, sorted(cfg.auto_map), looped_hf.LoopedConfig is type(cfg))\n"
+    )
+    out = _run(["-c", code, str(tmp_path / "ckpt")]).stdout.strip().splitlines()
+    assert out[0] == "AT IMPORT False False"
+    assert (
+        out[-1] == "LoopedConfig LoopedForSequenceClassification ['AutoConfig', 'AutoModelForCausalLM'] True"
+    )
+    assert (tmp_path / "ckpt" / "modeling_looped.py").is_file()  # shipped as remote code
 
 
 def test_heads_are_registered_for_auto_and_remote_code(tmp_path: Path) -> None:
@@ -188,3 +249,10 @@ def test_family_recipe_copy_name_is_the_sweeps() -> None:
     from looped_hf.sweep import RECIPE_COPY as SWEEP_RECIPE_COPY
 
     assert RECIPE_COPY == SWEEP_RECIPE_COPY
+
+
+def test_every_public_name_is_bound_on_first_use() -> None:
+    import looped_hf
+
+    assert set(looped_hf.__all__) == {*looped_hf._MODEL_NAMES, *looped_hf._LAZY, "register", "__version__"}
+    assert all(getattr(looped_hf, name) is not None for name in looped_hf.__all__)

@@ -36,7 +36,9 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imported_modules(node: ast.Import | ast.ImportFrom, name: str, is_package: bool, files: set[str]) -> list[str]:
+def _imported_modules(
+    node: ast.Import | ast.ImportFrom, name: str, is_package: bool, files: set[str]
+) -> list[str]:
     """The modules one import statement names (``from pkg import sub`` names ``pkg.sub`` when ``sub``
     is a module, and ``pkg`` always: its ``__init__`` runs first)."""
     if isinstance(node, ast.Import):
@@ -87,7 +89,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -259,11 +261,17 @@ def _import_all(root: Path, package: str) -> dict:
 
 
 def _not_optional(failed: dict) -> dict:
-    return {m: e for m, e in failed.items() if not (e[0] == "ModuleNotFoundError" and str(e[1]).split(".")[0] in OPTIONAL)}
+    return {
+        m: e
+        for m, e in failed.items()
+        if not (e[0] == "ModuleNotFoundError" and str(e[1]).split(".")[0] in OPTIONAL)
+    }
 
 
 def test_the_fcntl_check_catches_a_module_that_needs_fcntl(tmp_path: Path):
-    root = _plant(tmp_path, {"plain/__init__.py": "", "plain/ok.py": "import os\n", "plain/posix.py": "import fcntl\n"})
+    root = _plant(
+        tmp_path, {"plain/__init__.py": "", "plain/ok.py": "import os\n", "plain/posix.py": "import fcntl\n"}
+    )
     found = _import_all(root, "plain")
     assert found["imported"] == 1 and set(_not_optional(found["failed"])) == {"plain.posix"}
 
@@ -273,3 +281,23 @@ def test_every_module_imports_without_fcntl():
     assert _not_optional(found["failed"]) == {}
     assert found["fcntl"] == "None"  # still unimportable at the end: nothing put it back
     assert found["imported"] > 60  # the walk saw the package (78 modules today), not an empty folder
+
+
+LAUNCHER = PACKAGE.parent / "looped_hf_launcher" / "__init__.py"
+
+
+def test_the_launcher_imports_looped_hf_only_after_it_decided_and_nothing_imports_it():
+    # The console script's launcher must set `defer_registration` before `looped_hf/__init__` runs, so
+    # its module level imports nothing of the package; and the package knows it by name only
+    # (sys.modules), so the dependency runs one way, launcher -> package.
+    tree = ast.parse(LAUNCHER.read_text(encoding="utf-8"))
+    top_level = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top_level |= {node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in top_level if m.split(".")[0] == "looped_hf"}, top_level
+    lazy = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "looped_hf.cli" in lazy  # inside main(), after the decision
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "looped_hf_launcher" for n in names), path

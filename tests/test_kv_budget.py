@@ -13,6 +13,7 @@ from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
 from transformers import DynamicCache, StaticCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
+from looped_hf.generation_looped import KVSlotPlan
 from looped_hf.interface_looped import CACHE_KEYWORD
 
 VOCAB = TINY_VOCAB
@@ -307,7 +308,7 @@ def test_the_slot_plan_is_the_studys_layout_and_knows_its_overwritten_recurrence
     P + k*K + j; each slot's last writer is what a cache keeps, and a recurrence is "overwritten"
     exactly when a later one of the same forward writes its slots again."""
     config = tiny_looped_config(num_prelude_layers=p, num_recurrent_layers=k_layers, num_coda_layers=c, num_recurrences=r)
-    plan = config.slot_plan(kv_budget=k)
+    plan = KVSlotPlan.for_call(config, kv_budget=k)
     kk = r if k is None else min(k, r)
     apps = list(plan.applications())
     assert len(apps) == config.num_layer_applications() and plan.num_slots == p + kk * k_layers + c
@@ -318,7 +319,7 @@ def test_the_slot_plan_is_the_studys_layout_and_knows_its_overwritten_recurrence
         assert slot == want
         last[slot] = (stack, step)
         if stack == "recurrent":
-            assert plan.block_layer(slot) == j
+            assert plan.layer_of_slot(slot) == j
     for step in range(r):
         rewritten = any(s > step and s % kk == step % kk for s in range(r))
         assert plan.overwritten(step) == rewritten

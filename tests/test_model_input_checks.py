@@ -5,16 +5,28 @@ past max_position_embeddings run as on Llama (RoPE computes any position), with 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import math
+import re
 import time
 
+import huggingface_hub.dataclasses
+import huggingface_hub.errors
 import pytest
 import torch
 from conftest import TINY_VOCAB, tiny_looped_config, tiny_looped_model
+from huggingface_hub.dataclasses import strict
 from transformers import GPT2Config
 
-from looped_hf import LoopedConfig, LoopedForCausalLM
-from looped_hf.configuration_looped import RECURRENCE_CEILING_FACTOR
+from looped_hf import LoopedConfig, LoopedForCausalLM, configuration_looped
+from looped_hf.configuration_looped import (
+    HIDDEN_ACTS,
+    MAX_NUM_RECURRENCES,
+    RECURRENCE_CEILING_FACTOR,
+    LoopedConfigError,
+)
 
 NAN, INF = math.nan, math.inf
 
@@ -46,6 +58,72 @@ def test_a_value_that_cannot_work_is_refused_naming_field_and_value(field, value
         tiny_looped_config(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("num_recurrences", 10**12, "exceeds MAX_NUM_RECURRENCES=4096"),
+        ("num_recurrences", MAX_NUM_RECURRENCES + 1, "exceeds MAX_NUM_RECURRENCES=4096"),
+        ("max_recurrences", 10**6, "exceeds MAX_NUM_RECURRENCES=4096"),
+        ("hidden_size", 10**9, r"the model would have ~.* parameters, over the bound of 1e\+13 \(MAX_PARAMETERS"),
+        ("vocab_size", 10**12, r"the model would have ~.* parameters, over the bound of 1e\+13"),
+        ("num_recurrent_layers", 10**8, r"the model would have 100000002 unique layers, over the bound of 4096"),
+        ("intermediate_size", 10**13, r"the model would have ~.* parameters, over the bound of 1e\+13"),
+        ("tie_word_embeddings", "false", "expected bool"),
+        ("tie_word_embeddings", 1, "expected bool"),
+    ],
+)  # fmt: skip
+def test_a_config_the_model_could_never_run_or_allocate_is_refused_in_one_line(field, value, why):
+    # As a converted config.json would carry it: from_dict, and the constructor, refuse it alike.
+    # (A converted config.json names the sizes it has; the rest derive from them, as here.)
+    derived = ("intermediate_size", "head_dim", "num_key_value_heads", "num_hidden_layers")
+    saved = {k: v for k, v in tiny_looped_config().to_dict().items() if k not in derived}
+    for build in (lambda: LoopedConfig.from_dict(saved | {field: value}),
+                  lambda: tiny_looped_config(**{field: value})):  # fmt: skip
+        with pytest.raises(LoopedConfigError, match=rf"^LoopedConfig\.{field}={value!r}: {why}") as err:
+            build()
+        assert "\n" not in str(err.value)
+    assert MAX_NUM_RECURRENCES >= 64 * 64  # generous: 64 x the largest trained r of a published looped model
+
+
+def test_the_largest_allowed_r_is_accepted_in_the_config_and_per_call():
+    config = tiny_looped_config(num_recurrences=MAX_NUM_RECURRENCES, max_recurrences=MAX_NUM_RECURRENCES)
+    assert config.recurrence_ceiling == MAX_NUM_RECURRENCES
+    # 64 x r past the bound: the ceiling is the bound, named as such, without a pointer to max_recurrences.
+    big = tiny_looped_config(num_recurrences=100)
+    assert big.recurrence_ceiling == MAX_NUM_RECURRENCES
+    with pytest.raises(ValueError, match=r"ceiling of 4096 recurrences \(MAX_NUM_RECURRENCES=4096\).*num_recurrences=100$"):
+        big.resolve_num_recurrences(MAX_NUM_RECURRENCES + 1)
+
+
+@pytest.mark.parametrize(
+    "keyword, value",
+    [("num_recurrences", 0), ("num_recurrences", -3), ("kv_budget", 0), ("min_recurrences", 0),
+     ("exit_gate_threshold", 1.5), ("exit_gate_threshold", -0.5), ("exit_gate_threshold", NAN)],
+)  # fmt: skip
+def test_a_per_call_value_is_refused_in_the_words_of_its_config_field(keyword, value):
+    # One rule, one message: forward's keyword and the config field run the field's own rule.
+    # (A value of the wrong type is refused by the field's type first; per call, by the rule's words.)
+    gated = {"exit_gate": True, "num_coda_layers": 0} if keyword == "exit_gate_threshold" else {}
+    extra = {"exit_criterion": "cosine"} if keyword == "min_recurrences" else {}
+    with pytest.raises(LoopedConfigError) as field_err:
+        tiny_looped_config(**gated, **{keyword: value})
+    model = tiny_looped_model(**gated)
+    with pytest.raises(LoopedConfigError) as call_err:
+        model(torch.full((1, 3), 3), **extra, **{keyword: value})
+    assert str(field_err.value) == f"LoopedConfig.{call_err.value}"
+    assert str(call_err.value).startswith(f"{keyword}={value!r}: must be ")
+
+
+@pytest.mark.parametrize(
+    "keyword, value", [("num_recurrences", 2.5), ("num_recurrences", "3"), ("kv_budget", True), ("min_recurrences", 1.0)]
+)
+def test_a_per_call_value_of_the_wrong_type_is_refused_in_one_line(keyword, value):
+    extra = {"exit_criterion": "cosine"} if keyword == "min_recurrences" else {}
+    with pytest.raises(LoopedConfigError, match=rf"^{keyword}={value!r}: must be an integer >= 1") as err:
+        tiny_looped_model()(torch.full((1, 3), 3), **extra, **{keyword: value})
+    assert "\n" not in str(err.value)
+
+
 def test_rope_theta_must_be_positive():
     with pytest.raises(ValueError, match="rope_parameters=.*rope_theta must be a finite number > 0"):
         tiny_looped_config(rope_parameters={"rope_type": "default", "rope_theta": -1.0})
@@ -65,6 +143,87 @@ def test_a_nan_eps_would_have_given_nan_logits():
     """Why eps is checked: the refused value is not cosmetic (a zero state normed with eps <= 0)."""
     norm = torch.nn.functional.rms_norm(torch.zeros(1, 4), (4,), eps=0.0)
     assert torch.isnan(norm).all()
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("hidden_size", "64", "expected int, got str"),
+        ("exit_gate", 1, "expected bool, got int"),
+        ("hidden_act", "gelu_new", re.escape(f"must be one of {HIDDEN_ACTS}")),
+        ("rms_norm_eps", 0.0, r"must be a finite number > 0 \(a norm divides by sqrt\(mean \+ eps\)\)"),
+        ("num_recurrences", 0, "must be an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_an_assignment_is_refused_in_one_line_and_leaves_the_field_as_it_was(field, value, why):
+    # As ``serve`` and vLLM's --hf-overrides set a loaded config's fields: one line, nothing changed.
+    config = tiny_looped_config()
+    before = getattr(config, field)
+    with pytest.raises(LoopedConfigError, match=rf"^LoopedConfig\.{field}={value!r}: {why}$") as err:
+        setattr(config, field, value)
+    assert "\n" not in str(err.value)
+    assert getattr(config, field) == before
+
+
+def test_validate_refuses_an_assigned_value_that_breaks_a_rule_across_fields_in_one_line(tmp_path):
+    # Each field alone is fine; together they are not: validate() (which save_pretrained runs) says so.
+    config = tiny_looped_config()
+    config.num_attention_heads = 3
+    why = r"^LoopedConfig\.num_attention_heads=3: does not divide hidden_size=32$"
+    with pytest.raises(LoopedConfigError, match=why):
+        config.validate()
+    with pytest.raises(LoopedConfigError, match=r"^LoopedConfig\.num_attention_heads=3: does not divide"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def _names_strict_adds() -> set[str]:
+    """The underscore names huggingface_hub's @strict puts on a class and its ``validate``: its
+    private machinery, found by decorating a probe, so the check does not depend on their spelling."""
+
+    @dataclasses.dataclass
+    class Plain:
+        x: int = 0
+
+    @strict
+    @dataclasses.dataclass
+    class Probe:
+        x: int = 0
+
+        def validate_x(self) -> None:
+            pass
+
+    added = (set(vars(Probe)) - set(vars(Plain))) | set(vars(Probe.validate)) | set(vars(Probe.__setattr__))
+    modules = (huggingface_hub.dataclasses, huggingface_hub.errors)
+    helpers = {name for module in modules for name in vars(module) if not name.startswith("__")}
+    return {name for name in added | helpers if name.startswith("_")} - set(dir(object))
+
+
+def test_the_config_reaches_huggingface_hub_only_through_public_names():
+    # configuration_looped.py ships as remote code: huggingface_hub's private names (@strict's
+    # markers, its helper functions) may change in any release. Its messages are not parsed either.
+    nodes = list(ast.walk(ast.parse(inspect.getsource(configuration_looped))))
+    imported = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+    named = {node.attr for node in nodes if isinstance(node, ast.Attribute)}
+    named |= {node.id for node in nodes if isinstance(node, ast.Name)}
+    named |= {node.value for node in nodes if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    imports = [node for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))]
+    named |= {alias.name for node in imports for alias in node.names}
+    private = named & _names_strict_adds()
+    assert not private, sorted(private)
+    assert "re" not in imported  # no regular expression over huggingface_hub's wording
+    for module in imported:
+        if module.startswith("huggingface_hub"):
+            assert not any(part.startswith("_") for part in module.split(".")), module
+
+
+def test_a_subclass_may_apply_strict_again_as_to_any_strict_config():
+    @strict
+    class WiderConfig(LoopedConfig):
+        pass
+
+    assert WiderConfig(hidden_size=64, num_attention_heads=4).hidden_size == 64
 
 
 # --------------------------------------------------------------------------------------------

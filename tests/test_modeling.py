@@ -46,7 +46,7 @@ def test_save_load_without_trust_remote_code(tmp_path):
     model.save_pretrained(tmp_path)
     files = {p.name for p in tmp_path.iterdir()}
     assert {"config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
-            "accounting_looped.py", "recurrent_block_looped.py"} <= files
+            "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py"} <= files
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_looped.LoopedForCausalLM"
     assert auto_map["AutoConfig"] == "configuration_looped.LoopedConfig"
@@ -76,6 +76,9 @@ def test_remote_code_loads_in_a_process_without_looped_hf(tmp_path):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(ckpt)!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        # the decoder layers come from the shipped decoder_layers_looped.py, loaded as remote code too
+        layer_module = type(model.model.recurrent_layers[0]).__module__
+        assert layer_module.startswith("transformers_modules") and layer_module.endswith(".decoder_layers_looped")
         ref = torch.load({str(tmp_path / "ref.pt")!r})
         torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
         gen = model.generate(ref["ids"], max_new_tokens=6, do_sample=False, pad_token_id=0, num_recurrences=5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -312,3 +313,363 @@ def test_truncated_safetensors_is_refused_in_one_line(finished_run, tmp_path, ca
     line = _one_error_line(capsys, f"looped-hf {command}:")
     assert f"{weights}: truncated" in line
     assert not (run / "publish").exists() and not (tmp_path / "ev").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile checkpoints: one line, exit 2, nothing written, nothing lost (every converter, through
+# looped_hf.convert.loader), in both safetensors layouts
+# --------------------------------------------------------------------------------------------
+def _set_json(name: str, drop: tuple[str, ...] = (), **changes: object):
+    """An edit: the JSON object in ``name`` with ``changes`` set and ``drop`` removed."""
+
+    def edit(folder: Path) -> None:
+        value = json.loads((folder / name).read_text())
+        value.update(changes)
+        (folder / name).write_text(json.dumps({k: v for k, v in value.items() if k not in drop}))
+
+    return edit
+
+
+def _write(name: str, data: bytes | str):
+    def edit(folder: Path) -> None:
+        (folder / name).write_bytes(data.encode() if isinstance(data, str) else data)
+
+    return edit
+
+
+def _index_edit(change):
+    """An edit of the index's weight_map: ``change(weight_map)`` in place."""
+
+    def edit(folder: Path) -> None:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        change(index["weight_map"])
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    return edit
+
+
+def _shard_edit(number: int, change):
+    """An edit of the tensors in shard ``number`` of 2: ``change(tensors)`` in place, saved again."""
+    from safetensors.torch import load_file, save_file
+
+    def edit(folder: Path) -> None:
+        path = folder / f"model-{number:05d}-of-00002.safetensors"
+        tensors = load_file(path)
+        change(tensors)
+        save_file(tensors, path)
+
+    return edit
+
+
+def _key_in_both_shards(key: str):
+    """``key`` (named by the index in shard 1) also saved, as zeros, in shard 2: merged in file
+    order, the old readers took the zeros without a word."""
+    import torch
+    from safetensors.torch import load_file
+
+    def edit(folder: Path) -> None:
+        weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        assert weight_map[key] == "model-00001-of-00002.safetensors", "pick a key of shard 1"
+        first = folder / weight_map[key]
+        _shard_edit(2, lambda t: t.update({key: torch.zeros_like(load_file(first)[key])}))(folder)
+
+    return edit
+
+
+def _link_shard_out(folder: Path) -> None:
+    outside = folder.parent / "elsewhere.safetensors"
+    shard_path = folder / "model-00001-of-00002.safetensors"
+    shard_path.rename(outside)
+    shard_path.symlink_to(outside)
+
+
+def _pickle_only(folder: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+
+
+def _truncate(name: str, keep: float):
+    def edit(folder: Path) -> None:
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: int(len(data) * keep)])
+
+    return edit
+
+
+def _tokenizer(size: int, name: str = "tokenizer.json"):
+    """A word-level tokenizer of ``size`` tokens saved as ``name`` (loads with transformers)."""
+
+    def edit(folder: Path) -> None:
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0")).save(str(folder / name))
+
+    return edit
+
+
+def _both(*edits):
+    def edit(folder: Path) -> None:
+        for one in edits:
+            one(folder)
+
+    return edit
+
+
+# (fixture, convert format, layout, edit of the copy, what the one line must say)
+HOSTILE_CHECKPOINTS = {
+    "key stored in two shards": ("ouro-tiny", "ouro", "sharded", _key_in_both_shards("lm_head.weight"),
+                                 "tensor 'lm_head.weight' is stored twice (also in model-00001-of-00002"),
+    "shard holds a key the index does not name": (
+        "huginn-tiny", "huginn", "sharded", _shard_edit(1, lambda t: t.update(stray=next(iter(t.values())).clone())),
+        "holds tensor 'stray', which the index's weight_map does not name"),
+    "index without weight_map": ("huginn-tiny", "huginn", "sharded",
+                                 _set_json("model.safetensors.index.json", drop=("weight_map",)),
+                                 "model.safetensors.index.json: no 'weight_map' object"),
+    "index weight_map of a number": ("retrofit-olmo-tiny", "retrofit", "sharded",
+                                     _index_edit(lambda m: m.update({"transformer.wte.weight": 3})),
+                                     "weight_map['transformer.wte.weight']=3: expected a shard file name"),
+    "index is a list": ("ouro-tiny", "ouro", "sharded", _write("model.safetensors.index.json", "[]"),
+                        "model.safetensors.index.json: expected a JSON object, got list"),
+    "index is not JSON": ("retrofit-llama-tiny", "retrofit-llama", "sharded",
+                          _write("model.safetensors.index.json", "{weight_map"),
+                          "model.safetensors.index.json: not a readable JSON file"),
+    "shard missing": ("retrofit-llama-tiny", "retrofit", "sharded",
+                      lambda f: (f / "model-00002-of-00002.safetensors").unlink(),
+                      "model-00002-of-00002.safetensors: missing (the checkpoint names it)"),
+    "index names a key its shard lacks": (
+        "retrofit-olmo-tiny", "huginn_raven", "sharded",
+        _index_edit(lambda m: m.update({"transformer.extra.weight": "model-00001-of-00002.safetensors"})),
+        "model-00001-of-00002.safetensors: lacks 'transformer.extra.weight', which the index's weight_map names"),
+    "shard name with ..": ("ouro-tiny", "ouro", "sharded",
+                           _index_edit(lambda m: m.update({"lm_head.weight": "../outside.safetensors"})),
+                           "shard '../outside.safetensors': not a file name inside the checkpoint folder"),
+    "absolute shard name": ("huginn-tiny", "huginn", "sharded",
+                            _index_edit(lambda m: m.update({"freqs_cis": "/etc/hostname"})),
+                            "shard '/etc/hostname': not a file name inside the checkpoint folder"),
+    "shard linked out of the folder": ("huginn-tiny", "huginn_raven", "sharded", _link_shard_out,
+                                       "model-00001-of-00002.safetensors' leads out of the checkpoint folder"),
+    "truncated shard": ("ouro-tiny", "ouro", "sharded", _truncate("model-00002-of-00002.safetensors", 0.5),
+                        "model-00002-of-00002.safetensors: truncated"),
+    "truncated weights": ("huginn-tiny", "huginn", "single", _truncate("model.safetensors", 0.9),
+                          "model.safetensors: truncated"),
+    "empty weights": ("ouro-tiny", "ouro", "single", _write("model.safetensors", b""),
+                      "model.safetensors: truncated (0 bytes"),
+    "weights that are text": ("retrofit-olmo-tiny", "retrofit", "single",
+                              _write("model.safetensors", "these are not tensors, just words"),
+                              "model.safetensors: not safetensors (a header of 8241904413164529780 bytes"),
+    "weights announcing a huge header": ("huginn-tiny", "huginn", "sharded",
+                                         _write("model-00002-of-00002.safetensors", (2**40).to_bytes(8, "little")),
+                                         "model-00002-of-00002.safetensors: not safetensors (a header of 1099511627776"),
+    "a pickle-only folder": ("huginn-tiny", "huginn", "single", _pickle_only,
+                             "only a pickled pytorch_model.bin checkpoint, refused (unpickling runs code"),
+    "config.json not JSON": ("ouro-tiny", "ouro", "single", _write("config.json", "{\"model_type\": "),
+                             "config.json: not a readable JSON file"),
+    "config.json a list": ("huginn-tiny", "huginn", "sharded", _write("config.json", "[1, 2]"),
+                           "config.json: expected a JSON object, got list"),
+    "generation_config.json not JSON": ("ouro-tiny", "ouro", "single", _write("generation_config.json", "nope"),
+                                        "generation_config.json: not a readable JSON file"),
+    "generation_config.json a list": ("retrofit-llama-tiny", "retrofit", "sharded",
+                                      _write("generation_config.json", "[]"),
+                                      "generation_config.json: expected a JSON object, got list"),
+    "generation eos outside the vocabulary": (
+        "huginn-tiny", "huginn", "single", _set_json("generation_config.json", eos_token_id=1000),
+        "generation_config.json eos_token_id=1000: expected a token id in [0, 256)"),
+    "config bos outside the vocabulary": ("ouro-tiny", "ouro", "sharded", _set_json("config.json", bos_token_id=-1),
+                                          "config.json bos_token_id=-1: expected a token id in [0, 256)"),
+    "llama3 rope scaling without low_freq_factor": (
+        "retrofit-llama-tiny", "retrofit", "single",
+        _set_json("config.json", rope_scaling={"rope_type": "llama3", "factor": 4.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 16}),
+        "config.json rope_scaling has no 'low_freq_factor': rope_type 'llama3' needs"),
+    "yarn rope scaling without its context": (
+        "ouro-tiny", "ouro", "single", _set_json("config.json", rope_scaling={"type": "yarn", "factor": 4.0}),
+        "config.json rope_scaling has no 'original_max_position_embeddings': rope_type 'yarn' needs"),
+    "tie flag a string": ("ouro-tiny", "ouro", "single", _set_json("config.json", tie_word_embeddings="yes"),
+                          "config.json tie_word_embeddings='yes': expected true or false"),
+    "tie flag a number": ("huginn-tiny", "huginn", "sharded", _set_json("config.json", tie_embeddings=1),
+                          "config.json tie_embeddings=1: expected true or false"),
+    "tied head that differs from the embedding": (
+        "ouro-tiny", "ouro", "single", _set_json("config.json", tie_word_embeddings=True),
+        "config.json tie_word_embeddings=True, but the checkpoint's head differs from its embedding"),
+    "vocabulary too large to allocate": ("ouro-tiny", "ouro", "sharded", _set_json("config.json", vocab_size=10**9),
+                                         "vocab_size=1000000000, hidden_size=64"),
+    "MLP too large to allocate": ("ouro-tiny", "ouro", "single", _set_json("config.json", intermediate_size=10**8),
+                                  "intermediate_size=100000000, layers 0/2/0), the checkpoint holds"),
+    "fused MLP too large (retrofit)": ("retrofit-olmo-tiny", "retrofit", "single",
+                                       _set_json("config.json", intermediate_size=10**8),
+                                       "mlp.fc.weight of shape (256, 64): expected 2 x intermediate_size=100000000"),
+    "absurd layer count (Ouro)": ("ouro-tiny", "ouro", "sharded", _set_json("config.json", num_hidden_layers=10**9),
+                                  "LoopedConfig.num_recurrent_layers=1000000000: the model would have 1000000000 unique layers"),
+    "absurd layer count (Huginn)": ("huginn-tiny", "huginn", "single",
+                                    _set_json("config.json", n_layers_in_coda=10**8),
+                                    "LoopedConfig.num_coda_layers=100000000: the model would have 100000003 unique layers"),
+    "absurd trained r (Ouro)": ("ouro-tiny", "ouro", "single", _set_json("config.json", total_ut_steps=10**12),
+                                "config.json total_ut_steps=1000000000000: above the ceiling of"),
+    "absurd trained r (Huginn)": ("huginn-tiny", "huginn", "sharded", _set_json("config.json", mean_recurrence=10**9),
+                                  "config.json mean_recurrence=1000000000: above the ceiling of"),
+    "unknown config key (retrofit)": ("retrofit-llama-tiny", "retrofit", "single",
+                                      _set_json("config.json", flux_capacitor=3),
+                                      "config.json flux_capacitor=3: unknown huginn_raven config key"),
+    "tokenizer.json not JSON": ("huginn-tiny", "huginn", "single", _write("tokenizer.json", "{"),
+                                "tokenizer.json: not a readable JSON file"),
+    "tokenizer_config.json a list": ("ouro-tiny", "ouro", "sharded",
+                                     _both(_tokenizer(10), _write("tokenizer_config.json", "[]")),
+                                     "tokenizer_config.json: expected a JSON object, got list"),
+    "tokenizer that does not load": ("retrofit-olmo-tiny", "retrofit", "single",
+                                     _write("tokenizer.json", '{"version": "1.0"}'),
+                                     "the tokenizer (tokenizer.json) does not load"),
+    "tokenizer larger than the vocabulary": ("ouro-tiny", "ouro", "single", _tokenizer(300),
+                                             "the tokenizer has 300 tokens, more than the model's vocab_size=256"),
+}  # fmt: skip
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _refused_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str], *expected: str) -> str:
+    from looped_hf.cli import main as looped_hf
+
+    assert looped_hf(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("looped-hf ")]  # transformers' bar may share it
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(text in lines[0] for text in expected), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_CHECKPOINTS))
+def test_a_hostile_checkpoint_is_refused_in_one_line_writing_nothing(case, tmp_path, capsys):
+    from test_convert_loader import copy_checkpoint, shard
+
+    fixture, fmt, layout, edit, message = HOSTILE_CHECKPOINTS[case]
+    src = copy_checkpoint(fixture, tmp_path / "src")
+    if layout == "sharded":
+        shard(src)
+    edit(src)
+    before, out = _snapshot(src), tmp_path / "out"
+    _refused_in_one_line(["convert", fmt, str(src), "--out", str(out)], capsys, "looped-hf convert: error: ", message)
+    assert not out.exists() and not list(tmp_path.glob(".out*"))  # nothing written, not even a temp folder
+    assert _snapshot(src) == before  # nothing lost
+
+
+@pytest.mark.parametrize(("model_config", "message"), [
+    ({"num_recur": 10**12}, "model_config.num_recur=1000000000000: above the ceiling of"),
+    ({"n_embd": "wide"}, "model_config.n_embd='wide': expected an integer >= 1"),
+    ({"flux": 1}, "model_config.flux=1: unknown nanochat config key"),
+])  # fmt: skip
+def test_a_hostile_nanochat_meta_is_refused_in_one_line_writing_nothing(model_config, message, tmp_path, capsys):
+    src = tmp_path / "ckpt"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "study_checkpoints" / "noloop", src)
+    meta = json.loads((src / "meta_000020.json").read_text())
+    meta["model_config"].update(model_config)
+    (src / "meta_000020.json").write_text(json.dumps(meta))
+    before, out = _snapshot(src), tmp_path / "out"
+    _refused_in_one_line(["convert", "nanochat", str(src), "--out", str(out)], capsys, message)
+    assert not out.exists() and _snapshot(src) == before
+
+
+# --------------------------------------------------------------------------------------------
+# --out of a conversion: checked before converting; --overwrite replaces only looped_hf output
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["under a file", "proc", "sys", "dot", "dotdot", "the source", "above the source"])
+def test_a_conversion_out_that_cannot_be_used_is_refused_before_converting(where, tmp_path, capsys, monkeypatch):
+    from test_convert_loader import copy_checkpoint
+
+    if where in ("proc", "sys") and not Path(f"/{where}/self" if where == "proc" else "/sys/kernel").exists():
+        pytest.skip(f"needs Linux's /{where}")
+    src = copy_checkpoint("ouro-tiny", tmp_path / "work" / "src")
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.chdir(tmp_path / "work")
+    out, message = {
+        "under a file": (str(tmp_path / "a-file" / "out"), "is a file, not a folder"),
+        "proc": ("/proc/looped-out", "--out /proc/looped-out: cannot be written"),
+        "sys": ("/sys/looped-out", "--out /sys/looped-out: cannot be written"),
+        "dot": (".", "is the working directory or holds it"),
+        "dotdot": ("..", "is the working directory or holds it"),
+        "the source": (str(src), "is (or contains) the checkpoint directory"),
+        "above the source": (str(tmp_path / "work" / "src" / ".."), "is the working directory or holds it"),
+    }[where]
+    before = _snapshot(tmp_path)
+    _refused_in_one_line(["convert", "ouro", str(src), "--out", out, "--overwrite"], capsys, message)
+    assert _snapshot(tmp_path) == before and not Path("/proc/looped-out").exists()
+
+
+def test_overwrite_replaces_only_an_empty_folder_or_an_earlier_looped_output(tmp_path, capsys):
+    from test_convert_loader import copy_checkpoint
+
+    from looped_hf.cli import main as looped_hf
+
+    src = copy_checkpoint("ouro-tiny", tmp_path / "src")
+    mine = tmp_path / "my-notes"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    message = "--overwrite replaces only an empty folder or an earlier looped_hf output"
+    _refused_in_one_line(["convert", "ouro", str(src), "--out", str(mine), "--overwrite"], capsys, message)
+    assert (mine / "thesis.tex").read_text() == "years of work"  # nothing lost
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert looped_hf(["convert", "ouro", str(src), "--out", str(empty), "--overwrite"]) == 0
+    assert json.loads((empty / "config.json").read_text())["model_type"] == "looped"
+    (empty / "stale.txt").write_text("from the earlier output")
+    assert looped_hf(["convert", "huginn", str(ZOO_HUGINN), "--out", str(empty), "--overwrite"]) == 0
+    assert not (empty / "stale.txt").exists() and json.loads((empty / "config.json").read_text())["qk_bias"]
+
+
+ZOO_HUGINN = Path(__file__).parent / "fixtures" / "zoo" / "huginn-tiny"
+
+
+# --------------------------------------------------------------------------------------------
+# test-time and eval: a foreign tokenizer, unreadable --data, exit thresholds that cannot work
+# --------------------------------------------------------------------------------------------
+def _run_copy(finished_run: Path, tmp_path: Path) -> Path:
+    run = tmp_path / finished_run.name
+    shutil.copytree(finished_run, run)
+    return run
+
+
+@pytest.mark.parametrize("command", ["test-time", "eval"])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(finished_run, tmp_path, capsys, command):
+    run = _run_copy(finished_run, tmp_path)
+    (run / "tokenizer_config.json").unlink()
+    _tokenizer(300)(run)  # 300 tokens, the model has 258
+    argv = {"test-time": ["test-time", str(run)],
+            "eval": ["eval", str(run), "--bundle", "builtin", "--device", "cpu", "--out", str(tmp_path / "ev")]}  # fmt: skip
+    _refused_in_one_line(argv[command], capsys, "the tokenizer has 300 tokens, more than the model's vocab_size=258")
+    assert not list(run.glob("test_time_scaling*"))
+
+
+@pytest.mark.parametrize(("name", "data", "message"), [
+    ("empty.txt", b"", "empty file, no held-out text"),
+    ("held.txt", bytes(range(256)) * 8, "not UTF-8 text (byte 0); is it a binary file?"),
+    ("held.jsonl", b'{"text": "caf\xc3\xa9"}\n' + b"\xff\xfe" * 20, "not UTF-8 text (byte 18)"),
+])  # fmt: skip
+def test_test_time_data_that_is_empty_or_binary_is_one_line(finished_run, tmp_path, capsys, name, data, message):
+    run = _run_copy(finished_run, tmp_path)
+    (tmp_path / name).write_bytes(data)
+    _refused_in_one_line(["test-time", str(run), "--data", str(tmp_path / name)], capsys,
+                         f"--data {str(tmp_path / name)!r}: {message}")  # fmt: skip
+    assert not list(run.glob("test_time_scaling*"))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--exit-criterion", "kl", "--exit-threshold", "nan"], "exit_threshold=nan: must be a finite number"),
+    (["--exit-criterion", "kl", "--exit-threshold", "-1"], "exit_threshold=-1.0: exit_criterion='kl' compares"),
+    (["--exit-threshold", "nan"], "--exit-threshold nan: no exit criterion reads it"),
+])  # fmt: skip
+def test_eval_exit_thresholds_that_cannot_work_are_refused_before_any_forward(
+    finished_run, tmp_path, capsys, monkeypatch, flags, message
+):
+    import looped_hf.evaluation.runner as runner
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the model was run")
+
+    monkeypatch.setattr(runner, "evaluate_model", no_forward)
+    out = tmp_path / "ev"
+    _refused_in_one_line(["eval", str(finished_run), "--bundle", "builtin", "--device", "cpu", "--out", str(out),
+                          *flags], capsys, message)  # fmt: skip
+    assert not out.exists()  # not even the builtin bundle

@@ -36,6 +36,7 @@ from test_serving_parity import (
     needs_vllm,
 )
 
+from looped_hf.generation_looped import KVSlotPlan
 from looped_hf.serving.depth import DepthError, RequestDepth, ServedDepth
 from looped_hf.serving.plugin import map_body
 
@@ -106,7 +107,7 @@ def test_requests_at_mixed_depths_in_one_batch_each_equal_generate_at_their_own_
     try:
         vllm_config = llm.llm_engine.vllm_config
         config = vllm_config.model_config.hf_config
-        assert_one_attention_per_slot(vllm_config, config.slot_plan(4, 4))  # the deepest request's slots
+        assert_one_attention_per_slot(vllm_config, KVSlotPlan.for_call(config, 4, 4))  # the deepest request's slots
         assert not vllm_config.cache_config.enable_prefix_caching  # a cached prefix is one depth's KV
         outputs = mixed_greedy(llm, all_prompts, all_depths)
     finally:

@@ -31,6 +31,7 @@ from serving_helpers import (
     vllm_env,
 )
 
+from looped_hf.generation_looped import KVSlotPlan
 from looped_hf.serving import CPU_HEAD_SIZES, check_servable, servable_problems
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -129,12 +130,15 @@ def make_llm(checkpoint: Path, hf_overrides: dict | None = None, **kwargs):
     return LLM(model=str(checkpoint), **{**settings, **kwargs})
 
 
-def greedy(llm, prompts: list[list[int]], **params) -> list:
+def greedy(llm, prompts: list[list[int]], lora_request=None, **params) -> list:
+    """Each prompt's greedy completion (``NEW_TOKENS`` tokens, with logprobs); ``params`` go to
+    ``SamplingParams``, ``lora_request`` (a ``LoRARequest``) to ``generate``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True, **params)
-    return [out.outputs[0] for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling)]
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    return [out.outputs[0] for out in llm.generate(requests, sampling, lora_request=lora_request)]
 
 
 def assert_one_attention_per_slot(vllm_config, plan) -> None:
@@ -165,7 +169,7 @@ def test_vllm_greedy_tokens_and_logprobs_equal_generate(case, checkpoints, promp
     try:
         vllm_config = llm.llm_engine.vllm_config
         config = vllm_config.model_config.hf_config
-        plan = config.slot_plan()
+        plan = KVSlotPlan.for_call(config)
         assert_one_attention_per_slot(vllm_config, plan)
         if plan.shares_slots:  # the plugin keeps the prompt in one forward call, as generate() does
             assert not vllm_config.cache_config.enable_prefix_caching
@@ -218,6 +222,22 @@ def test_what_cannot_be_served_exactly_is_refused_with_one_clear_line(arch_overr
         close(make_llm(checkpoint, hf_overrides))
 
 
+@needs_vllm
+def test_without_the_config_hook_a_budget_engine_that_would_split_prompts_is_refused(checkpoints, monkeypatch):
+    """The model itself refuses prefix caching (requests may run at different depths) and chunked
+    prefill (a kv_budget), naming both, when the plugin's config hook did not turn them off (a vLLM
+    without its hook table)."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # once per process: the engine below will not add the hook back
+    monkeypatch.delitem(MODELS_CONFIG_MAP, "LoopedForCausalLM")
+    with pytest.raises(Exception, match=r"enable_prefix_caching=True: requests may run at different depths .*"
+                                        r"--no-enable-prefix-caching\); enable_chunked_prefill=True: with kv_budget=2 .*"
+                                        r"--no-enable-chunked-prefill"):  # fmt: skip
+        close(make_llm(checkpoints["study"], {"kv_budget": 2}))
+
+
 def test_servable_problems_names_each_refused_field_and_serves_every_other_option() -> None:
     for arch in ARCHS.values():
         assert servable_problems(serving_config(**arch), device="cpu") == []
@@ -257,42 +277,36 @@ def test_a_head_size_the_cpu_attention_does_not_run_is_padded_to_the_next_one_it
     assert sizes == {2: 32, 4: 32, 16: 32, 24: 32, 32: 32, 48: 64, 64: 64, 66: 80, 500: 512, 512: 512}
 
 
+def layer_kinds(model) -> dict[str, set[str]]:
+    """The classes (``module.Class``) of the served model's norms, rotary embeddings, activations and
+    projections, each kind's set."""
+    kinds: dict[str, set[str]] = {"norm": set(), "rope": set(), "act": set(), "linear": set()}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        kind = ("norm" if leaf.endswith(("norm", "layernorm", "qk_rms")) else "rope" if leaf == "rotary_emb"
+                else "act" if leaf == "act_fn" else "linear" if leaf.endswith("_proj") else None)  # fmt: skip
+        if kind:
+            kinds[kind].add(f"{type(module).__module__}.{type(module).__name__}")
+    return kinds
+
+
 @needs_vllm
-def test_bfloat16_runs_vllms_rmsnorm_and_rope_kernels(monkeypatch) -> None:
-    """vLLM's default dtype takes the kernels too (not PyTorch's ops), with looped_hf's values."""
-    from looped_hf.modeling_looped import LoopedRMSNorm
-    from looped_hf.serving import vllm_model
-
-    if not vllm_model._HAS_KERNELS:
-        pytest.skip("this vLLM build has no _C kernels")
-    calls: list[str] = []
-
-    class CountingOps:
-        def __getattr__(self, name: str):
-            op = getattr(torch.ops._C, name)
-            return lambda *args: (calls.append(name), op(*args))[1]
-
-    monkeypatch.setattr(vllm_model, "_C", CountingOps())
-    torch.manual_seed(0)
-    norm = LoopedRMSNorm(64).to(torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.normal_(1.0, 0.1)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    torch.testing.assert_close(vllm_model._rms_norm(x, norm.weight, norm.variance_epsilon).float(), norm(x).float(),
-                               atol=3e-2, rtol=2e-2)
-    config = serving_config(num_attention_heads=2, num_key_value_heads=1)
-    table = vllm_model._rope_table(config, 16, torch.bfloat16)
-    q, k = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(5, 32, dtype=torch.bfloat16)
-    positions = torch.arange(5) + 3
-    roped_q, roped_k = vllm_model._apply_rope(positions, q.clone(), k.clone(), 32, table)
-    assert calls == ["rms_norm", "rotary_embedding"]
-    half = table.float()[positions]
-    cos, sin = half.chunk(2, dim=-1)
-    cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
-    qh = q.float().view(5, 2, 32)
-    expected = qh * cos + torch.cat([-qh[..., 16:], qh[..., :16]], -1) * sin
-    torch.testing.assert_close(roped_q.float().view(5, 2, 32), expected, atol=3e-2, rtol=2e-2)
-    assert roped_k.shape == k.shape
+def test_the_model_is_built_from_vllms_layers_and_serves_bfloat16(checkpoints, prompts, workdir) -> None:
+    """Every norm is vLLM's ``RMSNorm``, RoPE is ``get_rope``'s, the activation and the projections
+    are vLLM's (its CustomOps pick each platform's kernel), and vLLM's default dtype serves."""
+    llm = make_llm(checkpoints["study"], dtype="bfloat16")
+    try:
+        (kinds,) = llm.apply_model(layer_kinds)
+        outputs = greedy(llm, prompts[:2])
+    finally:
+        close(llm)
+    layers = "vllm.model_executor.layers"
+    assert kinds["norm"] == {f"{layers}.layernorm.RMSNorm"}
+    assert kinds["rope"] == {f"{layers}.rotary_embedding.base.RotaryEmbedding"}
+    assert kinds["act"] == {f"{layers}.activation.ReLUSquaredActivation"}
+    assert kinds["linear"] == {f"{layers}.linear.{cls}" for cls in ("QKVParallelLinear", "RowParallelLinear",
+                                                                    "ColumnParallelLinear")}  # fmt: skip
+    assert [len(out.token_ids) for out in outputs] == [NEW_TOKENS] * 2
 
 
 def test_importing_looped_hf_serving_does_not_import_vllm() -> None:

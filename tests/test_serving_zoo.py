@@ -36,6 +36,7 @@ from test_serving_parity import (
     needs_vllm,
 )
 
+from looped_hf.generation_looped import KVSlotPlan
 from looped_hf.serving import servable_problems
 
 DATA = fixture_path("zoo")
@@ -140,7 +141,7 @@ def test_vllm_serves_each_converted_model_with_generates_tokens_and_logprobs(cas
     llm = make_llm(converted[model], over, max_model_len=128, skip_tokenizer_init=False)
     try:
         vllm_config = llm.llm_engine.vllm_config
-        plan = vllm_config.model_config.hf_config.slot_plan()
+        plan = KVSlotPlan.for_call(vllm_config.model_config.hf_config)
         assert_one_attention_per_slot(vllm_config, plan)  # one KV cache per layer application
         outputs = greedy(llm, prompts)
     finally:

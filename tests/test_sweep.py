@@ -369,28 +369,36 @@ def test_eta_tracks_the_true_end_as_runs_of_very_different_flops_finish(tmp_path
 
 def test_a_command_run_keeps_its_lock_when_the_sweep_dies(tmp_path):
     # A sweep that starts a run as a command hands the lock's descriptor to the child; the sweep
-    # dying (os._exit: no release) must leave the run locked until the child ends.
+    # dying (os._exit: no release) must leave the run locked until the child ends. No step waits on
+    # a clock: the child holds the lock until this test lets it go (a byte on a pipe whose only write
+    # end is here), and the end of the sweep's stdout, which the child inherited, says it is gone.
     run_dir = tmp_path / "run"
+    release_r, release_w = os.pipe()
     code = (
         "import os, pathlib, subprocess, sys\n"
         "from looped_hf.sweep import _try_lock\n"
         "lock = _try_lock(pathlib.Path(sys.argv[1]))\n"
-        # The child sleeps (not reading a pipe the dying sweep would close): it outlives the sweep.
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
-        "                         pass_fds=(lock.fd,))\n"
+        "release = int(sys.argv[2])\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import os, sys; os.read(int(sys.argv[1]), 1)', str(release)],\n"
+        "                         pass_fds=(lock.fd, release))\n"
         "print(child.pid, flush=True)\n"
         "os._exit(0)\n"
     )
-    sweep = subprocess.Popen([PYTHON, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True,
-                             env=subprocess_env())  # fmt: skip
-    child_pid = int(sweep.stdout.readline())
-    assert sweep.wait(timeout=60) == 0
     try:
+        sweep = subprocess.Popen([PYTHON, "-c", code, str(run_dir), str(release_r)], stdout=subprocess.PIPE,
+                                 text=True, env=subprocess_env(), pass_fds=(release_r,))  # fmt: skip
+        os.close(release_r)
+        assert int(sweep.stdout.readline()) > 0  # the child started, holding the lock
+        assert sweep.wait(timeout=300) == 0
         assert sweep_module._try_lock(run_dir) is None  # the orphaned child still holds it
     finally:
-        os.kill(child_pid, signal.SIGKILL)
+        os.write(release_w, b"x")  # the child reads it and exits
+        os.close(release_w)
+    assert sweep.stdout.read() == ""  # end of file: the child, the last holder of the pipe, is gone
+    sweep.stdout.close()
+    # The OS drops the lock as the child's descriptors close, within its exit; a short bound for that.
     deadline = time.monotonic() + 30
     while (lock := sweep_module._try_lock(run_dir)) is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert lock is not None  # free once the child is gone
     sweep_module._unlock(lock)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_without_looped_hf
+from conftest import run_without_looped_hf, tiny_looped_config
 from test_modeling import VOCAB, greedy, prompts, tiny_model
 from torch import nn
 from transformers import (
@@ -346,11 +346,21 @@ def _head_inputs(kind: str, ids: torch.Tensor) -> dict:
     return {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 5])}
 
 
+# The designs whose trunks differ in what the heads could leave untrained: the study's, and a gated
+# one (Ouro-like: the whole stack loops under the final norm, with an exit gate the heads never read).
+HEAD_DESIGNS = {
+    "study": {},
+    "ouro_like": dict(norm_placement="pre_and_output", num_prelude_layers=0, num_coda_layers=0,
+                      input_injection="none", recurrence_norm_weight="final", embedding_norm=False, exit_gate=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("design", sorted(HEAD_DESIGNS))
 @pytest.mark.parametrize("kind", sorted(HEADS))
-def test_head_forward_loss_and_save_load(kind, tmp_path):
+def test_head_forward_loss_and_save_load(kind, design, tmp_path):
     head_cls, auto_cls = HEADS[kind]
     torch.manual_seed(0)
-    lm = tiny_model()
+    lm = tiny_model(**HEAD_DESIGNS[design])
     lm.save_pretrained(tmp_path / "lm")
     # A causal-LM checkpoint loads into the head (the trunk's weights, a new head), as for Llama.
     model = auto_cls.from_pretrained(tmp_path / "lm", num_labels=3).eval()
@@ -366,7 +376,11 @@ def test_head_forward_loss_and_save_load(kind, tmp_path):
     else:
         assert out.start_logits.shape == out.end_logits.shape == (2, 7)
     out.loss.backward()
-    assert all(p.grad is not None for p in model.model.recurrent_layers.parameters())
+    # Every parameter trains (transformers' common training tests): a gated config's head has no
+    # gate, which it would never read.
+    untrained = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert untrained == []
+    assert model.model.exit_gate is None
     with pytest.raises(TypeError, match="token_type_ids"):  # the trunk refuses what it would ignore
         model(ids, token_type_ids=torch.zeros_like(ids))
     model.save_pretrained(tmp_path / kind)
@@ -380,6 +394,34 @@ def test_head_forward_loss_and_save_load(kind, tmp_path):
     # The trunk's r applies to the heads too.
     with torch.no_grad():
         assert not torch.allclose(model(ids, return_dict=False)[0], model(ids, num_recurrences=6, return_dict=False)[0])
+
+
+@pytest.mark.parametrize("design", sorted(HEAD_DESIGNS))
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_every_parameter_of_a_head_trains_under_gradient_checkpointing(kind, design):
+    # transformers' test_training_gradient_checkpointing: with checkpointed layers, in train mode,
+    # the loss reaches every parameter, and the gradients are those of the plain backward.
+    head_cls, _ = HEADS[kind]
+    torch.manual_seed(0)
+    model = head_cls(tiny_looped_config(num_labels=3, **HEAD_DESIGNS[design])).train()
+    ids = prompts()
+    inputs = _head_inputs(kind, ids)
+    if hasattr(model, "dropout"):
+        model.dropout.p = 0.0  # the token head's dropout would draw differently in the two passes
+    model(ids, **inputs).loss.backward()
+    plain = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name (the old one warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.model.gradient_checkpointing
+    model(ids, use_cache=False, **inputs).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert [name for name, g in grads.items() if g is None] == []
+    assert set(grads) == set(plain)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, plain[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_causal_lm_checkpoint_loads_into_a_head_as_remote_code(tmp_path):

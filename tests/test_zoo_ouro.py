@@ -41,7 +41,10 @@ DATA = fixture_path("zoo", "ouro-tiny")
 PROMPTS = ("p0", "p1")
 LOOPS = (1, 2, 3, 4)
 TOLERANCE = 1e-5  # logits (the issue asks for 1e-4; measured: 0.0)
-TIGHT = 1e-6  # states, gate logits and exit probabilities (measured: 0.0)
+TIGHT = 1e-6  # exit probabilities and the gate on the reference's own states (measured: 0.0)
+# The per-loop states reach |3.8|, where a float32 ulp is 2.4e-7: on a CPU whose kernels differ from
+# the fixture machine's they and the gate logits computed from them move by a few ulps (1.5e-6 seen).
+TIGHT_STATES = 4e-6
 
 
 @pytest.fixture(autouse=True)
@@ -127,8 +130,8 @@ def test_each_loops_normed_state_gate_logit_and_exit_probability_match(model, re
             out = model(ref[f"{p}_input_ids"], output_recurrent_states=True, exit_gate_output="last")
             states = torch.stack(out.recurrent_states)
             gate_logits = gate(states).squeeze(-1).permute(1, 2, 0)
-        assert_close(states, ref[f"{p}_step_hidden"], TIGHT, f"{p} per-loop normed states")
-        assert_close(gate_logits, ref[f"{p}_gate_logits"], TIGHT, f"{p} gate logits")
+        assert_close(states, ref[f"{p}_step_hidden"], TIGHT_STATES, f"{p} per-loop normed states")
+        assert_close(gate_logits, ref[f"{p}_gate_logits"], TIGHT_STATES, f"{p} gate logits")
         assert_close(out.exit_probabilities, ref[f"{p}_exit_pdf"], TIGHT, f"{p} exit probabilities")
         # Each loop's logits come from lm_head on its normed state directly (no second norm).
         for k in LOOPS:
@@ -308,9 +311,11 @@ def test_a_weight_ouro_does_not_have_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_the_cli_writes_a_folder_with_a_card_and_the_tokenizer_files(tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer, models
+
     src, out = _copy(tmp_path), tmp_path / "converted"
-    tokenizer = b'{"version": "1.0", "model": {"type": "BPE"}}'
-    (src / "tokenizer.json").write_bytes(tokenizer)
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(src / "tokenizer.json"))
+    tokenizer = (src / "tokenizer.json").read_bytes()
     assert main(["ouro", str(src), "--out", str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == tokenizer
     assert "[convert] wrote" in capsys.readouterr().out

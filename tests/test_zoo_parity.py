@@ -37,6 +37,7 @@ from looped_hf.convert.huginn_raven import (
     permute_heads,
     raven_to_looped,
 )
+from looped_hf.generation_looped import KVSlotPlan
 
 DATA = fixture_path("zoo")
 MODELS = {"huginn-tiny": "huginn", "retrofit-llama-tiny": "llama", "retrofit-olmo-tiny": "olmo"}
@@ -225,7 +226,7 @@ def test_huginn_state_init_is_a_truncated_normal_times_the_embedding_scale() -> 
     model, _ = raven_to_looped(DATA / "huginn-tiny", state_init="truncated_normal")
     c = model.config
     assert c.state_init == "truncated_normal" and math.isclose(c.state_init_std, 0.07905694150420949)
-    plan = c.slot_plan(4)
+    plan = KVSlotPlan.for_call(c, 4)
     block = LoopedRecurrentBlock(model.model, plan, {}, 0)
     e = torch.zeros(4, 2000, c.hidden_size)
     torch.manual_seed(0)
@@ -249,8 +250,12 @@ def _copy(name: str, tmp_path: Path) -> Path:
 
 
 def test_convert_detects_the_variant_and_writes_beside_the_checkpoint_by_default(tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
     src = _copy("retrofit-olmo-tiny", tmp_path)
-    (src / "tokenizer_config.json").write_text('{"model_max_length": 128}', encoding="utf-8")
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", model_max_length=128).save_pretrained(src)
     assert main(["huginn_raven", str(src)]) == 0
     out = tmp_path / "retrofit-olmo-tiny-looped"
     assert f"wrote {out}" in capsys.readouterr().out

@@ -252,6 +252,7 @@ def render_checkpoint_card(
     test_time_plot: str | None = None,
     evaluation: Mapping[str, Any] | PathLike | None = None,
     evaluation_plot: str | None = None,
+    parent_evaluation: Mapping[str, Any] | PathLike | None = None,
 ) -> ModelCard:
     """The model card of one checkpoint (``model``: the loaded ``LoopedForCausalLM``).
 
@@ -268,6 +269,14 @@ def render_checkpoint_card(
     shows the task x r table of centered scores, ``evaluation_plot`` (a path relative to the card,
     e.g. ``eval_results.png`` copied beside it), and ``model-index`` gets each task's accuracy at
     the trained r.
+
+    A retrofit run (its record has the ``retrofit`` lineage of the folder it started from, or a
+    ``parent_loss``: `looped_hf.train`) gets a section on the dense parent: which one (class,
+    weights sha256, layer map, method), how it was retrofitted and trained (curriculum,
+    distillation, what trained, tokens and FLOPs), the held-out loss at every r of the test-time
+    curve beside the parent's on the same blocks, and, with ``parent_evaluation`` (the parent's
+    ``eval_results.json``: ``looped-hf eval`` of its ``--loop-in-place`` retrofit at r = 1, which
+    is the parent exactly), each task's score at every r beside the parent's.
     """
     from looped_hf import __version__
     from looped_hf.accounting_looped import inference_flops_per_token, num_scaling_params
@@ -340,7 +349,135 @@ def render_checkpoint_card(
     if evaluated is not None:
         section = _evaluation_section(evaluated, evaluation_plot)
         card.text = _insert_section(card.text, section, before="## Limitations")
+    retrofit = _retrofit_section(record, curve, evaluated, _parent_results(parent_evaluation))
+    if retrofit is not None:
+        card.text = _insert_section(card.text, retrofit, before="## Limitations")
     return card
+
+
+def _parent_results(parent_evaluation: Mapping[str, Any] | PathLike | None) -> Mapping[str, Any] | None:
+    if parent_evaluation is None or isinstance(parent_evaluation, Mapping):
+        return parent_evaluation
+    path = Path(parent_evaluation)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"parent_evaluation={str(parent_evaluation)!r}: no such file (`looped-hf eval`)"
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _span(layers: list[int]) -> str:
+    """[4, 5, 6, 7] -> '4-7'; [] -> 'none'; non-contiguous lists as written."""
+    if not layers:
+        return "none"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    return ", ".join(map(str, layers))
+
+
+def _retrofit_lines(record: Mapping[str, Any]) -> list[str]:
+    """Where the model came from and how it was trained after the retrofit, one bullet each."""
+    lineage = record.get("retrofit") or {}
+    parent = lineage.get("parent") or {}
+    recipe = record.get("recipe") or {}
+    lines = []
+    if parent:
+        shas = ", ".join(
+            f"`{name}` {sha[:16]}..." for name, sha in (parent.get("weights_sha256") or {}).items()
+        )
+        arch = ", ".join(parent.get("architectures") or []) or parent.get("family", "?")
+        lines.append(
+            f"- **Parent:** `{arch}` (`{Path(str(parent.get('path', '?'))).name}`; weights sha256 {shas or '-'})"
+        )
+    layer_map = lineage.get("layer_map") or {}
+    if layer_map:
+        parts = [
+            f"{name} {_span(layer_map[name])}"
+            for name in ("prelude", "recurrent", "coda", "dropped")
+            if name in layer_map
+        ]
+        lines.append(f"- **Method:** {lineage.get('method', '?')} ({lineage.get('paper', '')}); parent layers "
+                     f"{'; '.join(parts)} of {layer_map.get('num_parent_layers', '?')}; adapter init "
+                     f"`{lineage.get('adapter_init', '?')}`, initial state `{lineage.get('state_init', '?')}`")  # fmt: skip
+    ran = record.get("sampled_recurrences") or {}
+    curriculum = ran.get("curriculum")
+    if curriculum:
+        lines.append(f"- **Curriculum:** mean r {curriculum['start']} -> {curriculum['max']} over the first "
+                     f"{curriculum['warmup_steps']} of {ran.get('steps')} steps (`{curriculum['shape']}`), r drawn "
+                     f"`{ran.get('scheme')}`; ran mean {ran.get('mean', 0):.2f}, max {ran.get('max')}")  # fmt: skip
+    trainable = record.get("trainable") or {}
+    if trainable:
+        lines.append(f"- **Trained:** {trainable['mode']} ({_count(trainable['parameters'])} of "
+                     f"{_count(trainable['of'])} parameters); optimizer `{recipe.get('optimizer', 'adamw')}`, lrs "
+                     + ", ".join(f"{k} {v:g}" for k, v in (record.get("learning_rates") or {}).items()
+                                 if isinstance(v, (int, float))))  # fmt: skip
+    distillation = record.get("distillation")
+    if distillation:
+        lines.append(f"- **Distillation:** from the frozen parent, loss = {distillation['alpha']:g} x CE + "
+                     f"{1 - distillation['alpha']:g} x T^2 x KL(teacher || student), T = {distillation['temperature']:g}; "
+                     f"its forward ({si(distillation['teacher_flops_per_token'])}FLOPs/token) counted below")  # fmt: skip
+    lines.append(f"- **Spent:** {_count(record.get('tokens'))} tokens, "
+                 f"{record['train_flops']:.3g} training FLOPs" if record.get("train_flops") else "- **Spent:** -")  # fmt: skip
+    return lines
+
+
+def _retrofit_section(
+    record: Mapping[str, Any],
+    curve: Mapping[str, Any] | None,
+    evaluated: Mapping[str, Any] | None,
+    parent_results: Mapping[str, Any] | None,
+) -> str | None:
+    """The card's section on a retrofit's dense parent (None for a run that is not a retrofit)."""
+    if not record.get("retrofit") and not record.get("parent_loss"):
+        return None
+    lines = ["## Retrofitted from a dense parent", "", *_retrofit_lines(record), ""]
+    parent = record.get("parent_loss")
+    same_blocks = curve is not None and curve.get("heldout_data") is None
+    rows = (
+        curve["rows"]
+        if same_blocks
+        else [{"num_recurrences": record.get("num_recurrences"), "loss": record.get("loss")}]
+    )
+    if parent is not None and parent.get("loss") is not None:
+        ref = float(parent["loss"])
+        lines += [f"Held-out loss against r beside the parent's ({ref:.4f} nats/token on the same "
+                  f"{_count(parent.get('eval_tokens'))} held-out tokens):", "",
+                  "| r | held-out loss (nats/token) | parent | vs parent |", "|---|---|---|---|"]  # fmt: skip
+        for row in rows:
+            loss = row.get("loss")
+            delta = "-" if loss is None else f"{round(loss - ref, 4) + 0.0:+.4f}"
+            shown = "-" if loss is None else f"{loss:.4f}"
+            lines.append(f"| {row['num_recurrences']} | {shown} | {ref:.4f} | {delta} |")
+        if not same_blocks:
+            lines += ["", "(The trained r only: `looped-hf test-time` on this folder adds every r.)"]
+        lines.append("")
+    if evaluated is not None and parent_results is not None:
+        lines += _parent_score_table(evaluated, parent_results)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _parent_score_table(evaluated: Mapping[str, Any], parent_results: Mapping[str, Any]) -> list[str]:
+    """Centered score per task at every r, beside the parent's (its results' first row)."""
+    parent_row = (parent_results.get("rows") or [{}])[0].get("tasks", {})
+    rows = evaluated["rows"]
+    head = "| task | parent | " + " | ".join(f"r = {row['num_recurrences']}" for row in rows) + " |"
+    lines = [
+        "Downstream centered score at every r beside the parent's:",
+        "",
+        head,
+        "|---|---:|" + "---:|" * len(rows),
+    ]
+
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    for task in evaluated.get("tasks", []):
+        label = task["label"]
+        cells = [fmt(row["tasks"].get(label, {}).get("centered")) for row in rows]
+        lines.append(
+            f"| {label} | {fmt(parent_row.get(label, {}).get('centered'))} | " + " | ".join(cells) + " |"
+        )
+    return [*lines, ""]
 
 
 def _evaluation_results(
@@ -427,7 +564,9 @@ def _test_time_curve(model: Any, test_time: Mapping[str, Any] | PathLike | None)
     if test_time is not None:
         path = Path(test_time)
         if not path.is_file():
-            raise FileNotFoundError(f"test_time={str(test_time)!r}: no such file (write it with `looped-hf test-time`)")
+            raise FileNotFoundError(
+                f"test_time={str(test_time)!r}: no such file (write it with `looped-hf test-time`)"
+            )
         return json.loads(path.read_text(encoding="utf-8"))
     source = Path(str(getattr(model, "name_or_path", "") or ""))
     if not (source / CURVE_JSON).is_file():

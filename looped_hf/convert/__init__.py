@@ -7,13 +7,17 @@
 
 One module per source format, as vLLM keeps one file per architecture: ``nanochat.py`` (the
 study's looped-lm-scaling), ``huginn_raven.py`` (Huginn and the retrofitted-recurrence models),
-``ouro.py`` (Ouro); ``common.py`` holds what they share (the error type, the weight check, the
-atomic folder write) and ``cli.py`` the command. Each writes a folder that
+``ouro.py`` (Ouro), each only its mapping (names, reshapes, config keys); ``loader.py`` reads every
+safetensors checkpoint folder (``Checkpoint``: config.json, the weights single or sharded, read
+lazily, generation token ids, the tokenizer; everything checked, one policy for unknown config
+keys), ``common.py`` holds the rest they share (the error type, the output folder's checks, the
+model built from checked weights, the atomic folder write) and ``cli.py`` the command. Each writes a folder that
 ``AutoModelForCausalLM`` loads, with looped_hf installed or as remote code.
 """
 
 from .cli import FORMATS, main
 from .common import ConversionError, default_out
+from .loader import Checkpoint
 from .nanochat import (
     NanochatCheckpoint,
     convert_nanochat,
@@ -29,6 +33,7 @@ from .nanochat import (
 
 __all__ = [
     "FORMATS",
+    "Checkpoint",
     "ConversionError",
     "NanochatCheckpoint",
     "convert_nanochat",

@@ -1,6 +1,7 @@
-"""What every source format's converter shares: the error type, the weight check, the default
-output folder and the atomic folder write (built in a temporary sibling, moved into place at the
-end, so a failed conversion leaves nothing half-written)."""
+"""What every source format's converter shares beside the loader (``loader.py``): the error type,
+the output folder's checks, the model built from checked weights, and the atomic folder write
+(built in a temporary sibling, moved into place at the end, so a failed conversion leaves nothing
+half-written)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from typing import Any
 
 import torch
 
+from ..fileio import first_line
 from ..publish import PathLike, PublishError
 
 #: Files every converted folder has (the tokenizer's too when one was given).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
                    "generation_config.json", "README.md")  # fmt: skip
+#: The ``model_type`` of every folder looped_hf writes: ``LoopedConfig``'s and the per-loop LoRA
+#: retrofit's (``retrofit/loop_lora.py``); the folders ``--overwrite`` may replace.
+LOOPED_MODEL_TYPES = ("looped", "looped_loop_lora")
 #: The default output folder is the checkpoint folder's sibling with this suffix.
 DEFAULT_OUT_SUFFIX = "-looped"
 
@@ -33,20 +38,44 @@ def default_out(ckpt_dir: PathLike) -> Path:
     return path.with_name(path.name + DEFAULT_OUT_SUFFIX)
 
 
+def is_looped_output(folder: Path) -> bool:
+    """Whether ``folder`` holds an earlier looped_hf output (a config.json whose ``model_type`` is in
+    ``LOOPED_MODEL_TYPES``): the only non-empty folder ``--overwrite`` may replace."""
+    try:
+        config = json.loads((folder / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in LOOPED_MODEL_TYPES
+
+
 def check_target(ckpt_dir: PathLike, out: PathLike, *, overwrite: bool, repo_id: str | None) -> Path:
-    """``out`` as a path after the checks made before any work: it does not exist (unless
-    ``overwrite``), it does not hold the checkpoint, ``repo_id`` is a Hub id."""
+    """``out`` as a path after the checks made before any work, each refused with one line:
+    ``out`` can be made (not under a file, not in /proc or /sys: ``check_output_path``); it is not
+    ``.``, ``..``, the working directory or a folder holding it, nor the checkpoint folder or one
+    holding it; it does not exist, or ``overwrite`` is given and it is empty or an earlier
+    looped_hf output (a user's other folder is never replaced); ``repo_id`` is a Hub id."""
+    from looped_hf.fileio import OutputPathError, check_output_path
     from looped_hf.publish import check_repo_id
 
     dest = Path(out)
-    if dest.exists() and not overwrite:
-        raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
-    if repo_id is not None:
-        check_repo_id(repo_id)
-    if Path(ckpt_dir).resolve().is_relative_to(dest.resolve()):
+    real = dest.resolve()
+    if dest.name in ("", ".", "..") or Path.cwd().resolve().is_relative_to(real):
+        raise PublishError(f"--out {dest}: is the working directory or holds it; choose a new folder")
+    if Path(ckpt_dir).resolve().is_relative_to(real):
         raise PublishError(
             f"--out {dest} is (or contains) the checkpoint directory {ckpt_dir}; choose another folder"
         )
+    try:
+        check_output_path(dest, "--out", directory=True)
+    except OutputPathError as err:
+        raise PublishError(str(err)) from None
+    if dest.exists() and not overwrite:
+        raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
+    if dest.exists() and any(dest.iterdir()) and not is_looped_output(dest):
+        raise PublishError(f"--out {dest}: --overwrite replaces only an empty folder or an earlier looped_hf "
+                           f"output (config.json with model_type in {LOOPED_MODEL_TYPES}); this folder is neither")  # fmt: skip
+    if repo_id is not None:
+        check_repo_id(repo_id)
     return dest
 
 
@@ -71,6 +100,62 @@ def check_against_model(weights: Mapping[str, torch.Tensor], model: torch.nn.Mod
         raise ConversionError(
             f"{source}: the weights do not fit the model its config describes: {'; '.join(parts)}"
         )
+
+
+def check_tied_head(weights: dict[str, torch.Tensor], config: Any, source: str) -> None:
+    """A tied head is the embedding: a saved ``lm_head.weight`` must equal it (``source`` names the
+    config's tie flag), and the state dict then names the embedding for both."""
+    if not config.tie_word_embeddings or "model.embed_tokens.weight" not in weights:
+        return
+    embedding = weights["model.embed_tokens.weight"]
+    head = weights.get("lm_head.weight", embedding)
+    if head.shape != embedding.shape or not torch.equal(head, embedding):
+        raise ConversionError(f"{source}=True, but the checkpoint's head differs from its embedding: a tied model "
+                              "has one tensor for both (convert with the flag false, or fix the checkpoint)")  # fmt: skip
+    weights["lm_head.weight"] = embedding
+
+
+def build_model(config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, source: PathLike,
+                transform: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None) -> Any:  # fmt: skip
+    """A ``LoopedForCausalLM`` (eval mode, in ``dtype``) holding ``weights``, which must fill it exactly.
+
+    The model is first built on the meta device (no memory) and the weights checked against it,
+    so a config whose sizes the checkpoint does not hold (a vocab_size x hidden_size that would
+    not fit in memory) is refused naming the fields, before anything is allocated. ``transform``
+    (a reparametrisation that needs the checked shapes) is applied to the weights after the check."""
+    from transformers.initialization import no_init_weights
+
+    from looped_hf import LoopedForCausalLM
+
+    sizes = (f"vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, intermediate_size="
+             f"{config.intermediate_size}, layers {config.num_prelude_layers}/{config.num_recurrent_layers}/"
+             f"{config.num_coda_layers}")  # fmt: skip
+    for stage in ("prelude", "recurrent", "coda"):  # a layer count is a loop of module builds: checked first
+        count = getattr(config, f"num_{stage}_layers")
+        held = {name.split(".")[2] for name in weights if name.startswith(f"model.{stage}_layers.")}
+        if count > len(held):
+            raise ConversionError(f"{source}: the config describes num_{stage}_layers={count}, the checkpoint holds "
+                                  f"{len(held)} such layers")  # fmt: skip
+    try:
+        with torch.device("meta"), no_init_weights():
+            shell = LoopedForCausalLM._from_config(config, dtype=dtype)
+    except (RuntimeError, ValueError, OverflowError) as err:
+        raise ConversionError(f"{source}: a model of {sizes} cannot be built ({first_line(err)})") from None
+    try:
+        check_against_model(weights, shell, source)
+    except ConversionError as err:
+        needed, held = sum(p.numel() for p in shell.parameters()), sum(t.numel() for t in weights.values())
+        if needed <= held:
+            raise
+        # Name the fields that size the model: a vocab_size or hidden_size typo is the usual cause.
+        raise ConversionError(f"{err}; the config describes {needed:.3g} parameters ({sizes}), the checkpoint "
+                              f"holds {held:.3g}: refused before allocating") from None  # fmt: skip
+    with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
+        model = LoopedForCausalLM._from_config(config, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # one tensor, as from_pretrained makes it; the state dict names it twice
+    model.load_state_dict(weights if transform is None else transform(weights), strict=True)
+    return model.eval()
 
 
 def write_folder(model: Any, dest: Path, extras: Callable[[Path], list[str]] | None = None) -> Path:
@@ -99,5 +184,5 @@ def write_folder(model: Any, dest: Path, extras: Callable[[Path], list[str]] | N
     return dest
 
 
-__all__ = ["DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "check_against_model", "check_target",
-           "default_out", "write_folder"]  # fmt: skip
+__all__ = ["DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
+           "check_target", "check_tied_head", "default_out", "is_looped_output", "write_folder"]  # fmt: skip

@@ -47,18 +47,26 @@ What the conversion does (every step exact):
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..fileio import read_json, sha256_file
 from ..publish import PathLike
-from .common import ConversionError, check_against_model, check_target, write_folder
+from .common import ConversionError, build_model, check_target, check_tied_head, write_folder
+from .loader import (
+    Checkpoint,
+    check_known_keys,
+    check_recurrences,
+    config_bool,
+    config_int,
+    config_number,
+    config_rope_parameters,
+    rope_parameters,
+    token_ids,
+)
 
 #: The variants, by the name ``looped-hf convert`` gives each format.
 VARIANTS = ("huginn", "llama", "olmo")
@@ -76,9 +84,21 @@ NORMS = {
 }  # fmt: skip
 NORM_PLACEMENT = {"huginn": "sandwich", "llama": "pre", "olmo": "sublayer_output"}
 _STAGES = {"prelude": "prelude_layers", "core_block": "recurrent_layers", "coda": "coda_layers"}
-#: Files a tokenizer may consist of: copied into the converted folder when the source has them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")  # fmt: skip
+#: The keys of a huginn_raven config.json that change nothing in the forward of the original
+#: modeling files (training settings and class names the minimal modeling files fix).
+_NO_EFFECT = frozenset({
+    "activation_checkpoint_impl", "architecture_class_name", "block_class_name", "effective_expected_depth",
+    "init_orthogonal", "init_strategy", "mlp_class_name", "n_layers", "nonlin_name", "norm_class_name",
+    "padding_multiple", "sampling_scheme", "state_init", "test_time_noise_type",
+})  # fmt: skip
+#: The keys ``raven_config`` reads (every other key, beside ``_NO_EFFECT``, is refused).
+_READ = frozenset({
+    "n_embd", "n_heads", "num_key_value_heads", "head_dim", "bias", "test_time_noise", "qk_bias", "init_values",
+    "vocab_size", "padded_vocab_size", "mean_recurrence", "mean_backprop_depth", "block_size",
+    "max_position_embeddings", "intermediate_size", "norm_eps", "n_layers_in_prelude",
+    "n_layers_in_recurrent_block", "n_layers_in_coda", "tie_embeddings", "tie_word_embeddings", "rope_base",
+    "rope_theta", "rope_scaling", "injection_type", "bos_token_id", "eos_token_id", "pad_token_id",
+})  # fmt: skip
 #: The format-only ``looped-hf convert`` flags this format reads.
 CLI_OPTIONS = ("state_init",)
 STATE_INITS = ("zeros", "truncated_normal")
@@ -87,44 +107,13 @@ STATE_INITS = ("zeros", "truncated_normal")
 # --------------------------------------------------------------------------------------------
 # Reading the checkpoint
 # --------------------------------------------------------------------------------------------
-def load_raven_checkpoint(ckpt_dir: PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[Path]]:
-    """(config.json, every tensor by name, the weight files read) of a ``huggingface`` folder
-    holding a ``RavenForCausalLM``: ``model.safetensors`` or a sharded ``model.safetensors.index.json``."""
-    from safetensors.torch import load_file
-
-    path = Path(ckpt_dir)
-    if not path.is_dir():
-        raise ConversionError(f"checkpoint directory {path} does not exist")
-    try:
-        config = read_json(path / "config.json")
-    except (OSError, ValueError) as err:
-        raise ConversionError(f"{path / 'config.json'}: {err}") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{path / 'config.json'}: not a JSON object")
-    if config.get("model_type") != "huginn_raven":
-        raise ConversionError(f"{path / 'config.json'}: model_type={config.get('model_type')!r}: this converter "
-                              "reads 'huginn_raven' (Huginn and the retrofitted-recurrence models)")  # fmt: skip
-    index = path / "model.safetensors.index.json"
-    if (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    elif index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConversionError(f"{index}: no 'weight_map' object")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-    else:
-        raise ConversionError(f"{path}: no model.safetensors (or model.safetensors.index.json); "
-                              "a .bin checkpoint is refused (loading it would run pickled code)")  # fmt: skip
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file))
-        except (OSError, ValueError, RuntimeError) as err:
-            raise ConversionError(f"{file}: not a readable safetensors file ({err})") from None
-    return config, tensors, files
+def load_raven_checkpoint(ckpt_dir: PathLike) -> Checkpoint:
+    """The huginn_raven folder ``ckpt_dir`` (config.json + safetensors, single or sharded) opened
+    through the loader: checked, tensors read on demand."""
+    return Checkpoint(ckpt_dir, model_types=("huginn_raven",))
 
 
-def detect_variant(tensors: Mapping[str, torch.Tensor]) -> str:
+def detect_variant(tensors: Checkpoint | Mapping[str, torch.Tensor]) -> str:
     """``huginn``, ``llama`` or ``olmo``, from the weights: four norms per layer are Huginn's
     sandwich, an ``attn.q_norm`` is the OLMo-2 retrofit, two norms and no QK-norm the Llama one."""
     if any(key.endswith(".norm_3.weight") for key in tensors):
@@ -140,41 +129,15 @@ def detect_variant(tensors: Mapping[str, torch.Tensor]) -> str:
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
-def _field(cfg: Mapping[str, Any], key: str, kind: type | tuple[type, ...], minimum: float | None = None) -> Any:
-    if key not in cfg:
-        raise ConversionError(f"config.json has no {key!r}")
-    value = cfg[key]
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        value = None
-    if not isinstance(value, kind) or (minimum is not None and not value >= minimum):
-        raise ConversionError(f"config.json {key}={cfg[key]!r}: expected "
-                              f"{'a number' if kind is not int else 'an integer'}"
-                              f"{f' >= {minimum}' if minimum is not None else ''}")  # fmt: skip
-    return value
-
-
 def _rope_parameters(cfg: Mapping[str, Any], variant: str) -> dict[str, Any]:
     """Huginn: ``rope_base``, no scaling. The retrofits: ``rope_theta`` (their rotary embedding is
     transformers' Llama / OLMo-2 one, which never reads ``rope_base``) and ``rope_scaling``."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     if variant == "huginn":
         if cfg.get("rope_scaling") not in (None, {}):
             raise ConversionError(f"config.json rope_scaling={cfg['rope_scaling']!r}: Huginn's RoPE table "
                                   "(precompute_freqs_cis) has no scaling, so this value has no meaning for it")  # fmt: skip
-        return {"rope_type": "default", "rope_theta": float(_field(cfg, "rope_base", (int, float), 0))}
-    theta = float(_field(cfg, "rope_theta", (int, float), 0))
-    scaling = cfg.get("rope_scaling")
-    if scaling in (None, {}):
-        return {"rope_type": "default", "rope_theta": theta}
-    if not isinstance(scaling, dict):
-        raise ConversionError(f"config.json rope_scaling={scaling!r}: expected an object or null")
-    params = {key: value for key, value in scaling.items() if key != "type"}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ConversionError(f"config.json rope_scaling.rope_type={rope_type!r}: unknown to transformers "
-                              f"(it knows {sorted(ROPE_INIT_FUNCTIONS)})")  # fmt: skip
-    return {**params, "rope_type": rope_type, "rope_theta": theta}
+        return rope_parameters(None, config_number(cfg, "rope_base", 0))
+    return config_rope_parameters(cfg, default_theta=...)  # rope_theta required
 
 
 def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros") -> Any:
@@ -196,8 +159,12 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
         raise ConversionError(f"variant={variant!r}: must be one of {VARIANTS}")
     if state_init not in STATE_INITS:
         raise ConversionError(f"--state-init={state_init!r}: must be one of {STATE_INITS}")
-    d = _field(cfg, "n_embd", int, 1)
-    heads = _field(cfg, "n_heads", int, 1)
+    check_known_keys(cfg, _NO_EFFECT | _READ, "huginn_raven")
+    if cfg.get("injection_type", "linear") != "linear":
+        raise ConversionError(f"config.json injection_type={cfg['injection_type']!r}: the original minimal modeling "
+                              "files have only the linear adapter")  # fmt: skip
+    d = config_int(cfg, "n_embd", 1)
+    heads = config_int(cfg, "n_heads", 1)
     kv = cfg.get("num_key_value_heads", heads)
     if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or heads % kv:
         raise ConversionError(f"config.json num_key_value_heads={kv!r}: must be an integer dividing n_heads={heads}")
@@ -228,23 +195,24 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
     for key, value in (("embed_scale", scale), ("std", std)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConversionError(f"config.json init_values.{key}={value!r}: expected a finite number >= 0")
-    vocab = _field(cfg, "vocab_size", int, 1)
+    vocab = config_int(cfg, "vocab_size", 1)
     padded = cfg.get("padded_vocab_size", vocab)
     if isinstance(padded, bool) or not isinstance(padded, int) or padded < vocab:
         raise ConversionError(f"config.json padded_vocab_size={padded!r}: must be an integer >= vocab_size={vocab}")
-    r = _field(cfg, "mean_recurrence", int, 1)
+    r = check_recurrences(config_int(cfg, "mean_recurrence", 1), "mean_recurrence")
     backprop = cfg.get("mean_backprop_depth")
     backprop = backprop if isinstance(backprop, int) and not isinstance(backprop, bool) and 1 <= backprop < r else None
     context_key = "block_size" if variant == "huginn" or "max_position_embeddings" not in cfg else "max_position_embeddings"
-    token_ids = {key: cfg[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-                 if isinstance(cfg.get(key), int) and 0 <= cfg[key] < vocab}  # fmt: skip
+    ids = token_ids(cfg, vocab, "config.json")
+    tie_key = "tie_embeddings" if "tie_embeddings" in cfg else "tie_word_embeddings"
+    tied = config_bool(cfg, tie_key, False)
     huginn = variant == "huginn"
     # Read before the try: their errors name config.json's field already.
-    rope, intermediate, eps = _rope_parameters(cfg, variant), _field(cfg, "intermediate_size", int, 1), _field(
-        cfg, "norm_eps", (int, float), 0)
-    layers = [_field(cfg, key, int, low) for key, low in (("n_layers_in_prelude", 0), ("n_layers_in_recurrent_block", 1),
+    rope, intermediate, eps = _rope_parameters(cfg, variant), config_int(cfg, "intermediate_size", 1), config_number(
+        cfg, "norm_eps", 0)
+    layers = [config_int(cfg, key, low) for key, low in (("n_layers_in_prelude", 0), ("n_layers_in_recurrent_block", 1),
                                                           ("n_layers_in_coda", 0))]  # fmt: skip
-    context = _field(cfg, context_key, int, 1)
+    context = config_int(cfg, context_key, 1)
     try:
         return LoopedConfig(
             vocab_size=vocab,
@@ -266,7 +234,7 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
             recurrence_norm=False,
             post_loop_norm="final" if huginn else None,
             logit_softcap=None,
-            tie_word_embeddings=bool(cfg.get("tie_embeddings", cfg.get("tie_word_embeddings", False))),
+            tie_word_embeddings=tied,
             num_prelude_layers=layers[0],
             num_recurrent_layers=layers[1],
             num_coda_layers=layers[2],
@@ -275,7 +243,7 @@ def raven_config(cfg: Mapping[str, Any], variant: str, state_init: str = "zeros"
             input_injection="linear",
             state_init=state_init,
             state_init_std=float(std),
-            **token_ids,
+            **ids,
         )
     except ValueError as err:
         raise ConversionError(f"config.json: {err}") from None
@@ -316,7 +284,7 @@ def check_freqs_cis(freqs_cis: torch.Tensor, config: Any) -> None:
                               "the checkpoint rotates by other angles than its config says")  # fmt: skip
 
 
-def raven_state_dict(tensors: Mapping[str, torch.Tensor], config: Any, variant: str) -> dict[str, torch.Tensor]:
+def raven_state_dict(tensors: Checkpoint | Mapping[str, torch.Tensor], config: Any, variant: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under looped_hf names (see the module docstring); unknown keys are
     refused by name, ``freqs_cis`` is checked and dropped, a tied head must equal the embedding."""
     d, heads, kv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -338,12 +306,7 @@ def raven_state_dict(tensors: Mapping[str, torch.Tensor], config: Any, variant: 
                 raise ConversionError(f"{key} of shape {tuple(tensor.shape)}: expected ({d}, {2 * d})")
             out["model.injection.weight"] = torch.cat([tensor[:, d:], tensor[:, :d]], dim=1)  # [h; e] -> [e; h]
         elif key == "lm_head.weight":
-            if config.tie_word_embeddings:
-                if not torch.equal(tensor, tensors.get("transformer.wte.weight", tensor)):
-                    raise ConversionError("config.json tie_embeddings=True, but lm_head.weight differs from "
-                                          "transformer.wte.weight")  # fmt: skip
-            else:
-                out["lm_head.weight"] = tensor
+            out["lm_head.weight"] = tensor  # a tied one must equal the embedding: check_tied_head
         elif len(parts) >= 5 and parts[0] == "transformer" and parts[1] in _STAGES and parts[2].isdigit():
             prefix = f"model.{_STAGES[parts[1]]}.{int(parts[2])}."
             name = ".".join(parts[3:])
@@ -372,7 +335,8 @@ def raven_state_dict(tensors: Mapping[str, torch.Tensor], config: Any, variant: 
                 out[prefix + "self_attn.o_proj.weight"] = tensor
             elif name == "mlp.fc.weight":
                 if tensor.shape[0] != 2 * inter:
-                    raise ConversionError(f"{key} of shape {tuple(tensor.shape)}: expected {2 * inter} rows")
+                    raise ConversionError(f"{key} of shape {tuple(tensor.shape)}: expected 2 x intermediate_size="
+                                          f"{inter} rows (config.json intermediate_size)")  # fmt: skip
                 gate, up = tensor.chunk(2, dim=0)  # silu(first half) * second half
                 out[prefix + "mlp.gate_proj.weight"] = gate
                 out[prefix + "mlp.up_proj.weight"] = up
@@ -395,41 +359,39 @@ def raven_to_looped(ckpt_dir: PathLike, source_format: str = "huginn_raven", sta
     with the original's logits. ``source_format`` (a ``FORMAT_VARIANTS`` key) names the variants
     accepted; the one in the weights must be among them. Returns the model and what the card
     records (variant, native config, files and their sha256)."""
-    from transformers.initialization import no_init_weights
+    ckpt, variant, config = _open(ckpt_dir, source_format, state_init)
+    return _raven_model(ckpt, variant, config)
 
-    from looped_hf import LoopedForCausalLM
 
+def _open(ckpt_dir: PathLike, source_format: str, state_init: str) -> tuple[Checkpoint, str, Any]:
+    """The checkpoint, its variant (which must fit ``source_format``) and its ``LoopedConfig``."""
     if source_format not in FORMAT_VARIANTS:
         raise ConversionError(f"source format {source_format!r}: must be one of {sorted(FORMAT_VARIANTS)}")
-    cfg, tensors, files = load_raven_checkpoint(ckpt_dir)
-    variant = detect_variant(tensors)
+    ckpt = load_raven_checkpoint(ckpt_dir)
+    variant = detect_variant(ckpt)
     if variant not in FORMAT_VARIANTS[source_format]:
         raise ConversionError(f"{ckpt_dir}: the weights are the {variant} variant, not {source_format} "
                               f"(expected {' or '.join(FORMAT_VARIANTS[source_format])}); "
                               "`looped-hf convert huginn_raven` detects it")  # fmt: skip
-    config = raven_config(cfg, variant, state_init)
-    freqs_cis = tensors.get("freqs_cis")
-    if freqs_cis is not None and freqs_cis.dtype in (torch.bfloat16, torch.float16):
+    config = raven_config(ckpt.config, variant, state_init)
+    if "freqs_cis" in ckpt and ckpt.dtype("freqs_cis") in (torch.bfloat16, torch.float16):
         # Huginn rotates with the table as saved: rounded to bf16 / fp16, the same rounding here.
-        config.rope_table_dtype = str(freqs_cis.dtype).removeprefix("torch.")
-    dtypes = {t.dtype for key, t in tensors.items() if key != "freqs_cis"}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise ConversionError(f"{ckpt_dir}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype")
-    dtype = dtypes.pop()
-    weights = raven_state_dict(tensors, config, variant)
-    with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
-        # Built in the checkpoint's dtype (a bf16 Huginn-0125 never exists in fp32 here).
-        model = LoopedForCausalLM._from_config(config, dtype=dtype)
-    if config.tie_word_embeddings:
-        model.tie_weights()  # one tensor, as from_pretrained makes it; the state dict names it twice
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    check_against_model(weights, model, Path(ckpt_dir))
-    model.load_state_dict(weights, strict=True)
+        config.rope_table_dtype = str(ckpt.dtype("freqs_cis")).removeprefix("torch.")
+    return ckpt, variant, config
+
+
+def _raven_model(ckpt: Checkpoint, variant: str, config: Any) -> tuple[Any, dict[str, Any]]:
+    """The model of an opened checkpoint (``_open``) and what its card records."""
+    # Built in the checkpoint's dtype (a bf16 Huginn-0125 never exists in fp32 here).
+    dtype = ckpt.floating_dtype(exclude=("freqs_cis",))
+    weights = raven_state_dict(ckpt, config, variant)
+    check_tied_head(weights, config, "config.json tie_embeddings")
+    model = build_model(config, weights, dtype, ckpt.folder)
     source = {
         "format": "huginn_raven", "variant": variant, "code": HUGINN_URL if variant == "huginn" else RETROFIT_URL,
-        "files": {file.name: sha256_file(file) for file in files}, "config": cfg,
+        "files": ckpt.sha256(), "config": ckpt.config,
     }  # fmt: skip
-    return model.eval(), source
+    return model, source
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,21 +472,18 @@ def convert_raven(
     from looped_hf.cards import CARD_NAME
 
     dest = check_target(ckpt_dir, out, overwrite=overwrite, repo_id=repo_id)
-    model, source = raven_to_looped(ckpt_dir, source_format, state_init)
-    tokenizer_files = [Path(ckpt_dir) / name for name in TOKENIZER_FILES if (Path(ckpt_dir) / name).is_file()]
-    generation = Path(ckpt_dir) / "generation_config.json"
-    if generation.is_file():
-        native = json.loads(generation.read_text(encoding="utf-8"))
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = native.get(key)
-            if isinstance(value, int) and 0 <= value < model.config.vocab_size:
-                setattr(model.generation_config, key, value)
+    ckpt, variant, config = _open(ckpt_dir, source_format, state_init)
+    # Checked before the model is built: a broken tokenizer or token id fails at once.
+    ckpt.check_tokenizer(config.vocab_size)
+    generation_ids = ckpt.generation_token_ids(config.vocab_size)
+    model, source = _raven_model(ckpt, variant, config)
+    for key, value in generation_ids.items():
+        setattr(model.generation_config, key, value)
 
     def extras(tmp: Path) -> list[str]:
-        for file in tokenizer_files:
-            shutil.copyfile(file, tmp / file.name)
+        names = ckpt.copy_tokenizer(tmp, config.vocab_size)
         _card(model, source, source_format, repo_id or f"path/to/{dest.name}", license).save(tmp / CARD_NAME)
-        return [file.name for file in tokenizer_files]
+        return names
 
     return write_folder(model, dest, extras)
 

@@ -50,7 +50,8 @@ import torch
 
 from ..fileio import first_line, read_json, sha256_file
 from ..publish import PathLike
-from .common import ConversionError, check_against_model, check_target, write_folder
+from .common import ConversionError, build_model, check_target, write_folder
+from .loader import check_known_keys, check_recurrences, config_int
 
 STUDY_URL = "https://github.com/kschwethelm/looped-lm-scaling"
 #: The study's GPT pads the vocabulary to a multiple of this (nanochat/gpt.py ``pad_vocab_size_to``).
@@ -233,25 +234,13 @@ def _study_model_config(model_config: Mapping[str, Any], notes: list[str]) -> di
         cfg.pop(key)
     if dropped:
         notes.append(f"dropped the deprecated config keys {dropped} (as the study's build_model)")
-    unknown = sorted(set(cfg) - set(NANOCHAT_CONFIG_DEFAULTS))
-    if unknown:
-        raise ConversionError(
-            f"model_config keys {unknown} are unknown to this converter (it maps {sorted(NANOCHAT_CONFIG_DEFAULTS)}); "
-            "a newer study version may give them a meaning it cannot reproduce"
-        )
+    check_known_keys(cfg, NANOCHAT_CONFIG_DEFAULTS, "nanochat", where="model_config")
     missing = [key for key in NANOCHAT_CONFIG_DEFAULTS if key not in cfg]
     if missing:
         notes.append(
             f"model_config lacks {missing}: GPTConfig's defaults used, as the study's build_model does"
         )
     return {**NANOCHAT_CONFIG_DEFAULTS, **cfg}
-
-
-def _int_field(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConversionError(f"model_config.{key}={value!r}: must be an integer >= {minimum}")
-    return value
 
 
 def nanochat_config(model_config: Mapping[str, Any], padded_rows: int | None = None,
@@ -272,11 +261,11 @@ def nanochat_config(model_config: Mapping[str, Any], padded_rows: int | None = N
 
     notes = [] if notes is None else notes
     cfg = _study_model_config(model_config, notes)
-    vocab = _int_field(cfg, "vocab_size", 1)
-    n_head, n_kv, d = (_int_field(cfg, key, 1) for key in ("n_head", "n_kv_head", "n_embd"))
+    vocab = config_int(cfg, "vocab_size", 1, "model_config")
+    n_head, n_kv, d = (config_int(cfg, key, 1, "model_config") for key in ("n_head", "n_kv_head", "n_embd"))
     if d % n_head:
         raise ConversionError(f"model_config.n_embd={d} is not a multiple of n_head={n_head}")
-    r = _int_field(cfg, "num_recur", 1)
+    r = check_recurrences(config_int(cfg, "num_recur", 1, "model_config"), "num_recur", where="model_config")
     bptt = cfg["bptt_k"]
     if bptt is not None and (isinstance(bptt, bool) or not isinstance(bptt, int) or bptt < 1):
         raise ConversionError(f"model_config.bptt_k={bptt!r}: must be None or an integer >= 1")
@@ -308,7 +297,7 @@ def nanochat_config(model_config: Mapping[str, Any], padded_rows: int | None = N
             head_dim=d // n_head,
             intermediate_size=4 * d,
             hidden_act="relu2",
-            max_position_embeddings=_int_field(cfg, "sequence_len", 1),
+            max_position_embeddings=config_int(cfg, "sequence_len", 1, "model_config"),
             rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             rope_table_dtype="bfloat16",
@@ -318,13 +307,13 @@ def nanochat_config(model_config: Mapping[str, Any], padded_rows: int | None = N
             tie_word_embeddings=False,
             logit_softcap=None if cap is None else float(cap),
             init_scheme="study",
-            num_prelude_layers=_int_field(cfg, "n_prelude", 0),
-            num_recurrent_layers=_int_field(cfg, "n_recur_block", 0),
-            num_coda_layers=_int_field(cfg, "n_coda", 0),
+            num_prelude_layers=config_int(cfg, "n_prelude", 0, "model_config"),
+            num_recurrent_layers=config_int(cfg, "n_recur_block", 0, "model_config"),
+            num_coda_layers=config_int(cfg, "n_coda", 0, "model_config"),
             num_recurrences=r,
             backprop_recurrences=None if bptt is None or bptt >= r else bptt,
             input_injection=NANOCHAT_INJECTIONS[injection],
-            num_hyperconnection_lanes=_int_field(cfg, "num_lanes", 1),
+            num_hyperconnection_lanes=config_int(cfg, "num_lanes", 1, "model_config"),
         )
     except ValueError as err:
         raise ConversionError(f"model_config {dict(model_config)}: {err}") from None
@@ -388,9 +377,7 @@ def nanochat_to_looped(ckpt_dir: PathLike, step: int | str | None = None) -> tup
 
     Returns the model and the loaded checkpoint (its meta and the notes of what loading changed).
     """
-    from transformers.initialization import no_init_weights
 
-    from looped_hf import LoopedForCausalLM
 
     ckpt = load_nanochat_checkpoint(ckpt_dir, step)
     wte = ckpt.state_dict.get("transformer.wte.weight")
@@ -399,11 +386,8 @@ def nanochat_to_looped(ckpt_dir: PathLike, step: int | str | None = None) -> tup
             f"{ckpt.model_path}: no 2-d 'transformer.wte.weight' (not a nanochat GPT state dict)"
         )
     config = nanochat_config(ckpt.meta["model_config"], padded_rows=wte.shape[0], notes=ckpt.notes)
-    weights = _renamed(ckpt.state_dict)
-    with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
-        model = LoopedForCausalLM(config)
-    check_against_model(weights, model, ckpt.model_path)
-    model.load_state_dict(_reparametrised(weights, config), strict=True)
+    model = build_model(config, _renamed(ckpt.state_dict), torch.float32, ckpt.model_path,
+                        transform=lambda weights: _reparametrised(weights, config))  # fmt: skip
     ckpt.notes.append("negated the second half of every head's c_q / c_k rows (the study's RoPE rotates by -theta, "
                       "transformers' by +theta; exact)")  # fmt: skip
     if config.padded_vocab_size != config.vocab_size:

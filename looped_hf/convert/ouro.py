@@ -31,39 +31,38 @@ Ouro's own code.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..publish import PathLike
-from .common import ConversionError, check_against_model, check_target, write_folder
-from .huginn_raven import TOKENIZER_FILES
+from .common import ConversionError, build_model, check_target, check_tied_head, write_folder
+from .loader import (
+    Checkpoint,
+    check_known_keys,
+    check_recurrences,
+    config_bool,
+    config_int,
+    config_rope_parameters,
+    token_ids,
+)
 
 OURO_URL = "https://huggingface.co/ByteDance/Ouro-1.4B"
 #: Keys of Ouro's config.json that change nothing in its forward (bookkeeping, or a switch whose
 #: other value is refused below).
-_NO_EFFECT = frozenset({
-    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "max_window_layers", "sliding_window", "_name_or_path", "chunk_size", "attention_bias",
-    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
-})  # fmt: skip
-#: Ouro key -> LoopedConfig field, copied as they are.
+_NO_EFFECT = frozenset({"max_window_layers", "sliding_window", "chunk_size", "attention_bias"})
+#: Ouro key -> LoopedConfig field, copied as they are (LoopedConfig checks their values).
 _COPIED = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
     "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
     "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings", "rms_norm_eps": "rms_norm_eps",
-    "tie_word_embeddings": "tie_word_embeddings", "attention_dropout": "attention_dropout",
-    "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
-    "num_hidden_layers": "num_recurrent_layers", "total_ut_steps": "num_recurrences",
+    "attention_dropout": "attention_dropout", "num_hidden_layers": "num_recurrent_layers",
 }  # fmt: skip
 #: Ouro keys read by the mapping below (beside ``_COPIED``).
-_READ = frozenset({"hidden_act", "rope_theta", "rope_scaling", "layer_types", "use_sliding_window",
-                   "early_exit_threshold", "early_exit_step"})  # fmt: skip
+_READ = frozenset({"vocab_size", "tie_word_embeddings", "total_ut_steps", "hidden_act", "rope_theta",
+                   "rope_scaling", "layer_types", "use_sliding_window", "early_exit_threshold", "early_exit_step",
+                   "bos_token_id", "eos_token_id", "pad_token_id"})  # fmt: skip
 #: Ouro's ``total_ut_steps`` when its config.json does not say (``OuroModel`` reads it with this default).
 OURO_DEFAULT_UT_STEPS = 4
 #: The settings that make a LoopedConfig Ouro's whole-stack loop (see the module docstring).
@@ -111,12 +110,14 @@ def ouro_config(native: Mapping[str, Any]) -> Any:
 
     if native.get("model_type") != "ouro":
         raise _bad("model_type", native.get("model_type"), "not an Ouro config (model_type 'ouro')")
-    unknown = sorted(set(native) - _NO_EFFECT - set(_COPIED) - _READ)
-    if unknown:
-        raise _bad(unknown[0], native[unknown[0]], "unknown Ouro config key (not converted: it might change "
-                                                   "the forward)")  # fmt: skip
+    check_known_keys(native, _NO_EFFECT | set(_COPIED) | _READ, "Ouro")
     fields: dict[str, Any] = {looped: native[key] for key, looped in _COPIED.items() if key in native}
-    fields.setdefault("num_recurrences", OURO_DEFAULT_UT_STEPS)
+    vocab = config_int(native, "vocab_size", 1)
+    fields["vocab_size"] = vocab
+    fields["num_recurrences"] = check_recurrences(config_int(native, "total_ut_steps", 1, default=OURO_DEFAULT_UT_STEPS),
+                                                  "total_ut_steps")  # fmt: skip
+    fields["tie_word_embeddings"] = config_bool(native, "tie_word_embeddings", False)
+    fields.update(token_ids(native, vocab, "config.json"))
     act = native.get("hidden_act", "silu")
     if act not in HIDDEN_ACTS or act == "relu2":  # Ouro's MLP is always gated
         raise _bad("hidden_act", act, f"must be one of {tuple(a for a in HIDDEN_ACTS if a != 'relu2')}")
@@ -130,16 +131,7 @@ def ouro_config(native: Mapping[str, Any]) -> Any:
     if native.get("early_exit_step") is not None:
         raise _bad("early_exit_step", native["early_exit_step"], "a fixed exit step is not converted: convert "
                                                                  "without it and run at num_recurrences=step+1")  # fmt: skip
-    theta = native.get("rope_theta", 10000.0)
-    scaling = native.get("rope_scaling")
-    if scaling is None:
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    elif isinstance(scaling, Mapping):
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        fields["rope_parameters"] = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": rope_type,
-                                     "rope_theta": theta}  # fmt: skip
-    else:
-        raise _bad("rope_scaling", scaling, "must be null or a dict")
+    fields["rope_parameters"] = config_rope_parameters(native)
     threshold = native.get("early_exit_threshold")
     if threshold is not None:
         fields["exit_gate_output"] = "threshold"
@@ -160,59 +152,23 @@ def ouro_key(key: str) -> str | None:
     return f"model.recurrent_layers.{match.group(1)}.{_LAYER_PARTS[match.group(2)]}"
 
 
-def load_ouro_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` (or the shards its index names), as saved."""
-    from safetensors.torch import load_file
-
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-    else:
-        raise ConversionError(f"{folder}: no model.safetensors (or model.safetensors.index.json)")
-    weights: dict[str, torch.Tensor] = {}
-    for path in files:
-        if not path.is_file():
-            raise ConversionError(f"{path}: named by the index but missing")
-        weights.update(load_file(path))
-    return weights
-
-
 def ouro_to_looped(folder: PathLike) -> Any:
     """An Ouro folder as a ``LoopedForCausalLM`` (eval mode, in the checkpoint's dtype) with the
-    same logits."""
-    from transformers.initialization import no_init_weights
+    same logits; read through the loader (``Checkpoint``), so it refuses what the loader refuses."""
+    ckpt = Checkpoint(folder)
+    return _ouro_model(ckpt, ouro_config(ckpt.config))
 
-    from looped_hf import LoopedForCausalLM
 
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ConversionError(f"{folder}: no config.json (not a saved Ouro model folder)")
-    try:
-        native = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ConversionError(f"{config_path}: not JSON ({err})") from None
-    config = ouro_config(native)
-    source = load_ouro_weights(folder)
-    unknown = sorted(k for k in source if ouro_key(k) is None)
+def _ouro_model(ckpt: Checkpoint, config: Any) -> Any:
+    """The weights of ``ckpt`` renamed (unknown names refused) into the model ``config`` describes."""
+    folder = ckpt.folder
+    unknown = sorted(k for k in ckpt.keys() if ouro_key(k) is None)
     if unknown:
         raise ConversionError(f"{folder}: unknown Ouro weight {unknown[0]!r} (not converted)")
-    weights = {ouro_key(k): v for k, v in source.items()}
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
-        # A tied head is the embedding (a saved lm_head copy, if any, must be the same tensor).
-        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    dtypes = {t.dtype for t in weights.values()}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise ConversionError(f"{folder}: weights of dtypes {sorted(map(str, dtypes))}: expected one floating dtype")
-    with no_init_weights():  # every parameter comes from the checkpoint: skip the random init
-        # Built in the checkpoint's dtype: the released bf16 models stay bf16 (half the size).
-        model = LoopedForCausalLM._from_config(config, dtype=dtypes.pop())
-    check_against_model(weights, model, folder)
-    model.load_state_dict(weights, strict=True)
-    return model.eval()
+    dtype = ckpt.floating_dtype()  # built in the checkpoint's dtype: the released bf16 models stay bf16
+    weights = {ouro_key(k): tensor for k, tensor in ckpt.items()}
+    check_tied_head(weights, config, "config.json tie_word_embeddings")
+    return build_model(config, weights, dtype, folder)
 
 
 def _card(model: Any, folder: Path, repo_id: str, license: str | None) -> Any:
@@ -245,26 +201,24 @@ def convert_ouro(folder: PathLike, out: PathLike, *, repo_id: str | None = None,
     """Write a looped_hf folder for the Ouro folder ``folder`` and return its path. Raises
     ``ConversionError`` (a file, key or value it cannot convert; nothing written) or
     ``PublishError`` (``out`` exists without ``overwrite``, a bad ``repo_id``)."""
-    from transformers import GenerationConfig
-
     from looped_hf.cards import CARD_NAME
 
     src = Path(folder)
     dest = check_target(src, out, overwrite=overwrite, repo_id=repo_id)
-    model = ouro_to_looped(src)
-    if (src / "generation_config.json").is_file():
-        generation = GenerationConfig.from_pretrained(src)
-        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(generation, attr, None) is not None:
-                setattr(model.generation_config, attr, getattr(generation, attr))
-    # The tokenizer travels as its files, byte for byte (Ouro's is a plain transformers tokenizer).
-    tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+    ckpt = Checkpoint(src)
+    config = ouro_config(ckpt.config)
+    # Checked before the model is built: a broken tokenizer or token id fails in a second, not after.
+    ckpt.check_tokenizer(config.vocab_size)
+    generation_ids = ckpt.generation_token_ids(config.vocab_size)
+    model = _ouro_model(ckpt, config)
+    for attr, value in generation_ids.items():
+        setattr(model.generation_config, attr, value)
 
     def extras(tmp: Path) -> list[str]:
-        for file in tokenizer_files:
-            shutil.copyfile(file, tmp / file.name)
+        # The tokenizer travels as its files, byte for byte (Ouro's is a plain transformers tokenizer).
+        names = ckpt.copy_tokenizer(tmp, config.vocab_size)
         _card(model, src, repo_id or f"path/to/{dest.name}", license).save(tmp / CARD_NAME)
-        return [file.name for file in tokenizer_files]
+        return names
 
     return write_folder(model, dest, extras)
 
@@ -278,5 +232,4 @@ def convert_cli(source_format: str, ckpt_dir: PathLike, out: PathLike, *, repo_i
     return convert_ouro(ckpt_dir, out, repo_id=repo_id, license=license, overwrite=overwrite)
 
 
-__all__ = ["OURO_SETTINGS", "convert_cli", "convert_ouro", "load_ouro_weights", "ouro_config", "ouro_key",
-           "ouro_to_looped"]  # fmt: skip
+__all__ = ["OURO_SETTINGS", "convert_cli", "convert_ouro", "ouro_config", "ouro_key", "ouro_to_looped"]

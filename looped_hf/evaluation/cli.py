@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from looped_hf.cli import positive_int
 from looped_hf.fileio import check_checkpoint_dir, check_output_path, first_line
@@ -84,6 +85,18 @@ def _warn_cost(recurrences: list[int], trained: int) -> None:
               "trained model's block compute per item", file=sys.stderr)  # fmt: skip
 
 
+def check_exit_flags(
+    config: Any, criterion: str | None, threshold: float | None, minimum: int | None
+) -> None:
+    """The adaptive-exit flags against the model's config, before any forward, by the config's own
+    rule (`LoopedConfig.exit_settings`: a NaN or negative threshold is a ValueError naming it). A
+    threshold that no criterion reads (neither --exit-criterion nor the config's) is refused too:
+    it would be ignored, and the results would not be what the command line says."""
+    if config.exit_settings(criterion, threshold, minimum) is None and threshold is not None:
+        raise EvalError(f"--exit-threshold {threshold!r}: no exit criterion reads it (give --exit-criterion; "
+                        "this model's config has exit_criterion=None)")  # fmt: skip
+
+
 def default_recurrences(trained: int) -> list[int]:
     """1, 2, 4, ... up to 2x the trained r, plus the trained r itself."""
     grid, r = {trained}, 1
@@ -113,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         # Everything that can be checked is checked before the model is loaded or a task scored.
         device = _check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         local = Path(args.checkpoint).is_dir()
+        exit_flags = (args.exit_criterion, args.exit_threshold, args.min_recurrences)
         if local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
             check_checkpoint_dir(args.checkpoint)
+            from looped_hf import LoopedConfig
+
+            check_exit_flags(LoopedConfig.from_pretrained(args.checkpoint), *exit_flags)
         out = check_output_path(Path(args.out) if args.out else (
             Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
         ), "--out", directory=True)  # fmt: skip
@@ -136,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             bundles = [b for b in bundles if any(t.label in wanted for t in b.tasks)]
         # The bundles and --tasks are read first: a bad one is refused without loading the model.
         model, tokenizer, info = load_checkpoint(args.checkpoint)
+        check_exit_flags(model.config, *exit_flags)  # a Hub id's config is read only now
         model.to(device)
         settings = {
             "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,

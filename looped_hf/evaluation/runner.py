@@ -79,6 +79,11 @@ def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
         raise
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...: the file is named
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be loaded: {first_line(err)}") from err
+    if len(tokenizer) > model.config.vocab_size:  # its last ids would index past the embedding, mid-run
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r}: the tokenizer has {len(tokenizer)} tokens, more than the model's "
+            f"vocab_size={model.config.vocab_size}; it is not this model's tokenizer"
+        )
     return model, tokenizer
 
 
@@ -117,14 +122,14 @@ def check_recurrences(model: Any, recurrences: Sequence[int], kv_budget: int | N
     """The r values to score (sorted, deduplicated), each checked before the first is scored, by
     the model's config, the one owner of the r rules (`LoopedConfig.resolve_num_recurrences`: an
     integer >= 1, at most the ceiling, only the trained r for a recurrence-locked model) and of the
-    KV budget (`LoopedConfig.slot_plan`). A refusal is an `EvalError` naming the field and value."""
+    KV budget (`LoopedConfig.num_kv_slots`). A refusal is an `EvalError` naming the field and value."""
     if not recurrences:
         raise EvalError("recurrences=[]: need at least one r")
     config = model.config
     try:
         grid = sorted({config.resolve_num_recurrences(r) for r in recurrences})
         for r in grid:
-            config.slot_plan(r, kv_budget)
+            config.num_kv_slots(r, kv_budget)
     except ValueError as err:
         raise EvalError(str(err)) from None
     return grid

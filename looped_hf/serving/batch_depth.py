@@ -30,7 +30,8 @@ from vllm import envs
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
-from ..configuration_looped import KVSlotPlan
+from ..generation_looped import KVSlotPlan
+from ..recurrent_block_looped import exit_gate_probabilities, threshold_readout
 
 
 @dataclass
@@ -143,18 +144,20 @@ class BatchDepth:
                 if slots is not None:
                     slot_mapping[name] = slots
 
-    def exit_steps(self, states: list[torch.Tensor], gate: torch.nn.Module, thresholds: torch.Tensor) -> torch.Tensor:
-        """Per token, the 0-based step of the threshold readout among its own request's r states
-        (``threshold_exit_steps`` over ``exit_gate_probabilities`` of states 1 .. r, per r in the batch)."""
-        from ..modeling_looped import exit_gate_probabilities, threshold_exit_steps
-
-        token_r = self.token_recurrences[: states[0].shape[0]]
-        steps = torch.zeros(states[0].shape[0], dtype=torch.long)
+    def threshold_readout(self, states: list[torch.Tensor], gate: torch.nn.Module, thresholds: torch.Tensor,
+                          ) -> torch.Tensor:  # fmt: skip
+        """Per token, the threshold readout (``threshold_readout``: the state at the step where the exit
+        CDF first reaches its threshold) among its own request's r states (``exit_gate_probabilities``
+        of states 1 .. r, per r in the batch), at its own request's threshold (``thresholds``)."""
+        num_tokens = states[0].shape[0]
+        token_r = self.token_recurrences[:num_tokens]
+        out = torch.empty_like(states[0])
         for r in sorted(set(self.recurrences)):
             rows = (token_r == r).nonzero().squeeze(-1)
-            probabilities = exit_gate_probabilities(gate, [s[rows] for s in states[:r]])
-            steps[rows] = threshold_exit_steps(probabilities, thresholds[rows].unsqueeze(-1))
-        return steps
+            own = [s[rows] for s in states[:r]]
+            probabilities = exit_gate_probabilities(gate, own)
+            out[rows], _ = threshold_readout(own, probabilities, thresholds[rows].unsqueeze(-1))
+        return out
 
 
 __all__ = ["BatchDepth", "StepGroup", "subset_metadata"]

@@ -145,7 +145,7 @@ def engine_overrides(
 ) -> dict[str, int]:
     """The ``hf_overrides`` of the engine (only what the flags change), checked by the config's own
     rules: ``LoopedConfig.resolve_num_recurrences`` (at least 1, the model's ceiling, the
-    hyperconnection lock), ``LoopedConfig.slot_plan`` (the kv_budget) and ``ServedDepth`` (the
+    hyperconnection lock), ``LoopedConfig.num_kv_slots`` (the kv_budget) and ``ServedDepth`` (the
     requests' ceiling, at least the served r)."""
     from .depth import MAX_KEY, ServedDepth
 
@@ -153,7 +153,7 @@ def engine_overrides(
         # Against the trained r, before the override replaces it: each recurrence is K more vLLM
         # attention layers, each with its own KV cache, built when the engine starts.
         r = config.resolve_num_recurrences(num_recurrences)
-        config.slot_plan(r, kv_budget)
+        config.num_kv_slots(r, kv_budget)
     except ValueError as err:
         raise ServeError(str(err)) from None
     overrides: dict[str, int] = {}
@@ -232,8 +232,8 @@ def kv_cache_space(config: Any, vllm_args: list[str], available: int | None) -> 
         return None
     from .depth import ServedDepth
 
-    plan = ServedDepth.from_config(config).plan(config)  # the deepest request's slots
-    per_token = plan.num_slots * 2 * config.num_key_value_heads * _stored_head_size(config.head_dim) * 4
+    slots = ServedDepth.from_config(config).num_slots(config)  # the deepest request's slots
+    per_token = slots * 2 * config.num_key_value_heads * _stored_head_size(config.head_dim) * 4
     max_len = _as_int(_vllm_flag(vllm_args, "--max-model-len"), config.max_position_embeddings)
     seqs = _as_int(_vllm_flag(vllm_args, "--max-num-seqs"), CPU_DEFAULT_MAX_NUM_SEQS)
     workers = max(1, _as_int(_vllm_flag(vllm_args, "--tensor-parallel-size", "-tp"), 1))
@@ -242,7 +242,7 @@ def kv_cache_space(config: Any, vllm_args: list[str], available: int | None) -> 
     gib = max(1, min(math.floor(free_share / GIB), math.ceil(need / GIB)))
     why = (
         f"[serve] VLLM_CPU_KVCACHE_SPACE={gib} (GiB) for vLLM's KV cache: {need / GIB:.2f} GiB holds {seqs} "
-        f"sequences of {max_len} tokens at num_recurrences={plan.num_recurrences} ({plan.num_slots} KV caches), "
+        f"sequences of {max_len} tokens at num_recurrences={config.num_recurrences} ({slots} KV caches), "
         f"{KV_MEMORY_FRACTION:.0%} of the free memory is {free_share / GIB:.1f} GiB"
         + (" per worker" if workers > 1 else "")
         + "; set VLLM_CPU_KVCACHE_SPACE to choose"

@@ -75,7 +75,7 @@ class ServedDepth:
             ceiling = config.resolve_num_recurrences(ceiling)
             if ceiling < r:
                 raise ValueError(f"{MAX_KEY}={ceiling}: below the served num_recurrences={r}")
-        config.slot_plan(ceiling)  # checks the server's kv_budget
+        config.num_kv_slots(ceiling)  # checks the server's kv_budget
         threshold = None
         if getattr(config, "exit_gate", False) and config.exit_gate_output == "threshold":
             threshold = float(config.exit_gate_threshold)
@@ -87,10 +87,16 @@ class ServedDepth:
         threshold readout): then nothing per request reaches the forward, and vLLM may torch.compile it."""
         return (self.locked or self.max_num_recurrences == 1) and self.kv_budget is None and self.exit_threshold is None
 
+    def num_slots(self, config: Any) -> int:
+        """The engine's KV-cache slots: the deepest request's at the server's budget."""
+        return config.num_kv_slots(self.max_num_recurrences, self.kv_budget)
+
     def plan(self, config: Any):
         """The engine's ``KVSlotPlan``: the deepest request's slots at the server's budget. A request
         at r with budget k uses its block slots P + (i mod min(k, r))*K + j and the coda's here."""
-        return config.slot_plan(self.max_num_recurrences, self.kv_budget)
+        from ..generation_looped import KVSlotPlan  # torch: only where an engine is built
+
+        return KVSlotPlan.for_call(config, self.max_num_recurrences, self.kv_budget)
 
     def _ranges(self) -> dict[str, str]:
         r = (

@@ -8,11 +8,14 @@ It makes three things known to vLLM:
   ``auto_map`` names remote code, which transformers prefers only when the type is unknown);
 - architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
   process that builds the model);
-- a config hook (vLLM's ``MODELS_CONFIG_MAP``, run when the engine's config is made, in the process
-  the user started) that refuses what cannot be served with one clear line, installs the CPU worker
-  that hands each request's depth to the model (``worker``; unless the user chose a worker), turns
-  off what would serve a request the wrong depth's KV (``_depth_settings``: prefix caching when the
-  server runs more than one depth, chunked prefill with a kv_budget), and adds the request guard.
+- a config hook (run when the engine's config is made, in the process the user started) that
+  refuses what cannot be served with one clear line, installs the CPU worker that hands each
+  request's depth to the model (``worker``; unless the user chose a worker), turns off the two
+  scheduler features that would serve a request other than ``generate()`` does
+  (``depth_setting_problems``: prefix caching when the server runs more than one depth, chunked
+  prefill with a kv_budget), and adds the engine's request guard (below) to its logits processors.
+  vLLM has no public way to register such a hook (``_register_config_hook`` says why it is still
+  needed, and where it goes).
 
 Each request runs at its own depth (``depth.ServedDepth``: num_recurrences, kv_budget,
 exit_threshold, within the server's bounds), and one outside them is refused, never served at
@@ -45,14 +48,38 @@ from .depth import REQUEST_KEYS, DepthError, ServedDepth
 logger = logging.getLogger(__name__)
 
 
+def depth_setting_problems(vllm_config) -> list[str]:
+    """The engine settings that would serve a request other than ``generate()`` does, one line each
+    naming the setting and its fix (empty: none). Requests at different depths write different KV (a
+    request at r = 2 leaves slots 2.. empty, and its coda's KV is not r = 8's), so a cached prefix is
+    not another depth's: no prefix caching when the server runs more than one depth. A budget below
+    r makes a token's KV at a shared slot depend on which tokens shared its forward call, so with a
+    budget (any request may ask one below its r) prompts are prefilled whole: no chunked prefill. The
+    config hook turns these off; the model refuses an engine that still has them (a vLLM that did
+    not run the hook)."""
+    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
+    problems = {
+        "enable_prefix_caching": (
+            vllm_config.cache_config.enable_prefix_caching and not served.single_depth,
+            f"requests may run at different depths (num_recurrences 1 .. {served.max_num_recurrences}, "
+            f"kv_budget={served.kv_budget}), and one depth's cached prefix is not another's",
+        ),
+        "enable_chunked_prefill": (
+            vllm_config.scheduler_config.enable_chunked_prefill and served.kv_budget is not None,
+            f"with kv_budget={served.kv_budget} (a request's budget below its r) prompts are prefilled whole, "
+            "as generate() does",
+        ),
+    }
+    return [
+        f"{name}=True: {why}; pass {name}=False (--no-{name.replace('_', '-')})"
+        for name, (on, why) in problems.items()
+        if on
+    ]
+
+
 def _depth_settings(vllm_config) -> None:
-    """Requests at different depths write different KV (a request at r = 2 leaves slots 2.. empty, and
-    its coda's KV is not r = 8's), so a cached prefix is not another depth's: prefix caching is off
-    when the server runs more than one depth. A budget below r makes a token's KV at a shared slot
-    depend on which tokens shared its forward call, so with a budget (any request may ask one below
-    its r) prompts are prefilled whole: chunked prefill off."""
-    config = vllm_config.model_config.hf_config
-    served = ServedDepth.from_config(config)
+    """Turn off what ``depth_setting_problems`` names, and with a budget let a whole prompt fit one call."""
+    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
     cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
     if cache_config.enable_prefix_caching and not served.single_depth:
         logger.info("looped_hf: requests may run at different depths (1 .. %d), turning prefix caching off",
@@ -280,15 +307,48 @@ class LoopedConfigHook:
         return None
 
 
+def _register_config_hook() -> None:
+    """Add ``LoopedConfigHook`` to the per-architecture config hooks vLLM runs when it makes an
+    engine's config (idempotent).
+
+    vLLM (0.32) has no public way to do this: its own models' hooks live in the table
+    ``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, read once per engine in the user's
+    process, and there is no function to register one (``ModelRegistry.register_model`` takes the
+    model class only, and vLLM reads no engine setting from a model class or its config). The hook
+    is still needed, because three of its four jobs have no other place:
+
+    - turning prefix caching off for a server of more than one depth, and chunked prefill for one with
+      a kv_budget, must happen before the scheduler is made, and only the engine's config reaches it.
+      Without the hook, ``vllm.LLM(FOLDER, hf_overrides={"kv_budget": 2})`` could only be refused and
+      the flags asked for (the model does exactly that when the hook did not run:
+      ``depth_setting_problems``);
+    - the CPU worker that hands each request's depth to the model is an engine setting
+      (``parallel_config.worker_cls``), chosen before the workers start;
+    - the request guard is a logits processor whose name carries the server's depths, so it
+      must be added per engine; vLLM's public ``vllm.logits_processors`` entry point applies one
+      class to every engine and model, and its ``validate_params`` sees the request only;
+    - the servability check needs no hook: the model checks again when it is built (in the engine
+      process), the hook only gives the refusal before vLLM starts its workers.
+
+    So the one entry is written there, by ``setdefault`` (an entry vLLM itself might add one day
+    wins), and a vLLM without the table gets no hook rather than a plugin that fails to load."""
+    try:
+        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    except ImportError:
+        logger.warning("looped_hf: this vLLM has no MODELS_CONFIG_MAP; a kv_budget < r needs prefix caching and "
+                       "chunked prefill turned off by hand")  # fmt: skip
+        return
+    MODELS_CONFIG_MAP.setdefault(VLLM_ARCHITECTURE, LoopedConfigHook)
+
+
 def register() -> None:
     """Register the looped config, model and config hook with vLLM (idempotent)."""
     from transformers import AutoConfig
     from vllm import ModelRegistry
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from ..configuration_looped import LoopedConfig
 
     AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
     if VLLM_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(VLLM_ARCHITECTURE, VLLM_MODEL_CLASS)
-    MODELS_CONFIG_MAP[VLLM_ARCHITECTURE] = LoopedConfigHook
+    _register_config_hook()

@@ -1,0 +1,556 @@
+"""One reader of transformers-style checkpoint folders, for every converter and for retrofit.
+
+    ckpt = Checkpoint("./Ouro-1.4B", model_types=("ouro",))
+    ckpt.config["hidden_size"]              # config.json, a checked JSON object
+    for name in ckpt.keys():                # every tensor name, from the safetensors headers
+        tensor = ckpt.get_tensor(name)      # read on demand: one tensor in memory at a time
+    ckpt.dtypes, ckpt.shape(name)           # from the headers, no tensor read
+    ckpt.generation_token_ids()             # generation_config.json's bos / eos / pad, checked
+    ckpt.check_tokenizer()                  # the tokenizer files load, and fit the vocabulary
+    ckpt.copy_tokenizer(dst)                # ... copied byte for byte
+    ckpt.sha256()                           # {weight file: digest}, for cards and run records
+    config_rope_parameters(ckpt.config)     # transformers-5 rope_parameters, from either generation
+
+(the vocabulary the token ids and the tokenizer are checked against is config.json's
+``vocab_size`` unless given).
+
+It reads a folder the way transformers' ``from_pretrained`` does, and refuses, with one
+``ConversionError`` line naming the file and the value, what transformers would misread or what
+would make the conversion silently wrong:
+
+* ``model.safetensors`` wins over ``model.safetensors.index.json``, as in transformers. In a
+  sharded folder each key is read from the shard that the index's ``weight_map`` names. Refused:
+  an index that is not a JSON object or has no ``weight_map`` object of name -> shard; a shard
+  name that leaves the folder (absolute, ``..``, a symlink out; the Hub cache's
+  ``snapshots/<rev>/`` -> ``blobs/`` links are the one exception); a shard the index names that is
+  missing; a key the index names that its shard lacks; a key stored in two shards, or in a shard
+  the index does not name it for (the old readers merged shards in file order, so a duplicate
+  silently won).
+* A weight file that is empty, truncated, not safetensors or holds no tensor is refused from its
+  header (8-byte length + JSON, checked against the file's size) before any tensor is read.
+* A folder with only ``pytorch_model.bin`` (pickle) is refused: unpickling runs code stored in
+  the file. Convert it to safetensors first.
+* ``config.json`` and ``generation_config.json`` must be JSON objects; token ids must be integers
+  inside the vocabulary (or lists of them); tie flags must be booleans; ``rope_scaling`` (or a transformers-5
+  ``rope_parameters``) must name a RoPE type transformers knows and carry that type's keys
+  (:func:`rope_parameters`).
+* Tokenizer files (``TOKENIZER_FILES``) that hold JSON must be JSON objects, and the tokenizer must
+  load with transformers and have no more tokens than the model's vocabulary.
+
+**Unknown config keys: refused.** Every converter lists the keys of its source config that it maps
+or knows to have no effect on the forward; any other key is refused by name
+(:func:`check_known_keys`), in every format. A key the converter has never seen may change the
+forward (a newer release's option), and converting without it would give a model that loads and
+runs and is silently wrong; the line names the key so a user can look it up. The keys every
+transformers ``config.json`` may carry without changing the forward (``architectures``,
+``transformers_version``, ``torch_dtype``, ...) are accepted everywhere (``HF_BOOKKEEPING_KEYS``).
+
+Nothing here writes, except :meth:`Checkpoint.copy_tokenizer` into the folder it is given.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Collection, Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import fileio
+from ..configuration_looped import MAX_NUM_RECURRENCES
+from ..fileio import CheckpointError, check_safetensors, first_line, sha256_file
+from .common import ConversionError
+
+PathLike = str | os.PathLike
+SINGLE_WEIGHTS = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+#: Files a tokenizer may consist of: checked, and copied when the source has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")  # fmt: skip
+#: The tokenizer files that hold a JSON object.
+_JSON_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                   "vocab.json", "added_tokens.json"})  # fmt: skip
+#: Keys any transformers config.json may carry that change nothing in the forward: accepted by
+#: every converter beside the keys it maps (the unknown-key policy in the module docstring).
+HF_BOOKKEEPING_KEYS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
+    "initializer_range", "_from_model_config", "_attn_implementation_autoset",
+})  # fmt: skip
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: Keys each RoPE type needs (transformers' ``validate_rope`` raises for a missing one only when a
+#: config is built, and warns for a bad value; here both are refused before conversion).
+ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+#: safetensors' dtype names (a header's "dtype") -> torch.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def max_num_recurrences() -> int:
+    """The largest trained ``num_recurrences`` a converter accepts: ``LoopedConfig``'s own ceiling
+    (``MAX_NUM_RECURRENCES``), so a config.json saying r = 10**12 is refused here, naming its file,
+    rather than by the config after the mapping (each recurrence is K layer applications per token)."""
+    return MAX_NUM_RECURRENCES
+
+
+# --------------------------------------------------------------------------------------------
+# Checked values of a source config
+# --------------------------------------------------------------------------------------------
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (``fileio.read_json_object``); anything else is a
+    ``ConversionError`` naming the file."""
+    try:
+        return fileio.read_json_object(path)
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
+
+
+def _named(where: str, key: str) -> str:
+    """How a field is named in a one-line error: ``config.json rope_theta``, ``model_config.n_embd``."""
+    return f"{where} {key}" if where.endswith(".json") else f"{where}.{key}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _config_value(cfg: Mapping[str, Any], key: str, ok: bool, expected: str, where: str, default: Any) -> Any:
+    """``cfg[key]`` when ``ok`` says it is valid (``default`` when absent, if given), else one line."""
+    if key not in cfg:
+        if default is ...:
+            raise ConversionError(f"{where} has no {key!r}")
+        return default
+    if not ok:
+        raise ConversionError(f"{_named(where, key)}={cfg[key]!r}: expected {expected}")
+    return cfg[key]
+
+
+def config_int(cfg: Mapping[str, Any], key: str, minimum: int, where: str = "config.json",
+               default: Any = ...) -> int:  # fmt: skip
+    """``cfg[key]`` as an integer >= ``minimum`` (``default`` when absent, if given); else a
+    ``ConversionError`` naming ``where``, the key and the value."""
+    value = cfg.get(key)
+    return _config_value(
+        cfg, key, _is_int(value) and value >= minimum, f"an integer >= {minimum}", where, default
+    )
+
+
+def config_number(cfg: Mapping[str, Any], key: str, minimum: float, where: str = "config.json",
+                  default: Any = ...) -> float:  # fmt: skip
+    """``cfg[key]`` as a finite number >= ``minimum`` (``default`` when absent, if given)."""
+    value = cfg.get(key)
+    ok = _is_number(value) and value >= minimum
+    return float(_config_value(cfg, key, ok, f"a finite number >= {minimum}", where, default))
+
+
+def config_bool(cfg: Mapping[str, Any], key: str, default: bool, where: str = "config.json") -> bool:
+    """``cfg[key]`` (``default`` when absent or null) as a boolean; a tie flag of ``"yes"`` or 1 is
+    refused, since transformers would read any truthy value as tied."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConversionError(f"{_named(where, key)}={value!r}: expected true or false")
+    return value
+
+
+def check_recurrences(r: int, key: str, where: str = "config.json") -> int:
+    """A trained r within :func:`max_num_recurrences` (the forward of a larger one never ends)."""
+    ceiling = max_num_recurrences()
+    if r > ceiling:
+        raise ConversionError(f"{_named(where, key)}={r}: above the ceiling of {ceiling} recurrences (each is a pass "
+                              "through the recurrent block for every token; is the config corrupt?)")  # fmt: skip
+    return r
+
+
+def check_known_keys(cfg: Mapping[str, Any], known: Collection[str], what: str,
+                     where: str = "config.json") -> None:  # fmt: skip
+    """The unknown-key policy (module docstring): a key neither in ``known`` nor in
+    ``HF_BOOKKEEPING_KEYS`` is refused by name. ``what`` names the source format."""
+    unknown = sorted(set(cfg) - set(known) - HF_BOOKKEEPING_KEYS)
+    if unknown:
+        raise ConversionError(f"{_named(where, unknown[0])}={cfg[unknown[0]]!r}: unknown {what} config key (keys "
+                              f"{unknown} are unknown to this converter; not converted, as they might change the "
+                              "forward)")  # fmt: skip
+
+
+def token_ids(source: Mapping[str, Any], vocab_size: int, where: str) -> dict[str, int | list[int]]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of ``source`` that are set: each an
+    integer in [0, vocab_size) or a non-empty list of them (Llama 3's several EOS ids). A token id
+    outside the vocabulary would index past the embedding: refused, naming ``where``."""
+    ids: dict[str, int | list[int]] = {}
+    for key in TOKEN_ID_KEYS:
+        value = source.get(key)
+        if value is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(_is_int(item) and 0 <= item < vocab_size for item in items):
+            raise ConversionError(f"{_named(where, key)}={value!r}: expected a token id in [0, {vocab_size}) "
+                                  f"(vocab_size={vocab_size}), or a list of them")  # fmt: skip
+        ids[key] = value
+    return ids
+
+
+def rope_parameters(
+    scaling: Any, theta: float, where: str = "config.json", field: str = "rope_scaling"
+) -> dict[str, Any]:
+    """transformers-5 ``rope_parameters`` from a transformers-4 ``rope_scaling`` (None, {} or an
+    object with ``rope_type`` or the legacy ``type``) and ``rope_theta``. The type must be one
+    ``ROPE_REQUIRED_KEYS`` lists, with its keys, each a positive number (the factor lists of
+    ``longrope`` lists of them, ``original_max_position_embeddings`` an integer)."""
+    if scaling is None or scaling == {}:
+        return {"rope_type": "default", "rope_theta": theta}
+    if not isinstance(scaling, dict):
+        raise ConversionError(f"{where} {field}={scaling!r}: expected an object or null")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_REQUIRED_KEYS:
+        raise ConversionError(f"{where} {field}.rope_type={rope_type!r}: unknown or not converted "
+                              f"(one of {sorted(ROPE_REQUIRED_KEYS)})")  # fmt: skip
+    for key in ROPE_REQUIRED_KEYS[rope_type]:
+        if key not in scaling:
+            raise ConversionError(f"{where} {field} has no {key!r}: rope_type {rope_type!r} needs "
+                                  f"{list(ROPE_REQUIRED_KEYS[rope_type])}")  # fmt: skip
+        value = scaling[key]
+        if key in ("short_factor", "long_factor"):
+            ok, expected = (
+                isinstance(value, list) and value and all(_is_number(v) and v > 0 for v in value),
+                "a list of numbers > 0",
+            )
+        elif key == "original_max_position_embeddings":
+            ok, expected = _is_int(value) and value >= 1, "an integer >= 1"
+        else:
+            ok, expected = _is_number(value) and value > 0, "a number > 0"
+        if not ok:
+            raise ConversionError(f"{where} {field}.{key}={value!r}: expected {expected}")
+    if rope_type in ("linear", "dynamic", "yarn", "llama3") and scaling["factor"] < 1:
+        raise ConversionError(f"{where} {field}.factor={scaling['factor']!r}: expected a number >= 1")
+    params = {key: value for key, value in scaling.items() if key != "type"}
+    return {**params, "rope_type": rope_type, "rope_theta": theta}
+
+
+def config_rope_parameters(cfg: Mapping[str, Any], where: str = "config.json", theta_key: str = "rope_theta",
+                           default_theta: float = 10000.0) -> dict[str, Any]:  # fmt: skip
+    """``rope_parameters`` of a config.json of either transformers generation: a transformers-5
+    ``rope_parameters`` object (its ``rope_theta`` inside), or transformers-4's ``rope_scaling``
+    and ``theta_key`` (``default_theta`` when absent); checked as :func:`rope_parameters` checks."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConversionError(f"{where} rope_parameters={params!r}: expected an object")
+        theta = config_number(params, "rope_theta", 0, f"{where} rope_parameters")
+        scaling = {key: value for key, value in params.items() if key != "rope_theta"}
+        return rope_parameters(scaling, theta, where, field="rope_parameters")
+    theta = config_number(cfg, theta_key, 0, where, default=default_theta)
+    return rope_parameters(cfg.get("rope_scaling"), theta, where)
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint folder
+# --------------------------------------------------------------------------------------------
+def _allowed_roots(folder: Path) -> tuple[Path, ...]:
+    """Where the weight files of ``folder`` may really live: the folder, and for a Hub cache
+    snapshot (``<repo>/snapshots/<rev>``, whose files link to ``<repo>/blobs``) that blobs folder."""
+    real = folder.resolve()
+    roots = (real,)
+    if real.parent.name == "snapshots":
+        roots += (real.parent.parent / "blobs",)
+    return roots
+
+
+def _inside(folder: Path, name: str, what: str) -> Path:
+    """``folder / name`` for a file name taken from the checkpoint, refused where it leaves the folder."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ConversionError(
+            f"{folder / SHARD_INDEX}: {what} {name!r}: not a file name inside the checkpoint folder"
+        )
+    path = folder / name
+    real = path.resolve()
+    if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
+        raise ConversionError(
+            f"{path}: {what} {name!r} leads out of the checkpoint folder (to {real}); refused"
+        )
+    return path
+
+
+def _header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in the safetensors file ``path``, from its header only;
+    a file that is empty, truncated, not safetensors or holds no tensor is refused by name."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ConversionError(f"{path}: missing (the checkpoint names it)")
+    try:
+        check_safetensors(path)  # the header length and JSON, against the file's size: cheap and precise
+        entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        with safe_open(path, framework="pt") as handle:  # validates every offset, reads no tensor
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+                if dtype is None:
+                    raise ConversionError(
+                        f"{path}: tensor {name!r} has dtype {view.get_dtype()}, which is not converted"
+                    )
+                entries[name] = (dtype, tuple(view.get_shape()))
+    except ConversionError:
+        raise
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ConversionError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
+    if not entries:
+        raise ConversionError(f"{path}: holds no tensor")
+    return entries
+
+
+class Checkpoint:
+    """A transformers-style checkpoint folder (config.json + safetensors, single or sharded), opened
+    and checked; tensors are read on demand (see the module docstring for what is refused).
+
+    Args:
+        folder: the checkpoint folder.
+        model_types: the ``config.json`` ``model_type`` values accepted (default: any).
+    """
+
+    def __init__(self, folder: PathLike, model_types: Collection[str] | None = None) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise ConversionError(f"checkpoint directory {self.folder} does not exist")
+        config_path = self.folder / "config.json"
+        if not config_path.is_file():
+            raise ConversionError(f"{config_path}: missing (not a saved model folder)")
+        #: config.json, a JSON object.
+        self.config: dict[str, Any] = read_json_object(config_path)
+        if model_types is not None and self.config.get("model_type") not in model_types:
+            raise ConversionError(f"{config_path}: model_type={self.config.get('model_type')!r}: this converter "
+                                  f"reads {' or '.join(map(repr, model_types))}")  # fmt: skip
+        #: tensor name -> the file it is read from.
+        self._file_of: dict[str, Path] = {}
+        #: tensor name -> (dtype, shape), from the headers.
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._handles: dict[Path, Any] = {}
+        single, index = self.folder / SINGLE_WEIGHTS, self.folder / SHARD_INDEX
+        if single.is_file() or single.is_symlink():
+            self._add_file(_inside(self.folder, SINGLE_WEIGHTS, "weight file"), None)
+        elif index.is_file():
+            self._read_index(index)
+        elif any((self.folder / name).exists() for name in PICKLE_WEIGHTS):
+            raise ConversionError(f"{self.folder}: only a pickled pytorch_model.bin checkpoint, refused (unpickling "
+                                  "runs code stored in the file); convert it to model.safetensors first")  # fmt: skip
+        else:
+            raise ConversionError(f"{self.folder}: no {SINGLE_WEIGHTS} (or {SHARD_INDEX})")
+        #: The weight files read, in the order first named.
+        self.files: tuple[Path, ...] = tuple(dict.fromkeys(self._file_of.values()))
+
+    def _add_file(self, path: Path, wanted: set[str] | None) -> None:
+        """Index the tensors of ``path``; in a sharded folder only ``wanted`` (the keys the index
+        names for it) may be there, and each of them must be."""
+        header = _header(path)
+        for name, entry in header.items():
+            if name in self._file_of:
+                raise ConversionError(
+                    f"{path}: tensor {name!r} is stored twice (also in {self._file_of[name].name})"
+                )
+            if wanted is not None and name not in wanted:
+                raise ConversionError(f"{path}: holds tensor {name!r}, which the index's weight_map does not name "
+                                      "for this shard (a key stored twice, or a stale shard)")  # fmt: skip
+            self._file_of[name], self._entries[name] = path, entry
+        missing = sorted((wanted or set()) - set(header))
+        if missing:
+            raise ConversionError(f"{path}: lacks {missing[0]!r}, which the index's weight_map names in it"
+                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")  # fmt: skip
+
+    def _read_index(self, index: Path) -> None:
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConversionError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        by_shard: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise ConversionError(f"{index}: weight_map[{name!r}]={shard!r}: expected a shard file name")
+            by_shard.setdefault(shard, set()).add(name)
+        for shard, names in by_shard.items():
+            self._add_file(_inside(self.folder, shard, "shard"), names)
+
+    # ---- the tensors --------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Every tensor name, in the order the files list them."""
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[self._known(name)][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[self._known(name)][1]
+
+    @property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """name -> dtype of every tensor (from the headers)."""
+        return {name: entry[0] for name, entry in self._entries.items()}
+
+    def floating_dtype(self, exclude: Collection[str] = ()) -> torch.dtype:
+        """The one floating dtype of the tensors (``exclude`` aside), as a converted model is built in
+        it; several dtypes, or an integer one, are refused."""
+        dtypes = {dtype for name, (dtype, _) in self._entries.items() if name not in exclude}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ConversionError(f"{self.folder}: weights of dtypes {sorted(map(str, dtypes))}: expected one "
+                                  "floating dtype")  # fmt: skip
+        return next(iter(dtypes))
+
+    def num_elements(self) -> int:
+        """Elements in all tensors together (what the checkpoint holds, from the headers)."""
+        return sum(math.prod(shape) for _, shape in self._entries.values())
+
+    def _known(self, name: str) -> str:
+        if name not in self._entries:
+            raise ConversionError(f"{self.folder}: no tensor {name!r} in the checkpoint")
+        return name
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read from the file that holds it (memory-mapped; nothing else is loaded)."""
+        from safetensors import SafetensorError, safe_open
+
+        path = self._file_of[self._known(name)]
+        try:
+            if path not in self._handles:
+                self._handles[path] = safe_open(path, framework="pt")
+            return self._handles[path].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise ConversionError(f"{path}: tensor {name!r} cannot be read ({first_line(err)})") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every tensor, read one at a time (as a dict's ``items()``, lazily)."""
+        for name in self._entries:
+            yield name, self.get_tensor(name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name (all in memory; a converter for a small or mid-size model reads so)."""
+        return dict(self.items())
+
+    def close(self) -> None:
+        """Release the open weight files."""
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def sha256(self) -> dict[str, str]:
+        """{file name: sha256} of the weight files (what a card or a run record ties itself to)."""
+        return dict(self._digests)
+
+    @cached_property
+    def _digests(self) -> dict[str, str]:
+        return {str(path.relative_to(self.folder)): sha256_file(path) for path in self.files}
+
+    # ---- generation config and tokenizer ---------------------------------------------------------
+    def _vocab_size(self, vocab_size: int | None) -> int:
+        return config_int(self.config, "vocab_size", 1) if vocab_size is None else vocab_size
+
+    def generation_token_ids(self, vocab_size: int | None = None) -> dict[str, int | list[int]]:
+        """The bos / eos / pad ids that ``generation_config.json`` sets (none without the file),
+        each checked against ``vocab_size`` (default: config.json's) (:func:`token_ids`)."""
+        path = self.folder / "generation_config.json"
+        if not path.is_file():
+            return {}
+        return token_ids(read_json_object(path), self._vocab_size(vocab_size), str(path))
+
+    @cached_property
+    def tokenizer_files(self) -> tuple[Path, ...]:
+        """The ``TOKENIZER_FILES`` the folder has (checked only by :meth:`check_tokenizer`)."""
+        return tuple(self.folder / name for name in TOKENIZER_FILES if (self.folder / name).is_file())
+
+    def check_tokenizer(self, vocab_size: int | None = None) -> int | None:
+        """Check the folder's tokenizer, when it has one: its JSON files are JSON objects, it loads
+        with transformers (from a copy of the tokenizer files alone, so the source's own config.json
+        cannot steer it) and has at most ``vocab_size`` (default: config.json's) tokens. Returns its
+        size (None: no tokenizer)."""
+        if not self.tokenizer_files:
+            return None
+        return _tokenizer_size(self.tokenizer_files, self._vocab_size(vocab_size))
+
+    def copy_tokenizer(self, dst: PathLike, vocab_size: int | None = None) -> list[str]:
+        """:meth:`check_tokenizer`, then the tokenizer files copied into ``dst`` byte for byte;
+        returns their names."""
+        self.check_tokenizer(vocab_size)
+        for file in self.tokenizer_files:
+            shutil.copyfile(file, Path(dst) / file.name)
+        return [file.name for file in self.tokenizer_files]
+
+
+_TOKENIZER_SIZES: dict[tuple[tuple[Path, int, int], ...], int] = {}
+
+
+def _tokenizer_size(files: tuple[Path, ...], vocab_size: int) -> int:
+    """``len(tokenizer)`` of the tokenizer made of ``files``, checked (see ``check_tokenizer``);
+    remembered per (file, size, mtime), since a converter checks before it copies."""
+    from transformers import AutoTokenizer
+
+    stamp = tuple((file, file.stat().st_size, file.stat().st_mtime_ns) for file in files)
+    if stamp not in _TOKENIZER_SIZES:
+        for file in files:
+            if file.name in _JSON_TOKENIZER_FILES:
+                read_json_object(file)
+        with tempfile.TemporaryDirectory(prefix="looped-tokenizer-") as tmp:
+            for file in files:
+                shutil.copyfile(file, Path(tmp) / file.name)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(tmp)
+            except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exceptions (and KeyError) for bad files
+                names = ", ".join(file.name for file in files)
+                raise ConversionError(f"{files[0].parent}: the tokenizer ({names}) does not load "
+                                      f"({type(err).__name__}: {first_line(err)})") from None  # fmt: skip
+        _TOKENIZER_SIZES[stamp] = len(tokenizer)
+    size = _TOKENIZER_SIZES[stamp]
+    if size > vocab_size:
+        raise ConversionError(f"{files[0].parent}: the tokenizer has {size} tokens, more than the model's "
+                              f"vocab_size={vocab_size}: its last ids would index past the embedding")  # fmt: skip
+    return size
+
+
+__all__ = [
+    "HF_BOOKKEEPING_KEYS",
+    "ROPE_REQUIRED_KEYS",
+    "TOKENIZER_FILES",
+    "Checkpoint",
+    "check_known_keys",
+    "check_recurrences",
+    "config_bool",
+    "config_rope_parameters",
+    "config_int",
+    "config_number",
+    "max_num_recurrences",
+    "read_json_object",
+    "rope_parameters",
+    "token_ids",
+]

@@ -1,0 +1,36 @@
+"""Retrofit a pretrained dense transformers LM into a looped one: ``looped-hf retrofit PARENT_DIR``.
+
+Two published methods, over one core (``core.py``: read the parent tensor by tensor, build the
+looped model, write a Hub-ready folder with ``retrofit.json`` and a card naming the parent):
+
+* retrofitted recurrence (McLeish et al. 2025): ``--layers P,R,C`` / explicit ranges (prelude,
+  recurrent block, coda; the layers between prelude and block dropped) or ``--loop-in-place``
+  (every layer kept), with a ``[state; embedding]`` adapter (``--adapter-init``) and the paper's
+  initial state (``--state-init``);
+* Relaxed Recursive Transformers (Bae et al. 2024): ``--share stepwise|average|lower --blocks K``,
+  optionally ``--lora-rank N`` (a LoRA per loop position from the SVD of the residual,
+  ``loop_lora.py``).
+
+The layer choices are small functions in ``plan.py``; each parent family is one module
+(``llama.py``: Llama, Mistral; ``qwen.py``: Qwen2, Qwen3; ``olmo2.py``), mapped by the config's
+``architectures`` name. See docs/retrofit.md.
+"""
+
+from ..convert.common import ConversionError
+from .cli import main
+from .core import FAMILIES, build_retrofit, default_out, retrofit
+from .plan import LayerPlan, explicit, loop_in_place, paper_rule, share
+
+__all__ = [
+    "FAMILIES",
+    "ConversionError",
+    "LayerPlan",
+    "build_retrofit",
+    "default_out",
+    "explicit",
+    "loop_in_place",
+    "main",
+    "paper_rule",
+    "retrofit",
+    "share",
+]

@@ -1,0 +1,143 @@
+"""``looped-hf retrofit`` refuses bad input with one line naming the field and the value (exit 2) and
+writes nothing: an unmapped parent class, layer ranges that overlap, leave a gap or pass the last
+layer, a LoRA rank above the width, a pickle-only parent, an existing ``--out``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_retrofit import tiny_parent
+
+from looped_hf.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    return tiny_parent(tmp_path_factory.mktemp("refusals") / "parent", "llama")
+
+
+def refused(capsys, *argv) -> str:
+    """Run the command, assert exit 2 with one stderr line and nothing written beside the parent."""
+    root = argv[0].parent
+    before = sorted(p.name for p in root.iterdir())
+    capsys.readouterr()  # what building the parent printed
+    assert cli_main(["retrofit", *map(str, argv)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in root.iterdir()) == before
+    return err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prelude", "0-3", "--recurrent", "3-4", "--coda", "5"], "--prelude and --recurrent overlap at layer 3"),
+        (["--prelude", "0-1", "--recurrent", "2-3", "--coda", "5"], "--recurrent=2-3: leaves a gap before the coda"),
+        (["--prelude", "0-1", "--recurrent", "3-4"], "--recurrent=3-4: leaves a gap before the coda"),
+        (["--prelude", "1-2", "--recurrent", "3-4", "--coda", "5"], "--prelude=1-2: leaves a gap"),
+        (["--prelude", "0-1", "--recurrent", "2-3", "--coda", "4-6"], "--coda=4-6: passes the parent's last layer"),
+        (["--prelude", "0-1", "--recurrent", "4-3"], "--recurrent='4-3': expected a layer range"),
+        (["--layers", "2,4,2"], "--layers=2,4,2: needs P, C >= 0, R >= 1 and P + R + C <= num_hidden_layers=6"),
+        (["--layers", "2,0,1"], "--layers=2,0,1"),
+        (["--layers", "2,2"], "--layers='2,2': expected three counts"),
+        (["--loop-in-place", "--layers", "1,2,1"], "--loop-in-place keeps every layer, but the layer choice drops"),
+        (["--share", "average", "--blocks", "4"], "--blocks=4: must divide the parent's num_hidden_layers=6"),
+        (["--share", "average", "--blocks", "2", "--lora-rank", "65"], "--lora-rank=65: must be in [1, the width hidden_size=64]"),
+        (["--share", "average", "--blocks", "2", "--layers", "2,2,2"], "--layers: not an option of --share=average"),
+        (["--share", "average"], "--share=average: needs --blocks K"),
+        (["--layers", "2,2,2", "--lora-rank", "8"], "--lora-rank: only with --share"),
+        (["--layers", "2,2,2", "--prelude", "0-1"], "give one layer choice, not both"),
+        ([], "no layer choice"),
+    ],
+)  # fmt: skip
+def test_bad_layer_choices_are_refused_by_name(capsys, parent, flags, message):
+    assert message in refused(capsys, parent, *flags, "--out", parent.parent / "out")
+
+
+def test_a_parent_class_it_cannot_map_is_refused(capsys, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    ).save_pretrained(tmp_path / "gpt2")
+    err = refused(capsys, tmp_path / "gpt2", "--layers", "1,1,0")
+    assert "architectures=['GPT2LMHeadModel']: not a parent class retrofit maps" in err
+
+
+def test_a_pickle_only_parent_is_refused(capsys, tmp_path, parent):
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((parent / "config.json").read_bytes())
+    torch.save(load_file(parent / "model.safetensors"), folder / "pytorch_model.bin")
+    err = refused(capsys, folder, "--loop-in-place")
+    assert "only a pickled pytorch_model.bin checkpoint, refused" in err
+
+
+def test_a_sliding_window_parent_is_refused(capsys, tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, sliding_window=16)  # fmt: skip
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    err = refused(capsys, tmp_path / "mistral", "--loop-in-place")
+    assert "sliding_window=16" in err
+
+
+@pytest.mark.parametrize(
+    ("family", "edits", "message"),
+    [
+        ("llama", {"hidden_act": "gelu"}, "config.json hidden_act='gelu': the families' MLP is gated silu"),
+        ("llama", {"head_dim": 15}, "transformers cannot read it (RoPE requires an even rotary dimension, but got "
+                                    "`head_dim`=15"),
+        ("llama", {"rope_scaling": None, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                   "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}},
+         "config.json rope_parameters.rope_type='longrope': retrofit carries the RoPE types"),
+        ("mistral", {"mlp_bias": True}, "config.json mlp_bias=True: MistralMLP has no bias"),
+        ("qwen2", {"attention_bias": True}, "config.json attention_bias=True: Qwen2Attention's biases are fixed"),
+        ("qwen3", {"use_sliding_window": True}, "config.json use_sliding_window=True: Qwen's sliding attention"),
+        ("olmo2", {"clip_qkv": 8.0}, "config.json clip_qkv=8.0: OLMo's q/k/v clipping"),
+    ],
+)  # fmt: skip
+def test_parent_options_the_mapping_does_not_carry_are_refused_by_name(
+    capsys, tmp_path, family, edits, message
+):
+    folder = tiny_parent(tmp_path / family, family, num_layers=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edits}))
+    assert message in refused(capsys, folder, "--loop-in-place")
+    assert message in refused(capsys, folder, "--share", "lower", "--blocks", "1", "--lora-rank", "4")
+
+
+def test_an_existing_out_is_kept_unless_overwrite(capsys, parent, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    err = refused(capsys, parent, "--loop-in-place", "--out", out)
+    assert f"--out {out} already exists; pass --overwrite" in err and (out / "keep.txt").read_text() == "mine"
+    # --overwrite never replaces a user's other folder, only an earlier looped_hf output.
+    err = refused(capsys, parent, "--loop-in-place", "--out", out, "--overwrite")
+    assert "--overwrite replaces only an empty folder or an earlier looped_hf output" in err
+    earlier = tmp_path / "earlier"
+    assert cli_main(["retrofit", str(parent), "--layers", "2,2,2", "--out", str(earlier)]) == 0
+    assert cli_main(["retrofit", str(parent), "--loop-in-place", "--out", str(earlier), "--overwrite"]) == 0
+    assert '"method": "loop_in_place"' in (earlier / "retrofit.json").read_text()
+
+
+def test_overwrite_replaces_an_earlier_loop_lora_retrofit(parent, tmp_path):
+    from looped_hf.configuration_looped import LoopedConfig
+    from looped_hf.convert.common import LOOPED_MODEL_TYPES
+    from looped_hf.retrofit.loop_lora import LoopLoRAConfig
+
+    assert {LoopedConfig.model_type, LoopLoRAConfig.model_type} <= set(LOOPED_MODEL_TYPES)
+    earlier = tmp_path / "rrt"
+    assert cli_main(["retrofit", str(parent), "--share", "lower", "--blocks", "3", "--lora-rank", "4",
+                     "--out", str(earlier)]) == 0  # fmt: skip
+    assert cli_main(["retrofit", str(parent), "--share", "lower", "--blocks", "2", "--lora-rank", "8",
+                     "--out", str(earlier), "--overwrite"]) == 0  # fmt: skip
+    assert cli_main(["retrofit", str(parent), "--loop-in-place", "--out", str(earlier), "--overwrite"]) == 0
+    assert '"model_type": "looped"' in (earlier / "config.json").read_text()
+    assert not (earlier / "loop_lora.py").exists()  # the folder is replaced, not merged
