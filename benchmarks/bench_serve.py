@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="interpreter for the generate() side (default: this one)")  # fmt: skip
     p.add_argument("--generate-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
+    p.add_argument("--depth-mix", action="store_true",
+                   help="per-request depth instead: requests at r = --shallow and --r served together against "
+                        "all at --r, the two groups one after the other, and the stock vLLM worker (see depth_mix)")  # fmt: skip
+    p.add_argument("--shallow", type=int, default=2, help="the shallow requests' r in --depth-mix")
     return p
 
 
@@ -306,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
         root = Path(tmp)
+        if args.depth_mix:
+            return depth_mix_main(args, argv, root)
         # vLLM's compile cache and IPC sockets in the temp folder, a fixed CPU KV-cache size.
         for name in ("cache", "rpc"):
             (root / name).mkdir()
@@ -343,6 +349,139 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {"args": vars(args), "throughput": results, "cpu_throughput": cpu, "norms": norms, "kv": rows}
         Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+# --- per-request depth (--depth-mix) ------------------------------------------------------------------
+# One engine serves requests at r = --shallow and r = --r (its --max-num-recurrences) in one batch. Sides,
+# interleaved in every repeat, at each concurrency n (half the requests shallow, half deep; n = 1: one
+# deep request):
+#   mixed     n requests, half at --shallow and half at --r, submitted together (one batch);
+#   all_deep  the same n requests, all at --r;
+#   separate  the shallow half alone, then the deep half alone (what two servers, one per depth, serving
+#             the groups one after the other cost: each group runs the batch's uniform path, the loop a
+#             fixed-r server runs);
+#   stock     all at --r through vLLM's own CPU worker (no per-request depth kwargs: the model runs
+#             every token at the engine's r, today's single-depth path), on a second engine.
+# The loop's share of a step: the time in the loop (``_VllmRecurrentBlock.run``) over the forward's, in
+# the all_deep runs (the engine core runs in this process).
+
+
+def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, dict[int, list[float]]], float]:
+    """({side: {n: [seconds per repeat]}}, the loop's share of the forward in all_deep)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from looped_hf.serving import vllm_model
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
+    deep = {"num_recurrences": args.r}
+    shallow = {"num_recurrences": args.shallow}
+    engine = vllm_engine(folder, args, hf_overrides={"max_num_recurrences": args.r})
+    stock = vllm_engine(folder, args, hf_overrides={"max_num_recurrences": args.r},
+                        worker_cls="vllm.v1.worker.cpu_worker.CPUWorker")  # fmt: skip
+
+    def run(llm: Any, depths: list[dict]) -> float:
+        params = [SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, extra_args=d) for d in depths]
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[: len(depths)]], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    def halves(n: int) -> tuple[list[dict], list[dict]]:
+        return [shallow] * (n // 2), [deep] * (n - n // 2)
+
+    def separate(n: int) -> float:
+        low, high = halves(n)
+        return (run(engine, low) if low else 0.0) + run(engine, high)
+
+    sides: dict[str, Callable[[int], float]] = {
+        "mixed": lambda n: run(engine, [d for pair in zip(*halves(n)) for d in pair] + halves(n)[1][n // 2 :]),
+        "all_deep": lambda n: run(engine, [deep] * n),
+        "separate": separate,
+        "stock": lambda n: run(stock, [deep] * n),
+    }
+    for fn in sides.values():  # warm-up
+        fn(min(args.concurrency))
+    loop_time, forward_time = [0.0], [0.0]
+    block_run, model_forward = vllm_model._VllmRecurrentBlock.run, vllm_model.LoopedVllmModel.forward
+
+    def timed(fn: Callable, total: list[float]) -> Callable:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                total[0] += time.perf_counter() - start
+
+        return wrapper
+
+    results: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.concurrency} for name in sides}
+    for rep in range(args.repeats):
+        for n in args.concurrency:
+            for name, fn in sides.items():
+                if name == "all_deep":  # only here: the timers' own cost stays out of the other sides
+                    vllm_model._VllmRecurrentBlock.run = timed(block_run, loop_time)
+                    vllm_model.LoopedVllmModel.forward = timed(model_forward, forward_time)
+                try:
+                    results[name][n].append(fn(n))
+                finally:
+                    vllm_model._VllmRecurrentBlock.run, vllm_model.LoopedVllmModel.forward = block_run, model_forward
+        print(f"[bench_serve] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    close(engine)
+    close(stock)
+    return results, loop_time[0] / max(forward_time[0], 1e-9)
+
+
+def depth_mix_table(results: dict[str, dict[int, list[float]]], shallow: int, deep: int) -> str:
+    """Markdown: seconds per side and concurrency (median, min .. max) and the target ratios (of medians)."""
+    lines = [
+        f"| requests | mixed r={shallow} + r={deep} (s) | all r={deep} (s) | two groups one after the other (s) | "
+        f"all r={deep}, stock worker (s) | mixed / all r={deep} | mixed / two groups | stock / looped worker |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(values: Sequence[float]) -> str:
+        return f"{statistics.median(values):.2f} ({min(values):.2f} .. {max(values):.2f})"
+
+    for n in results["mixed"]:
+        med = {name: statistics.median(results[name][n]) for name in results}
+        lines.append(
+            f"| {n} | {cell(results['mixed'][n])} | {cell(results['all_deep'][n])} | {cell(results['separate'][n])} | "
+            f"{cell(results['stock'][n])} | {med['mixed'] / med['all_deep']:.2f} | {med['mixed'] / med['separate']:.2f} | "
+            f"{med['stock'] / med['all_deep']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path) -> int:
+    """``--depth-mix``: save the model (trained at --r), time the sides, print the table."""
+    if not 1 <= args.shallow <= args.r:
+        print(f"bench_serve: --shallow {args.shallow} must be from 1 to --r {args.r}", file=sys.stderr)
+        return 2
+    for name in ("cache", "rpc"):
+        (root / name).mkdir()
+    os.environ.update({"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
+                       "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "TOKENIZERS_PARALLELISM": "false",
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
+    import torch
+    import vllm
+
+    looped_dir, _, config = save_models(root, args)
+    results, loop_share = depth_mix_sides(args, looped_dir)
+    prelude, block, coda = args.layers
+    print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "
+          f"{'compiled' if args.compile else 'eager'}, engine core in this process")  # fmt: skip
+    print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, served up to r={args.r}; prompts "
+          f"{args.prompt_len} tokens, {args.new_tokens} new tokens; seconds, median (min .. max) of {args.repeats} "
+          f"repeats; the loop is {loop_share:.0%} of the forward at r={args.r}; ideal mixed / all r={args.r}: "
+          f"{(args.shallow + args.r) / (2 * args.r):.2f} of the loop\n")  # fmt: skip
+    print(depth_mix_table(results, args.shallow, args.r))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "depth_mix": results, "loop_share": loop_share}))
     return 0
 
 

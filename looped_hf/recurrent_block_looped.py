@@ -91,19 +91,22 @@ def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torc
     return torch.stack(probabilities, dim=-1)
 
 
-def threshold_exit_steps(probabilities: torch.Tensor, threshold: float) -> torch.LongTensor:
+def threshold_exit_steps(probabilities: torch.Tensor, threshold: float | torch.Tensor) -> torch.LongTensor:
     """Per token, the 0-based step at which the exit CDF first reaches ``threshold`` (Ouro's
-    threshold exit); the last step where it never does (the CDF rounds to just under 1)."""
+    threshold exit); the last step where it never does (the CDF rounds to just under 1). A tensor
+    ``threshold`` of shape (..., tokens, 1) gives each token its own (the vLLM model's per-request
+    thresholds)."""
     reached = probabilities.cumsum(dim=-1) >= threshold
     first = reached.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
     return torch.where(reached.any(dim=-1), first, probabilities.shape[-1] - 1)
 
 
-def threshold_readout(values: list[torch.Tensor], probabilities: torch.Tensor, threshold: float,
+def threshold_readout(values: list[torch.Tensor], probabilities: torch.Tensor, threshold: float | torch.Tensor,
                       ) -> tuple[torch.Tensor, torch.LongTensor]:  # fmt: skip
     """Ouro's threshold exit, per token: (the value at each token's exit step, that 0-based step).
     ``values`` holds one tensor per recurrence (states or logits; (..., tokens, width)), and
-    ``probabilities`` the exit distribution (..., tokens, r); the step is ``threshold_exit_steps``'.
+    ``probabilities`` the exit distribution (..., tokens, r); the step is ``threshold_exit_steps``'
+    (``threshold``: one number, or one per token).
     The one readout of ``LoopedForCausalLM`` and the vLLM model."""
     steps = threshold_exit_steps(probabilities, threshold)
     stacked = torch.stack(values, dim=-2)

@@ -53,3 +53,20 @@ def test_the_generate_worker_answers_each_batch(bench, tmp_path) -> None:
     finally:
         worker.close()
     assert all(rate > 0 for rate in rates)
+
+
+def test_the_depth_mix_table_gives_each_sides_spread_and_the_target_ratios(bench) -> None:
+    results = {
+        "mixed": {32: [6.0, 6.5, 7.0]},
+        "all_deep": {32: [10.0, 9.0, 11.0]},
+        "separate": {32: [6.0, 5.5, 5.0]},
+        "stock": {32: [10.0, 10.0, 10.0]},
+    }
+    lines = bench.depth_mix_table(results, 2, 8).splitlines()
+    assert lines[0].startswith("| requests | mixed r=2 + r=8 (s) | all r=8 (s) |")
+    assert lines[2] == "| 32 | 6.50 (6.00 .. 7.00) | 10.00 (9.00 .. 11.00) | 5.50 (5.00 .. 6.00) | 10.00 (10.00 .. 10.00) | 0.65 | 1.18 | 1.00 |"
+
+
+def test_a_shallow_depth_above_r_is_refused_with_exit_2(bench, capsys) -> None:
+    assert bench.main(["--depth-mix", "--r", "4", "--shallow", "5"]) == 2
+    assert "--shallow 5" in capsys.readouterr().err

@@ -189,15 +189,15 @@ def test_the_kv_budget_changes_what_is_served_and_the_slots_it_needs(references)
 
 
 @needs_vllm
-def test_a_request_for_another_r_is_refused_and_the_engines_r_is_accepted(checkpoints, prompts, workdir) -> None:
+def test_a_request_outside_the_servers_depths_is_refused_and_one_inside_is_served(checkpoints, prompts, workdir) -> None:
     from vllm.exceptions import VLLMValidationError
 
     llm = make_llm(checkpoints["study"], {"kv_budget": 2})
     try:
-        with pytest.raises((ValueError, VLLMValidationError), match=r"num_recurrences=5: this engine serves num_recurrences=3"):
+        with pytest.raises((ValueError, VLLMValidationError), match=r"num_recurrences=5: must be an integer from 1 to 3"):
             greedy(llm, prompts[:1], extra_args={"num_recurrences": 5})
-        with pytest.raises((ValueError, VLLMValidationError), match=r"kv_budget=1: this engine serves"):
-            greedy(llm, prompts[:1], extra_args={"kv_budget": 1})
+        with pytest.raises((ValueError, VLLMValidationError), match=r"kv_budget=3: must be an integer from 1 to 2"):
+            greedy(llm, prompts[:1], extra_args={"kv_budget": 3})
         assert len(greedy(llm, prompts[:1], extra_args={"num_recurrences": 3, "kv_budget": 2})[0].token_ids) == NEW_TOKENS
     finally:
         close(llm)
@@ -224,13 +224,17 @@ def test_what_cannot_be_served_exactly_is_refused_with_one_clear_line(arch_overr
 
 @needs_vllm
 def test_without_the_config_hook_a_budget_engine_that_would_split_prompts_is_refused(checkpoints, monkeypatch):
-    """The model itself refuses prefix caching and chunked prefill with kv_budget < r, naming both,
-    when the plugin's config hook did not turn them off (a vLLM without its hook table)."""
+    """The model itself refuses prefix caching (requests may run at different depths) and chunked
+    prefill (a kv_budget), naming both, when the plugin's config hook did not turn them off (a vLLM
+    without its hook table)."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.plugins import load_general_plugins
 
+    load_general_plugins()  # once per process: the engine below will not add the hook back
     monkeypatch.delitem(MODELS_CONFIG_MAP, "LoopedForCausalLM")
-    with pytest.raises(Exception, match=r"enable_prefix_caching=True: with kv_budget=2 < num_recurrences=3 .*"
-                                        r"; enable_chunked_prefill=True: .*--no-enable-chunked-prefill"):  # fmt: skip
+    with pytest.raises(Exception, match=r"enable_prefix_caching=True: requests may run at different depths .*"
+                                        r"--no-enable-prefix-caching\); enable_chunked_prefill=True: with kv_budget=2 .*"
+                                        r"--no-enable-chunked-prefill"):  # fmt: skip
         close(make_llm(checkpoints["study"], {"kv_budget": 2}))
 
 

@@ -344,7 +344,8 @@ def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
         ({"prompt": "x", "sampling_params": {"extra_args": {"num_recurrences": "4"}}},
          "sampling_params.extra_args.num_recurrences='4'"),  # fmt: skip
         ({"prompt": "x", "num_recurrences": True}, "num_recurrences=True"),
-        ({"prompt": "x", "num_recurrences": 4, "kv_budget": None}, None),  # the engine's own: served
+        ({"prompt": "x", "num_recurrences": 4, "kv_budget": None}, None),  # within the server's bounds: served
+        ({"prompt": "x", "num_recurrences": 1}, None),
         ({"prompt": "x", "max_tokens": 2}, None),
         # Keys in the user's data are not options: a JSON schema's property, a message.
         ({"messages": [{"role": "user", "content": "hi", "num_recurrences": 9}],
@@ -352,15 +353,16 @@ def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path) -> None:
               "num_recurrences": {"type": "integer"}}}}}}, None),  # fmt: skip
     ],
 )
-def test_a_request_body_naming_another_r_or_budget_is_refused(body, refused) -> None:
-    from looped_hf.serving.plugin import body_refusal
+def test_a_request_body_naming_a_depth_the_server_cannot_honour_is_refused(body, refused) -> None:
+    from looped_hf.serving.depth import ServedDepth
+    from looped_hf.serving.plugin import map_body
 
-    found = body_refusal(json.dumps(body).encode(), 4, None)
+    _, found = map_body(body, ServedDepth(4, 4, None, None, False))  # r 4 (ceiling 4), no budget
     if refused is None:
         assert found is None
     else:
         field, why = found
-        assert why.startswith(refused + ": this engine serves num_recurrences=4, kv_budget=None"), why
+        assert why.startswith(refused + ": "), why
         assert field == refused.split("=")[0]
 
 
@@ -378,7 +380,9 @@ def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    hf_config = SimpleNamespace(num_recurrences=2, kv_budget=1)
+    from serving_helpers import serving_config
+
+    hf_config = serving_config(num_recurrences=2, kv_budget=1)
     app = SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(
         hf_config=hf_config))))  # fmt: skip
 
@@ -402,12 +406,12 @@ def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
     assert status == 400 and not seen
     error = json.loads(body)["error"]
     assert error["code"] == 400 and error["param"] == "num_recurrences"
-    assert error["message"].startswith("num_recurrences=8: this engine serves num_recurrences=2, kv_budget=1")
+    assert error["message"].startswith("num_recurrences=8: must be an integer from 1 to 2")
     status, body = call({"prompt": "x", "num_recurrences": 2, "vllm_xargs": {"kv_budget": 1}})
     assert status == 200 and body == b"ok"
-    # vLLM got the whole body, as the client sent it.
-    assert b"".join(m["body"] for m in seen) == json.dumps({"prompt": "x", "num_recurrences": 2,
-                                                             "vllm_xargs": {"kv_budget": 1}}).encode()  # fmt: skip
+    # vLLM got the whole body, its top-level depth moved into vllm_xargs (where vLLM hands it to the engine).
+    assert json.loads(b"".join(m["body"] for m in seen)) == {"prompt": "x", "vllm_xargs": {"kv_budget": 1,
+                                                                                          "num_recurrences": 2}}
 
 
 # --- a real server ----------------------------------------------------------------------------
@@ -514,17 +518,17 @@ def test_train_publish_serve_and_query_with_the_openai_client_and_lm_eval(tmp_pa
         [model] = [m.id for m in client.models.list().data]
         assert model == str(run / "publish")  # the run's published folder is what is served
         served = []
-        for prompts, extra in ((token_prompts, {}), (text_prompts, {"num_recurrences": R})):  # R: the engine's own
+        for prompts, extra in ((token_prompts, {}), (text_prompts, {"num_recurrences": R})):  # R: the server's default
             done = client.completions.create(model=model, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0,
                                              extra_body={**greedy, **extra})  # fmt: skip
             served += [(c.prompt_token_ids, c.token_ids) for c in sorted(done.choices, key=lambda c: c.index)]
         chat = client.chat.completions.create(model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
                                               extra_body=greedy)  # fmt: skip
-        # A request cannot change the engine's r: asking for another is a 400 that says so.
+        # A request above the server's ceiling (its r: no --max-num-recurrences) is a 400 that says so.
         for extra in ({"num_recurrences": R + 1}, {"vllm_xargs": {"num_recurrences": R + 1}}):
             with pytest.raises(openai.BadRequestError) as refused:
                 client.completions.create(model=model, prompt=text_prompts[0], max_tokens=2, extra_body=extra)
-            assert f"num_recurrences={R + 1}: this engine serves num_recurrences={R}" in str(refused.value)
+            assert f"num_recurrences={R + 1}: must be an integer from 1 to {R}" in str(refused.value)
 
         tasks = tmp_path / "tasks"
         tasks.mkdir()

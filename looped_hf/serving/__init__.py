@@ -53,7 +53,7 @@ def servable_problems(
     if config.exit_criterion is not None:
         problems.append(
             f"exit_criterion={config.exit_criterion!r}: per-token adaptive exit is not served by vLLM (every token of "
-            "a batch runs the engine's r); save the config with exit_criterion=None to serve at a fixed r"
+            "a batch runs its request's r); save the config with exit_criterion=None to serve at a fixed r"
         )
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type in CALL_DEPENDENT_ROPE_TYPES:

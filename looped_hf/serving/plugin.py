@@ -9,29 +9,28 @@ It makes three things known to vLLM:
 - architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
   process that builds the model);
 - a config hook (run when the engine's config is made, in the process the user started) that
-  refuses what cannot be served with one clear line, and, for a ``kv_budget`` below r, turns off
-  the two scheduler features that would split tokens into forward calls differently from
-  ``generate()`` (see ``vllm_model``'s docstring): prefix caching and chunked prefill. It also adds
-  the engine's request guard (below) to its logits processors. vLLM has no public way to register
-  such a hook (``_register_config_hook`` says why it is still needed, and where it goes).
+  refuses what cannot be served with one clear line, installs the CPU worker that hands each
+  request's depth to the model (``worker``; unless the user chose a worker), turns off the two
+  scheduler features that would serve a request other than ``generate()`` does
+  (``depth_setting_problems``: prefix caching when the server runs more than one depth, chunked
+  prefill with a kv_budget), and adds the engine's request guard (below) to its logits processors.
+  vLLM has no public way to register such a hook (``_register_config_hook`` says why it is still
+  needed, and where it goes).
 
-r and kv_budget are per engine, and a request that asks for another is refused, never served at the
-engine's r in silence. Two guards do it:
+Each request runs at its own depth (``depth.ServedDepth``: num_recurrences, kv_budget,
+exit_threshold, within the server's bounds), and one outside them is refused, never served at
+another depth in silence. Two guards do it:
 
 - ``RequestGuard``, an ASGI middleware that ``looped-hf serve`` adds to vLLM's server
   (``--middleware looped_hf.serving.plugin.RequestGuard``): it reads each POST body before vLLM
-  does and answers HTTP 400 when ``num_recurrences`` or ``kv_budget`` appears anywhere in it (the
-  top level, where the OpenAI client's ``extra_body`` lands and vLLM would ignore it; ``vllm_xargs``;
-  any nested object) with a value other than the engine's. Keys inside the user's data (prompts,
-  messages, JSON schemas, tool definitions) are not options and are not read.
-- a logits processor whose ``validate_params`` runs at admission, for the one per-request channel
-  that reaches the engine, ``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI body; the
-  offline ``vllm.LLM``): the CPU model runner never hands it to the model's forward, so it cannot
-  change r. Its ``apply`` changes nothing. The engine's values are in the guard's name
-  (``RecurrenceGuard_r3_k2``; k 0: no budget), made on demand by this module's ``__getattr__``, so
-  vLLM can load it by name in every process.
-
-A value equal to the engine's is accepted by both.
+  does, moves the depth fields at its top level (where the OpenAI client's ``extra_body`` lands and
+  vLLM would drop them) into ``vllm_xargs``, and answers HTTP 400 naming the field and the allowed
+  range for a value out of bounds, or for such a field anywhere else (a nested object). Keys inside
+  the user's data (prompts, messages, JSON schemas, tool definitions) are not options and are not read.
+- a logits processor whose ``validate_params`` runs ``ServedDepth.resolve`` at admission on
+  ``SamplingParams.extra_args`` (``vllm_xargs``; the offline ``vllm.LLM``). Its ``apply`` changes
+  nothing. The server's bounds are in the guard's name (``guard_name``), made on demand by this
+  module's ``__getattr__``, so vLLM can load it by name in every process.
 """
 
 from __future__ import annotations
@@ -44,45 +43,52 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
+from .depth import REQUEST_KEYS, DepthError, ServedDepth
 
 logger = logging.getLogger(__name__)
 
 
-def budget_setting_problems(vllm_config) -> list[str]:
-    """The engine settings that would serve a ``kv_budget`` below r other than ``generate()`` does,
-    one line each naming the setting and its fix (empty: none, or every slot its own). With kv_budget
-    < r a token's KV at a shared slot depends on which tokens shared its forward call, so prompts
-    must be prefilled whole, and never from another request's cached prefix. The config hook turns
-    these off; the model refuses an engine that still has them (a vLLM that did not run the hook)."""
-    from ..generation_looped import KVSlotPlan  # torch: only where an engine is configured
-
-    config = vllm_config.model_config.hf_config
-    if not KVSlotPlan.for_call(config).shares_slots:
-        return []
-    why = f"with kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences} prompts are prefilled whole"
-    settings = {
-        "enable_prefix_caching": vllm_config.cache_config.enable_prefix_caching,
-        "enable_chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
+def depth_setting_problems(vllm_config) -> list[str]:
+    """The engine settings that would serve a request other than ``generate()`` does, one line each
+    naming the setting and its fix (empty: none). Requests at different depths write different KV (a
+    request at r = 2 leaves slots 2.. empty, and its coda's KV is not r = 8's), so a cached prefix is
+    not another depth's: no prefix caching when the server runs more than one depth. A budget below
+    r makes a token's KV at a shared slot depend on which tokens shared its forward call, so with a
+    budget (any request may ask one below its r) prompts are prefilled whole: no chunked prefill. The
+    config hook turns these off; the model refuses an engine that still has them (a vLLM that did
+    not run the hook)."""
+    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
+    problems = {
+        "enable_prefix_caching": (
+            vllm_config.cache_config.enable_prefix_caching and not served.single_depth,
+            f"requests may run at different depths (num_recurrences 1 .. {served.max_num_recurrences}, "
+            f"kv_budget={served.kv_budget}), and one depth's cached prefix is not another's",
+        ),
+        "enable_chunked_prefill": (
+            vllm_config.scheduler_config.enable_chunked_prefill and served.kv_budget is not None,
+            f"with kv_budget={served.kv_budget} (a request's budget below its r) prompts are prefilled whole, "
+            "as generate() does",
+        ),
     }
     return [
-        f"{name}=True: {why}, as generate() does; pass {name}=False (--no-{name.replace('_', '-')})"
-        for name, on in settings.items()
+        f"{name}=True: {why}; pass {name}=False (--no-{name.replace('_', '-')})"
+        for name, (on, why) in problems.items()
         if on
     ]
 
 
-def _budget_settings(vllm_config) -> None:
-    """Turn off what ``budget_setting_problems`` names, and let a whole prompt fit one call."""
-    if not budget_setting_problems(vllm_config):
-        return
-    config = vllm_config.model_config.hf_config
-    why = f"kv_budget={config.kv_budget} < num_recurrences={config.num_recurrences}"
+def _depth_settings(vllm_config) -> None:
+    """Turn off what ``depth_setting_problems`` names, and with a budget let a whole prompt fit one call."""
+    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
     cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
-    if cache_config.enable_prefix_caching:
-        logger.info("looped_hf: %s, turning prefix caching off", why)
+    if cache_config.enable_prefix_caching and not served.single_depth:
+        logger.info("looped_hf: requests may run at different depths (1 .. %d), turning prefix caching off",
+                    served.max_num_recurrences)  # fmt: skip
         cache_config.enable_prefix_caching = False
+    if served.kv_budget is None:
+        return
     if scheduler_config.enable_chunked_prefill:
-        logger.info("looped_hf: %s, turning chunked prefill off", why)
+        logger.info("looped_hf: kv_budget=%s, turning chunked prefill off", served.kv_budget)
         scheduler_config.enable_chunked_prefill = False
         scheduler_config.long_prefill_token_threshold = 0
     max_len = vllm_config.model_config.max_model_len
@@ -90,37 +96,33 @@ def _budget_settings(vllm_config) -> None:
         scheduler_config.max_num_batched_tokens = max_len
 
 
-REQUEST_KEYS = ("num_recurrences", "kv_budget")
-_GUARD_NAME = re.compile(r"RecurrenceGuard_r(\d+)_k(\d+)")
+def _install_worker(vllm_config) -> None:
+    """On CPU, vLLM's V1 runner with each request's depth in the forward (``worker``), unless the user
+    chose a worker."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if current_platform.is_cpu() and parallel.worker_cls == "auto":
+        from .worker import WORKER_CLS
+
+        parallel.worker_cls = WORKER_CLS
 
 
-def guard_name(num_recurrences: int, kv_budget: int | None) -> str:
-    """The request guard's class name for an engine at r with kv_budget (None: every slot its own)."""
-    return f"RecurrenceGuard_r{num_recurrences}_k{kv_budget or 0}"
+_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)")
 
 
-def refusal(field: str, value: Any, num_recurrences: int, kv_budget: int | None) -> str | None:
-    """Why a request that sets ``field`` (where it sits in the request, e.g. ``vllm_xargs.kv_budget``)
-    to ``value`` is refused by an engine at ``num_recurrences`` / ``kv_budget``; None when ``value``
-    is the engine's own (an integer equal to it, or null for an engine without a budget)."""
-    engine = {"num_recurrences": num_recurrences, "kv_budget": kv_budget}[field.rsplit(".", 1)[-1]]
-    same = value is None if engine is None else type(value) is int and value == engine
-    if same:
-        return None
-    return (
-        f"{field}={value!r}: this engine serves num_recurrences={num_recurrences}, kv_budget={kv_budget}; both "
-        "are set per engine (hf_overrides, looped-hf serve --num-recurrences / --kv-budget), not per request"
-    )
+def guard_name(served: ServedDepth) -> str:
+    """The request guard's class name for a server's depths (``ServedDepth``; k 0: no budget). vLLM reads
+    a dot in the name as an attribute path, so the threshold's is a ``p`` (and a minus an ``m``)."""
+    threshold = "none" if served.exit_threshold is None else repr(served.exit_threshold).replace(".", "p").replace("-", "m")
+    lock = "locked" if served.locked else "free"
+    return f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}_t{threshold}_{lock}"
 
 
-def check_request(extra_args: dict | None, num_recurrences: int, kv_budget: int | None) -> None:
-    """Raise ``ValueError`` when a request's ``extra_args`` ask for an r or kv_budget other than the
-    engine's (a value equal to the engine's is accepted)."""
-    for key in REQUEST_KEYS:
-        if extra_args and key in extra_args:
-            why = refusal(key, extra_args[key], num_recurrences, kv_budget)
-            if why:
-                raise ValueError(why)
+def _served_from_name(name: str) -> ServedDepth:
+    r, ceiling, k, threshold, lock = _GUARD_NAME.fullmatch(name).groups()
+    threshold = None if threshold == "none" else float(threshold.replace("p", ".").replace("m", "-"))
+    return ServedDepth(int(r), int(ceiling), int(k) or None, threshold, lock == "locked")
 
 
 # Fields whose keys are the user's data, not options: a JSON schema may well have a property named
@@ -132,9 +134,8 @@ DATA_FIELDS = frozenset(
 
 
 def named_settings(body: Any, where: str = "") -> Iterator[tuple[str, Any]]:
-    """Every ``(path, value)`` in a JSON request body whose key is ``num_recurrences`` or
-    ``kv_budget``, at any depth (``vllm_xargs.num_recurrences``, ``extra_body.kv_budget``, ...),
-    outside ``DATA_FIELDS``."""
+    """Every ``(path, value)`` in a JSON request body whose key is one of ``REQUEST_KEYS``, at any depth
+    (``vllm_xargs.num_recurrences``, ``extra_body.kv_budget``, ...), outside ``DATA_FIELDS``."""
     if isinstance(body, dict):
         for key, value in body.items():
             path = f"{where}.{key}" if where else str(key)
@@ -147,47 +148,63 @@ def named_settings(body: Any, where: str = "") -> Iterator[tuple[str, Any]]:
             yield from named_settings(value, f"{where}[{i}]")
 
 
-def body_refusal(body: bytes, num_recurrences: int, kv_budget: int | None) -> tuple[str, str] | None:
-    """``(field, why)`` for the first setting in a request body that the engine cannot honour,
-    else None (also for a body that is not JSON: vLLM answers that itself)."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None
+def map_body(parsed: Any, served: ServedDepth) -> tuple[Any, tuple[str, str] | None]:
+    """(the body with its top-level depth fields moved into ``vllm_xargs``, where vLLM hands them to the
+    engine; ``(field, why)`` when a field is refused, else None). A field anywhere else (nested in
+    another object) is refused: vLLM would drop it and serve the default depth in silence."""
+    if not isinstance(parsed, dict):
+        return parsed, None
+    xargs = parsed.get("vllm_xargs")
+    xargs = dict(xargs) if isinstance(xargs, dict) else None
     for path, value in named_settings(parsed):
-        why = refusal(path, value, num_recurrences, kv_budget)
-        if why:
-            return path, why
-    return None
+        key = path.rsplit(".", 1)[-1]
+        if path == key or (path == f"vllm_xargs.{key}" and xargs is not None):
+            continue
+        return parsed, (path, f"{path}={value!r}: not read there; set {key} at the top of the body or in vllm_xargs")
+    top = {key: parsed[key] for key in REQUEST_KEYS if key in parsed}
+    for key, value in top.items():
+        if xargs is not None and key in xargs and xargs[key] != value:
+            return parsed, (key, f"{key}={value!r} and vllm_xargs.{key}={xargs[key]!r}: set it once")
+    try:
+        served.resolve(top)
+        served.resolve(xargs, where="vllm_xargs.")
+    except DepthError as err:
+        return parsed, (err.field, str(err))
+    if not top:
+        return parsed, None
+    body = {key: value for key, value in parsed.items() if key not in top}
+    body["vllm_xargs"] = {**(xargs or {}), **{key: value for key, value in top.items() if value is not None}}
+    return body, None
 
 
 class RequestGuard:
     """ASGI middleware for vLLM's OpenAI server (``--middleware looped_hf.serving.plugin.RequestGuard``):
-    a POST whose JSON body names ``num_recurrences`` or ``kv_budget`` with a value other than the
-    engine's is answered HTTP 400 in vLLM's error format, naming the field and the value. vLLM
-    itself drops unknown top-level fields with a debug log line, so without this a request for
-    r = 8 would be served at the engine's r.
+    a POST whose JSON body sets ``num_recurrences``, ``kv_budget`` or ``exit_threshold`` at its top
+    level has them moved into ``vllm_xargs`` (vLLM itself drops unknown top-level fields with a debug
+    line, so a request for r = 8 would be served at the default); a value the server cannot honour
+    (``ServedDepth.resolve``), or such a field anywhere else, is answered HTTP 400 in vLLM's error
+    format, naming the field, the value and the allowed range.
 
-    The engine's r and kv_budget are read from the served config (``app.state.vllm_config``, set by
-    vLLM before it serves requests), so the middleware takes no arguments and works under any
-    vLLM server start-up."""
+    The server's depths are read from the served config (``app.state.vllm_config``, set by vLLM
+    before it serves requests), so the middleware takes no arguments and works under any vLLM
+    server start-up."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    def _engine(self, scope: dict) -> tuple[int, int | None] | None:
+    def _served(self, scope: dict) -> ServedDepth | None:
         vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
         config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
         if config is None or not hasattr(config, "num_recurrences"):
             return None
-        return config.num_recurrences, config.kv_budget
+        return ServedDepth.from_config(config)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        engine = self._engine(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
-        if engine is None:
+        served = self._served(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        if served is None:
             await self.app(scope, receive, send)
             return
-        # The whole body is read here, then replayed to vLLM message by message.
+        # The whole body is read here, then replayed to vLLM (rewritten when fields moved).
         messages, body = [], b""
         while True:
             message = await receive()
@@ -197,7 +214,11 @@ class RequestGuard:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
-        refused = body_refusal(body, *engine)
+        try:
+            parsed = json.loads(body)
+        except ValueError:  # not JSON: vLLM answers that itself
+            parsed = None
+        mapped, refused = map_body(parsed, served)
         if refused is not None:
             field, why = refused
             payload = json.dumps({"error": {"message": why, "type": "BadRequestError", "param": field, "code": 400}})
@@ -205,6 +226,11 @@ class RequestGuard:
                         "headers": [(b"content-type", b"application/json")]})  # fmt: skip
             await send({"type": "http.response.body", "body": payload.encode()})
             return
+        if mapped is not parsed:
+            body = json.dumps(mapped).encode()
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
         pending = iter(messages)
 
         async def replay() -> dict:
@@ -218,13 +244,12 @@ def _make_guard(name: str) -> type:
     """The guard class called ``name``, made once per process (vLLM resolves it by name)."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    match = _GUARD_NAME.fullmatch(name)
-    r, k = int(match.group(1)), int(match.group(2)) or None
+    served = _served_from_name(name)
 
-    class RecurrenceGuard(LogitsProcessor):
+    class DepthGuard(LogitsProcessor):
         @classmethod
         def validate_params(cls, sampling_params) -> None:
-            check_request(sampling_params.extra_args, r, k)
+            served.resolve(sampling_params.extra_args)
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:
             pass
@@ -238,21 +263,20 @@ def _make_guard(name: str) -> type:
         def update_state(self, batch_update) -> None:
             return None
 
-    RecurrenceGuard.__name__ = RecurrenceGuard.__qualname__ = name
-    RecurrenceGuard.__module__ = __name__
-    return RecurrenceGuard
+    DepthGuard.__name__ = DepthGuard.__qualname__ = name
+    DepthGuard.__module__ = __name__
+    return DepthGuard
 
 
 def __getattr__(name: str) -> type:
-    # vLLM loads logits processors by "module:name" in each process; the name carries r and k.
+    # vLLM loads logits processors by "module:name" in each process; the name carries the server's depths.
     if _GUARD_NAME.fullmatch(name):
         return _make_guard(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _add_request_guard(vllm_config) -> None:
-    config = vllm_config.model_config.hf_config
-    guard = f"{__name__}:{guard_name(config.num_recurrences, config.kv_budget)}"
+    guard = f"{__name__}:{guard_name(ServedDepth.from_config(vllm_config.model_config.hf_config))}"
     model_config = vllm_config.model_config
     processors = list(model_config.logits_processors or [])
     if guard not in processors:
@@ -273,7 +297,9 @@ class LoopedConfigHook:
             tensor_parallel_size=parallel.tensor_parallel_size,
             device="cpu" if current_platform.is_cpu() else None,
         )
-        _budget_settings(vllm_config)
+        ServedDepth.from_config(vllm_config.model_config.hf_config)  # a ceiling the model refuses: one line
+        _depth_settings(vllm_config)
+        _install_worker(vllm_config)
         _add_request_guard(vllm_config)
 
     @staticmethod
@@ -289,13 +315,16 @@ def _register_config_hook() -> None:
     ``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, read once per engine in the user's
     process, and there is no function to register one (``ModelRegistry.register_model`` takes the
     model class only, and vLLM reads no engine setting from a model class or its config). The hook
-    is still needed, because two of its three jobs have no other place:
+    is still needed, because three of its four jobs have no other place:
 
-    - turning prefix caching and chunked prefill off for an engine with kv_budget < r must happen
-      before the scheduler is made, and only the engine's config reaches it. Without the hook,
-      ``vllm.LLM(FOLDER, hf_overrides={"kv_budget": 2})`` could only be refused and the flags asked
-      for (the model does exactly that when the hook did not run: ``budget_setting_problems``);
-    - the request guard is a logits processor whose name carries the engine's r and kv_budget, so it
+    - turning prefix caching off for a server of more than one depth, and chunked prefill for one with
+      a kv_budget, must happen before the scheduler is made, and only the engine's config reaches it.
+      Without the hook, ``vllm.LLM(FOLDER, hf_overrides={"kv_budget": 2})`` could only be refused and
+      the flags asked for (the model does exactly that when the hook did not run:
+      ``depth_setting_problems``);
+    - the CPU worker that hands each request's depth to the model is an engine setting
+      (``parallel_config.worker_cls``), chosen before the workers start;
+    - the request guard is a logits processor whose name carries the server's depths, so it
       must be added per engine; vLLM's public ``vllm.logits_processors`` entry point applies one
       class to every engine and model, and its ``validate_params`` sees the request only;
     - the servability check needs no hook: the model checks again when it is built (in the engine

@@ -48,16 +48,22 @@ tokens: the KV the slot's last writer left there; new tokens: their fresh recurr
 later recurrence i + k overwrites those places. That is exactly what ``generate()`` computes for the
 same split of tokens into forward calls (it writes, attends, and crops an earlier writer's tokens
 back out). vLLM splits tokens into calls itself, so with a budget the plugin turns off what would
-split them differently from ``generate()``: prefix caching and chunked prefill (``plugin.py``; an
-engine that still has them, because the plugin's config hook did not run, is refused here).
+split them differently from ``generate()``: chunked prefill, and prefix caching, also off for any
+server of more than one depth (``plugin.depth_setting_problems``; an engine that still has them,
+because the plugin's config hook did not run, is refused here).
 One split remains vLLM's: a request preempted because the KV cache is full is recomputed by
 prefilling its prompt and the tokens generated so far in one call, so with a budget its later
 tokens are what ``generate()`` gives for that text as one prompt (without a budget a slot's KV does
 not depend on the split, and preemption changes nothing). A KV cache sized for the batch
 (``VLLM_CPU_KVCACHE_SPACE``, ``gpu_memory_utilization``) never preempts.
 
-r and kv_budget are per engine: the config's, or ``hf_overrides={"num_recurrences": R,
-"kv_budget": K}``. What cannot be served exactly is refused by ``looped_hf.serving.servable_problems``.
+Per-request depth: each request's r, kv_budget and exit threshold reach the forward as per-token
+tensors (``worker``; docs/serving.md). The engine holds the KV slots of its deepest request
+(``depth.ServedDepth.plan``: ``max_num_recurrences`` at the server's budget; the coda's slots follow
+the block's of that plan); a request at r with budget k writes block slots P + (i mod min(k, r))*K + j.
+A batch whose requests share r and k runs the loop as one; otherwise recurrence i runs only the
+tokens of requests with r > i (``_VllmRecurrentBlock.run_mixed``, ``batch_depth``). What cannot be
+served exactly is refused by ``looped_hf.serving.servable_problems``.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import GeluAndMul, ReLUSquaredActivation, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -90,7 +97,6 @@ from vllm.sequence import IntermediateTensors
 
 from ..configuration_looped import LoopedConfig
 from ..decoder_layers_looped import DECODER_LAYERS
-from ..generation_looped import KVSlotPlan
 from ..recurrent_block_looped import (
     LoopedRecurrentBlock,
     after_loop,
@@ -99,7 +105,9 @@ from ..recurrent_block_looped import (
     threshold_readout,
 )
 from . import check_servable
-from .plugin import budget_setting_problems
+from .batch_depth import BatchDepth
+from .depth import ServedDepth
+from .plugin import depth_setting_problems
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -332,21 +340,65 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         # The recurrence norm is the model's own or (recurrence_norm_weight "final") its final norm:
         # the base class reads them by name.
         super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
+        self.engine_plan = model.plan
         self.kv_slots = model.kv_slots
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
 
-    def run(self, e: torch.Tensor, positions: torch.Tensor, keep_states: bool = False,
+    def run(self, e: torch.Tensor, positions: torch.Tensor, depth: BatchDepth | None, keep_states: bool = False,
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         """(the state the coda reads, from the prelude output ``e``; the state after every recurrence
-        when ``keep_states``, for the exit gate)."""
+        when ``keep_states``, for the exit gate). ``depth``: the batch's per-request depths (None: every
+        token at the engine's deepest r). A batch whose requests share r and k runs as one (the base
+        class's loop); otherwise ``run_mixed``."""
         self.positions = positions
         self.keeps_inputs = keep_states or (self.hyperconnection is not None and self.legacy)
+        plan = depth.uniform_plan if depth is not None else self.engine_plan
         try:
-            h, states, _ = self(e, exit_rule=None, predict=None, output_recurrent_states=keep_states)
-            return h, states
+            if plan is not None:
+                self.plan = plan
+                h, states, _ = self(e, exit_rule=None, predict=None, output_recurrent_states=keep_states)
+                return h, states
+            return self.run_mixed(e, depth, keep_states)
         finally:
             self.positions = None  # no tensor of a finished call kept alive
+            self.plan = self.engine_plan
+
+    def run_mixed(self, e: torch.Tensor, depth: BatchDepth, keep_states: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loop over requests at different depths: recurrence i runs only the tokens of requests
+        with r > i, one group per KV slot (``BatchDepth.groups``), gathered and scattered back; each
+        group's attention sees only its requests (``BatchDepth.attend``). A token past its r keeps its
+        state, so the states after every recurrence hold, for it, its last one. ``block_layer``'s copy
+        rule (``keeps_inputs``) holds here too: a group of the whole batch hands the state kept in
+        ``states`` to the block."""
+        hc = self.hyperconnection
+        h = self.initial_state(e)
+        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
+        split = self.injection_split(e) if self.config.input_injection == "linear" else None
+        positions, states = self.positions, []
+        for step in range(depth.max_recurrences):
+            for group in depth.groups(step):
+                self.plan = group.plan
+                attention = [self.kv_slots[group.plan.block(step, j)].attn for j in range(len(self.layers))]
+                idx = group.tokens
+                if idx is None:
+                    with depth.attend(group, attention, e.dtype):
+                        h, lanes = self.recurrence(step, h, lanes, e, split)
+                    continue
+                sub_split = (split[0][idx], split[1]) if split is not None else None
+                sub_lanes = lanes[:, idx] if lanes is not None else None
+                self.positions = positions[idx]
+                with depth.attend(group, attention, e.dtype):
+                    sub_h, sub_lanes = self.recurrence(step, h[idx], sub_lanes, e[idx], sub_split)
+                self.positions = positions
+                h = h.index_copy(0, idx, sub_h)
+                if lanes is not None:
+                    lanes = lanes.index_copy(1, idx, sub_lanes)
+            if keep_states:
+                states.append(lanes.sum(0) if hc is not None else h)
+        if hc is not None:
+            h = lanes.sum(0)  # lanes are summed before the coda
+        return h, states
 
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         if j == 0 and self.keeps_inputs:
@@ -354,8 +406,16 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         return layer(x, self.positions, self.kv_slots[self.plan.block(step, j)].attn)
 
 
+def _single_depth(vllm_config: VllmConfig) -> bool:
+    """torch.compile traces one graph for every batch (fullgraph), and per-request depth is data-dependent
+    Python (which tokens each recurrence runs, the subset's attention metadata): a server that runs more
+    than one depth runs eager; one that runs a single depth compiles as before."""
+    return ServedDepth.from_config(vllm_config.model_config.hf_config).single_depth
+
+
 @support_torch_compile(
-    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0},
+    enable_if=_single_depth,
 )
 class LoopedVllmModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -365,11 +425,11 @@ class LoopedVllmModel(nn.Module):
         check_servable(config, pipeline_parallel_size=parallel.pipeline_parallel_size,
                        tensor_parallel_size=parallel.tensor_parallel_size,
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
-        problems = budget_setting_problems(vllm_config)
+        problems = depth_setting_problems(vllm_config)
         if problems:  # the plugin's config hook turns these off; a vLLM that did not run it gets here
-            raise ValueError("this looped engine cannot serve its kv_budget exactly: " + "; ".join(problems))
+            raise ValueError("this looped engine cannot serve its requests' depths exactly: " + "; ".join(problems))
         self.config = config
-        self.plan = KVSlotPlan.for_call(config)
+        self.plan = ServedDepth.from_config(config).plan(config)  # the deepest request's slots (depth.py)
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
                                                    quant_config=vllm_config.quant_config,
                                                    prefix=f"{prefix}.embed_tokens")  # fmt: skip
@@ -388,7 +448,7 @@ class LoopedVllmModel(nn.Module):
         build_loop_modules(self, config, norm)
         # Ouro's exit gate. Its "threshold" readout picks each token's state at its exit step after the
         # loop (every recurrence runs and writes its KV either way, as in generate()): exact, at the
-        # engine's r. "last" reads the r-th state; "weighted" is refused (check_servable).
+        # request's r. "last" reads the r-th state; "weighted" is refused (check_servable).
         self.exit_threshold = None
         if config.exit_gate and config.exit_gate_output == "threshold":
             self.exit_threshold = float(config.exit_gate_threshold)
@@ -406,8 +466,19 @@ class LoopedVllmModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        token_recurrences: torch.Tensor | None = None,
+        token_kv_budgets: torch.Tensor | None = None,
+        token_exit_thresholds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The hidden states of the batch's tokens, each run at its request's depth: ``token_recurrences``
+        (r), ``token_kv_budgets`` (min(k, r)) and, for the threshold readout, ``token_exit_thresholds``,
+        per token (``worker.depth_kwargs``; None, as in vLLM's dummy runs: every token at the engine's
+        deepest r and budget and the config's threshold)."""
         plan = self.plan
+        depth = None
+        if token_recurrences is not None and get_forward_context().attn_metadata is not None:
+            num_tokens = positions.shape[0]
+            depth = BatchDepth(token_recurrences, token_kv_budgets, plan, num_tokens)
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         multiplier = self.config.embedding_multiplier
         if multiplier != 1.0:
@@ -416,13 +487,17 @@ class LoopedVllmModel(nn.Module):
             h = self.embedding_norm(h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, self.kv_slots[plan.prelude(j)].attn)
-        h, states = self.loop.run(h, positions, keep_states=self.exit_threshold is not None)
+        h, states = self.loop.run(h, positions, depth, keep_states=self.exit_threshold is not None)
         if self.exit_threshold is not None:
             # generate()'s threshold readout (threshold_readout, as LoopedForCausalLM's), per token: the
             # state at the first step whose exit CDF reaches the threshold (no coda: the config refuses
-            # one with this readout). The norms after the loop are row-wise, so they run on the pick.
-            probabilities = exit_gate_probabilities(self.exit_gate, states)
-            h, _ = threshold_readout(states, probabilities, self.exit_threshold)
+            # one with this readout), among its own request's r states and at its own threshold. The
+            # norms after the loop are row-wise, so they run on the pick.
+            if depth is not None and token_exit_thresholds is not None:
+                h = depth.threshold_readout(states, self.exit_gate, token_exit_thresholds)
+            else:
+                probabilities = exit_gate_probabilities(self.exit_gate, states)
+                h, _ = threshold_readout(states, probabilities, self.exit_threshold)
 
         def coda(x: torch.Tensor) -> torch.Tensor:
             for j, layer in enumerate(self.coda_layers):
@@ -465,8 +540,14 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        token_recurrences: torch.Tensor | None = None,
+        token_kv_budgets: torch.Tensor | None = None,
+        token_exit_thresholds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        """``LoopedVllmModel.forward``: each token at its request's depth (per-token tensors from the
+        runner, ``worker.depth_kwargs``)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
+                          token_kv_budgets, token_exit_thresholds)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
