@@ -9,9 +9,13 @@ is perturbed so each recurrence differs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 SERVING_VOCAB = 211  # not a multiple of 64: padded-vocabulary cases pad it
@@ -62,6 +66,17 @@ def vllm_env(root: Path) -> dict[str, str]:
     return {"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
             "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def vllm_workdir(prefix: str) -> Iterator[Path]:
+    """A temporary folder for vLLM's files with ``vllm_env`` set while it lives (a module fixture's
+    body: ``with vllm_workdir("looped-x-") as root: yield root``)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, pytest.MonkeyPatch.context() as mp:
+        root = Path(tmp)
+        for key, value in vllm_env(root).items():
+            mp.setenv(key, value)
+        yield root
 
 
 def apply_env(env: dict[str, str]) -> None:

@@ -27,6 +27,7 @@ from serving_helpers import (
     save_serving_checkpoint,
     serving_config,
     vllm_env,
+    vllm_workdir,
 )
 from test_serving_parity import (
     assert_one_attention_per_slot,
@@ -54,10 +55,7 @@ SERVER = {"max_num_recurrences": 4, "kv_budget": 4}
 
 @pytest.fixture(scope="module")
 def workdir():
-    with tempfile.TemporaryDirectory(prefix="looped-depth-") as tmp, pytest.MonkeyPatch.context() as mp:
-        root = Path(tmp)
-        for key, value in vllm_env(root).items():
-            mp.setenv(key, value)
+    with vllm_workdir("looped-depth-") as root:
         yield root
 
 

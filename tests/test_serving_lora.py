@@ -12,12 +12,15 @@ every recurrence, in vLLM as in the HF model.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
-from serving_helpers import SERVING_VOCAB, greedy_references_via, reference_python, serving_model, vllm_env
+from serving_helpers import (
+    SERVING_VOCAB,
+    greedy_references_via,
+    reference_python,
+    serving_model,
+    vllm_workdir,
+)
 from test_serving_parity import NEW_TOKENS, assert_served_as_generate, close, greedy, make_llm, needs_vllm
 
 peft = pytest.importorskip("peft")
@@ -30,10 +33,7 @@ ARCH = dict(hidden_act="silu", qk_norm="learnable_before_rope")
 @pytest.fixture(scope="module")
 def folders():
     """{"base": the checkpoint, "adapter": its peft adapter, "merged": base + adapter merged}."""
-    with tempfile.TemporaryDirectory(prefix="looped-vllm-lora-") as tmp, pytest.MonkeyPatch.context() as mp:
-        root = Path(tmp)
-        for key, value in vllm_env(root).items():
-            mp.setenv(key, value)
+    with vllm_workdir("looped-vllm-lora-") as root:
         base = serving_model(seed=3, **ARCH)
         base.save_pretrained(root / "base")
         torch.manual_seed(4)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from serving_helpers import (
     reference_python,
     save_serving_checkpoint,
     serving_config,
-    vllm_env,
+    vllm_workdir,
 )
 
 from looped_hf.generation_looped import KVSlotPlan
@@ -94,10 +93,7 @@ def overrides(r: int | None, k: int | None) -> dict:
 
 @pytest.fixture(scope="module")
 def workdir():
-    with tempfile.TemporaryDirectory(prefix="looped-vllm-") as tmp, pytest.MonkeyPatch.context() as mp:
-        root = Path(tmp)
-        for key, value in vllm_env(root).items():
-            mp.setenv(key, value)
+    with vllm_workdir("looped-vllm-") as root:
         yield root
 
 

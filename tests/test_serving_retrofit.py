@@ -12,12 +12,11 @@ tokens are r = 1's, served through another slot plan). Run with the serving venv
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from serving_helpers import greedy_references_via, reference_python, vllm_env
+from serving_helpers import greedy_references_via, reference_python, vllm_workdir
 from test_retrofit import VOCAB, tiny_parent
 from test_serving_parity import (
     assert_one_attention_per_slot,
@@ -36,13 +35,7 @@ ENGINES = [{}, {"num_recurrences": 3}]
 
 @pytest.fixture(scope="module")
 def workdir():
-    with (
-        tempfile.TemporaryDirectory(prefix="looped-vllm-retrofit-") as tmp,
-        pytest.MonkeyPatch.context() as mp,
-    ):
-        root = Path(tmp)
-        for key, value in vllm_env(root).items():
-            mp.setenv(key, value)
+    with vllm_workdir("looped-vllm-retrofit-") as root:
         yield root
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import fixture_path
-from serving_helpers import greedy_references_via, reference_python, vllm_env
+from serving_helpers import greedy_references_via, reference_python, vllm_workdir
 from test_serving_parity import (
     assert_one_attention_per_slot,
     assert_served_as_generate,
@@ -65,10 +64,7 @@ def generate_kwargs(over: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def workdir():
-    with tempfile.TemporaryDirectory(prefix="looped-vllm-zoo-") as tmp, pytest.MonkeyPatch.context() as mp:
-        root = Path(tmp)
-        for key, value in vllm_env(root).items():
-            mp.setenv(key, value)
+    with vllm_workdir("looped-vllm-zoo-") as root:
         yield root
 
 
