@@ -19,7 +19,7 @@ from ..convert.loader import Checkpoint
 from ..publish import PathLike
 from .core import build_retrofit, default_out, parent_family, write_retrofit
 from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM, LoRAPair, norm_keys
-from .parent import open_parent, read_tensor
+from .parent import open_parent
 from .plan import LayerPlan
 
 
@@ -46,7 +46,7 @@ def init_loop_lora(
         shared = layers[j].get_parameter(name)
         if name in zero_init:
             return torch.zeros_like(shared, dtype=torch.float32) - shared.float()
-        return read_tensor(parent, f"model.layers.{source}.{name}").float() - shared.float()
+        return parent.get_tensor(f"model.layers.{source}.{name}").float() - shared.float()
 
     for t, row in enumerate(plan.unrolled):
         for j, source in enumerate(row):
@@ -118,16 +118,15 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
                               "projection has rank at most its smaller side)")  # fmt: skip
     extra = {"loop_lora_rank": rank, "loop_lora_targets": list(LOOP_LORA_TARGETS),
              "max_recurrences": plan.num_recurrences}  # fmt: skip
-    with parent:
-        model, record = build_retrofit(parent, plan, extra_config=extra, model_class=LoopLoRAForCausalLM,
-                                       own=("loop_lora.",))  # fmt: skip
-        init_loop_lora(model, parent, plan, family.zero_init)
-        record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
-                          "vectors": vector_names(model),
-                          "vectors_init": "v_parent - v_shared (full, per loop)",
-                          "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
-        return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
-                              extra_files=ship_loop_lora_code)  # fmt: skip
+    model, record = build_retrofit(parent, plan, extra_config=extra, model_class=LoopLoRAForCausalLM,
+                                   own=("loop_lora.",))  # fmt: skip
+    init_loop_lora(model, parent, plan, family.zero_init)
+    record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
+                      "vectors": vector_names(model),
+                      "vectors_init": "v_parent - v_shared (full, per loop)",
+                      "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
+    return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
+                          extra_files=ship_loop_lora_code)  # fmt: skip
 
 
 __all__ = ["init_loop_lora", "retrofit_shared_lora", "ship_loop_lora_code", "svd_delta", "vector_names"]
