@@ -7,8 +7,6 @@ model's own remote code)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,32 +67,6 @@ def vector_names(model: LoopLoRAForCausalLM) -> list[str]:
     return [f"{path}.weight" for path in norm_keys(layer).values()] + biases
 
 
-def ship_loop_lora_code(folder: Path) -> list[str]:
-    """Copy the looped model's remote code and ``loop_lora.py`` into ``folder`` and point its
-    ``auto_map`` at the per-loop LoRA classes; returns the file names written."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    import looped_hf.modeling_looped as modeling
-
-    from . import loop_lora
-
-    files = {
-        Path(modeling.__file__),
-        Path(loop_lora.__file__),
-        *map(Path, get_relative_import_files(modeling.__file__)),
-    }
-    for file in files:
-        shutil.copyfile(file, folder / file.name)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["auto_map"] = {
-        "AutoConfig": "loop_lora.LoopLoRAConfig",
-        "AutoModelForCausalLM": "loop_lora.LoopLoRAForCausalLM",
-    }
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return sorted(file.name for file in files)
-
-
 def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: Callable[[int], LayerPlan], *,
                          rank: int, repo_id: str | None = None, license: str | None = None,
                          overwrite: bool = False) -> Path:  # fmt: skip
@@ -125,8 +97,8 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
                       "vectors": vector_names(model),
                       "vectors_init": "v_parent - v_shared (full, per loop)",
                       "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
-    return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
-                          extra_files=ship_loop_lora_code)  # fmt: skip
+    # The model's save_pretrained ships loop_lora.py and the looped modules (LoopLoRAForCausalLM).
+    return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
 
 
-__all__ = ["init_loop_lora", "retrofit_shared_lora", "ship_loop_lora_code", "svd_delta", "vector_names"]
+__all__ = ["init_loop_lora", "retrofit_shared_lora", "svd_delta", "vector_names"]
