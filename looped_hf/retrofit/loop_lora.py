@@ -57,6 +57,16 @@ class LoopLoRAConfig(LoopedConfig):
     model_type = "looped_loop_lora"
     _auto_class = None  # the folder's remote code is written by the retrofit, not by save_pretrained
 
+    def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
+        """``LoopedConfig.resolve_num_recurrences``, with an r past the loops that have a LoRA
+        (``max_recurrences``) refused as such: no config change lets this model run it."""
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        loops = self.max_recurrences
+        if isinstance(r, int) and not isinstance(r, bool) and loops is not None and r > loops:
+            raise ValueError(f"num_recurrences={r}: a per-loop LoRA model runs at most its {loops} loops with a "
+                             "LoRA (max_recurrences)")  # fmt: skip
+        return super().resolve_num_recurrences(num_recurrences)
+
     def num_kv_slots(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> int:
         """``LoopedConfig.num_kv_slots``, with a KV budget below r refused: loop t finds its deltas
         from its KV slot (the module docstring), so every recurrence keeps slots of its own. Eval and
