@@ -398,8 +398,7 @@ def check_safetensors(path: str | os.PathLike) -> None:
 
 #: The ``model_type`` of every checkpoint looped_hf writes and reads: ``LoopedConfig``'s and the per-loop
 #: LoRA retrofit's (``retrofit/loop_lora.py``). The classes of each are ``looped_hf.model_types``'s.
-LOOP_LORA_MODEL_TYPE = "looped_loop_lora"
-LOOPED_MODEL_TYPES = ("looped", LOOP_LORA_MODEL_TYPE)
+LOOPED_MODEL_TYPES = ("looped", "looped_loop_lora")
 
 
 def check_model_type(config: dict[str, Any], where: str | os.PathLike) -> str:

@@ -5,9 +5,9 @@
 * ``looped_loop_lora``: the per-loop LoRA retrofit's ``LoopLoRAConfig`` / ``LoopLoRAForCausalLM``
   (``retrofit/loop_lora.py``: the RRT share with ``--lora-rank``).
 
-``looped_hf.register()`` registers the per-loop LoRA pair with transformers' Auto classes from here
-(so its folder loads without ``trust_remote_code`` where looped_hf is installed, and still with it
-where looped_hf is not). Eval, test-time, publish and serve read a checkpoint through
+``looped_hf.register()`` registers the per-loop LoRA pair with transformers' Auto classes too (so
+its folder loads without ``trust_remote_code`` where looped_hf is installed, and still with it where
+looped_hf is not). Eval, test-time, publish and serve read a checkpoint through
 `config_from_dict` / `load_config` / `load_causal_lm`, and train's ``init_from`` through `load_config` /
 ``causal_lm_class``, so a folder of either type works in each.
 """

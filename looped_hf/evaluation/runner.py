@@ -120,10 +120,11 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def check_recurrences(config: Any, recurrences: Sequence[int], kv_budget: int | None = None) -> list[int]:
-    """The r values to score (sorted, deduplicated), each checked before the first is scored (and,
-    for a local folder, before the model is loaded), by the model's config, the one owner of the r rules (`LoopedConfig.resolve_num_recurrences`: an
-    integer >= 1, at most the ceiling, only the trained r for a recurrence-locked model) and of the
-    KV budget (`LoopedConfig.num_kv_slots`). A refusal is an `EvalError` naming the field and value."""
+    """The r values to score (sorted, deduplicated), each checked before the first is scored (for a
+    local folder, before the model is loaded), by the model's config, the one owner of the r rules
+    (`LoopedConfig.resolve_num_recurrences`: an integer >= 1, at most the ceiling, only the trained r
+    for a recurrence-locked model) and of the KV budget (`LoopedConfig.num_kv_slots`; a per-loop LoRA
+    model's refuses one below r). A refusal is an `EvalError` naming the field and value."""
     if not recurrences:
         raise EvalError("recurrences=[]: need at least one r")
     try:

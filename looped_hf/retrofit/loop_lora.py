@@ -55,7 +55,7 @@ class LoopLoRAConfig(LoopedConfig):
     its own model type so that only the class that applies the deltas loads it."""
 
     model_type = "looped_loop_lora"
-    _auto_class = None  # the folder's remote code is written by the retrofit, not by save_pretrained
+    _auto_class = None  # its remote code is written by LoopLoRAForCausalLM.save_pretrained, not transformers
 
     def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
         """``LoopedConfig.resolve_num_recurrences``, with an r past the loops that have a LoRA
