@@ -413,10 +413,8 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
 def _single_depth(vllm_config: VllmConfig) -> bool:
     """torch.compile traces one graph for every batch (fullgraph), and per-request depth is data-dependent
     Python (which tokens each recurrence runs, the subset's attention metadata): a server that runs more
-    than one depth runs eager; one that runs a single depth compiles as before, but for per-loop LoRA
-    deltas (their loop step is Python state, ``loop_lora_vllm``)."""
-    config = vllm_config.model_config.hf_config
-    return ServedDepth.from_config(config).single_depth and not has_loop_lora(config)
+    than one depth runs eager; one that runs a single depth compiles as before."""
+    return ServedDepth.from_config(vllm_config.model_config.hf_config).single_depth
 
 
 @support_torch_compile(
