@@ -348,7 +348,9 @@ def test_a_retrofit_runs_card_shows_the_parent_its_loss_at_every_r_and_scores_be
     assert f"{record['train_flops']:.3g} training FLOPs" in section
 
 
-def test_a_loop_lora_retrofit_takes_eval_test_time_training_and_publish(tiny_recipe, small_corpus, tmp_path, capsys):
+def test_a_loop_lora_retrofit_takes_eval_test_time_training_and_publish(
+    tiny_recipe, small_corpus, tmp_path, capsys
+):
     """The RRT share with per-loop LoRA (model type ``looped_loop_lora``) goes where a plain retrofit
     goes, loaded by looped_hf's registered classes (no remote code): eval and test-time at the r of
     each of its loops, eval with a KV budget below r refused in one line before anything is written,
@@ -363,11 +365,13 @@ def test_a_loop_lora_retrofit_takes_eval_test_time_training_and_publish(tiny_rec
 
     parent = _llama_parent(tmp_path / "parent", num_layers=4, seed=3)
     folder = tmp_path / "rrt"  # 2 shared layers looped twice, a rank-4 LoRA per loop
-    assert retrofit_main([str(parent), "--share", "lower", "--blocks", "2", "--lora-rank", "4", "--out", str(folder)]) == 0
+    share = ["--share", "lower", "--blocks", "2", "--lora-rank", "4"]
+    assert retrofit_main([str(parent), *share, "--out", str(folder)]) == 0
     assert type(AutoModelForCausalLM.from_pretrained(folder)) is LoopLoRAForCausalLM
 
     tasks = ["--bundle", "builtin", "--tasks", "induction_head", "--max-per-task", "2"]
-    assert eval_main([str(folder), *tasks, "--out", str(tmp_path / "eval")]) == 0  # default r: up to its loops
+    # The default r grid stops at the loops.
+    assert eval_main([str(folder), *tasks, "--out", str(tmp_path / "eval")]) == 0
     results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
     assert results["recurrences"] == [1, 2] and {row["num_recurrences"] for row in results["rows"]} == {1, 2}
     capsys.readouterr()
@@ -389,14 +393,11 @@ def test_a_loop_lora_retrofit_takes_eval_test_time_training_and_publish(tiny_rec
     assert record["status"] == "ok", record.get("traceback")
     trained = AutoModelForCausalLM.from_pretrained(run)
     assert type(trained) is LoopLoRAForCausalLM
-    assert not torch.equal(trained.loop_lora.steps[1][0]["q_proj"].B, _loop_lora_b(folder))  # the LoRA trained
+    trained_b = trained.loop_lora.steps[1][0]["q_proj"].B
+    assert not torch.equal(trained_b, _weights(folder)["loop_lora.steps.1.0.q_proj.B"])  # the LoRA trained
     assert publish_main([str(run), "--repo-id", "me/rrt", "--out", str(tmp_path / "pub")]) == 0
     published = tmp_path / "pub"
     assert json.loads((published / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "loop_lora.LoopLoRAForCausalLM"
     )
     assert (published / "loop_lora.py").is_file() and "me/rrt" in (published / "README.md").read_text()
-
-
-def _loop_lora_b(folder: Path) -> torch.Tensor:
-    return _weights(folder)["loop_lora.steps.1.0.q_proj.B"]

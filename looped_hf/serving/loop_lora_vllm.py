@@ -15,10 +15,11 @@ the meta device), act on vLLM's layers by forward hooks on the shared block's mo
   fused add + norm) returns ``(norm(x + r), x + r)`` and its delta reads the sum; one called alone
   reads its input.
 
-The vLLM model sets the module's ``step`` before each block layer runs (``_VllmRecurrentBlock.block_layer``: it
-knows the loop index), so the hooks of layer j read loop ``step``'s deltas, in the uniform loop and
-in the per-request mixed one alike. Under vLLM's torch.compile the step is a Python int at trace time
-(the loop is unrolled), so a compiled graph holds each loop's deltas. What cannot be served is refused by ``servable_problems``
+The vLLM model sets the module's ``step`` before each block layer runs
+(``_VllmRecurrentBlock.block_layer``: it knows the loop index), so the hooks of layer j read loop
+``step``'s deltas, in the uniform loop and in the per-request mixed one alike. Under vLLM's
+torch.compile the step is a Python int at trace time (the loop is unrolled), so a compiled graph
+holds each loop's deltas. What cannot be served is refused by ``servable_problems``
 (``loop_lora_problems``): a KV budget (a loop finds its deltas by its own slots, as in the HF model)
 and tensor parallelism (the deltas act on whole projections). A request deeper than the loops that
 have a LoRA is refused by the config's ceiling (``max_recurrences`` is the number of loops).
