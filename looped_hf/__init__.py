@@ -111,6 +111,12 @@ def register() -> None:
     ):
         auto.register(LoopedConfig, model, exist_ok=True)
         model.register_for_auto_class(auto.__name__)
+    # The per-loop LoRA retrofit (model_types.py), local only: its save_pretrained writes its own
+    # remote code and auto_map (retrofit/loop_lora.py), so its classes are not marked for remote code.
+    from .retrofit.loop_lora import LoopLoRAConfig, LoopLoRAForCausalLM
+
+    AutoConfig.register(LoopLoRAConfig.model_type, LoopLoRAConfig, exist_ok=True)
+    AutoModelForCausalLM.register(LoopLoRAConfig, LoopLoRAForCausalLM, exist_ok=True)
     globals().update(
         {name: getattr(sys.modules[f"{__name__}.{module}"], name) for name, module in _MODEL_NAMES.items()}
     )

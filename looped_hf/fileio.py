@@ -396,21 +396,34 @@ def check_safetensors(path: str | os.PathLike) -> None:
         raise CheckpointError(f"{path}: truncated: its header needs {need} bytes, the file has {size}")
 
 
-def check_checkpoint_dir(folder: str | os.PathLike, model_type: str = "looped") -> dict[str, Any]:
+#: The ``model_type`` of every checkpoint looped_hf writes and reads: ``LoopedConfig``'s and the per-loop
+#: LoRA retrofit's (``retrofit/loop_lora.py``). The classes of each are ``looped_hf.model_types``'s.
+LOOPED_MODEL_TYPES = ("looped", "looped_loop_lora")
+
+
+def check_model_type(config: dict[str, Any], where: str | os.PathLike) -> str:
+    """The ``model_type`` of a checkpoint's config.json, one of ``LOOPED_MODEL_TYPES``; any other is
+    a `CheckpointError` naming ``where`` and the value (a gpt2 or llama folder would otherwise load
+    with the Auto classes, or be read as looped), and a config.json without one."""
+    model_type = config.get("model_type")
+    if model_type not in LOOPED_MODEL_TYPES:
+        raise CheckpointError(f"{where}: model_type={model_type!r}; only "
+                              f"{' or '.join(map(repr, LOOPED_MODEL_TYPES))} checkpoints are read here")  # fmt: skip
+    return model_type
+
+
+def check_checkpoint_dir(folder: str | os.PathLike) -> dict[str, Any]:
     """Check a local checkpoint folder before loading it; returns its config.json.
 
-    Refuses, naming the file: a missing or unreadable config.json, one whose `model_type` is not
-    `model_type` (a gpt2 or llama folder would otherwise load with the Auto classes or be read as
-    looped), and a single-file `model.safetensors` that is truncated or corrupt."""
+    Refuses, naming the file: a missing or unreadable config.json, one whose `model_type` is not a
+    looped one (`check_model_type`), and a single-file `model.safetensors` that is truncated or
+    corrupt."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: missing (not a checkpoint folder)")
     config = read_json_object(config_path)
-    if config.get("model_type") != model_type:
-        raise CheckpointError(
-            f"{config_path}: model_type={config.get('model_type')!r}; only {model_type!r} checkpoints are read here"
-        )
+    check_model_type(config, config_path)
     weights = folder / WEIGHTS_NAME
     if weights.is_file():
         check_safetensors(weights)

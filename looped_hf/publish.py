@@ -259,12 +259,12 @@ def heldout_metrics_of_folder(
     import torch
     from transformers import AutoTokenizer
 
-    from looped_hf import LoopedForCausalLM
     from looped_hf.data import heldout_from_recipe
     from looped_hf.metrics import TOKEN_PERPLEXITY_PATH
+    from looped_hf.model_types import load_causal_lm
 
     heldout = heldout_from_recipe(record.get("recipe") or {}, AutoTokenizer.from_pretrained(folder))
-    model = LoopedForCausalLM.from_pretrained(folder).eval()
+    model = load_causal_lm(folder).eval()
     metric = evaluate.load(TOKEN_PERPLEXITY_PATH)
     with torch.no_grad():
         for start in range(0, len(heldout), batch_size):

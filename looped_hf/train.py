@@ -352,9 +352,9 @@ def resolve_run(
     allocates no weights. `train` calls it first; `--check` calls only it."""
     from transformers.initialization import no_init_weights
 
-    from looped_hf import LoopedForCausalLM
     from looped_hf.data import load_tokenizer
     from looped_hf.data.sources import describe_source, token_upper_bound
+    from looped_hf.model_types import causal_lm_class
     from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups
 
     seq_len = data_args.seq_len
@@ -384,7 +384,7 @@ def resolve_run(
     try:
         # Shapes are all that is read: on the meta device, without initialisation, nothing is allocated.
         with torch.device("meta"), no_init_weights():
-            model = LoopedForCausalLM(config)
+            model = causal_lm_class(config)(config)
         flops_per_token = model.training_flops_per_token(seq_len)
         params = model.num_scaling_params()
         if training_args.freeze_backbone:
@@ -443,7 +443,7 @@ def start_config(
 ) -> Any:
     """The run's `LoopedConfig`: the recipe's model fields over the defaults, or (``init_from``) over
     the folder's config, whose vocabulary, special tokens and rope settings then stay."""
-    from looped_hf import LoopedConfig
+    from looped_hf.model_types import load_config
 
     if training_args.init_from is None:
         return model_args.to_config(
@@ -452,11 +452,11 @@ def start_config(
         )  # fmt: skip
     where = f"LoopedTrainingArguments.init_from={training_args.init_from!r}"
     try:
-        base = LoopedConfig.from_pretrained(training_args.init_from)
+        base = load_config(training_args.init_from)  # a per-loop LoRA retrofit's config class too
     except (OSError, ValueError, TypeError) as err:
         raise RecipeError(f"{where}: not a looped checkpoint folder ({first_line(err)})") from None
     try:
-        config = LoopedConfig.from_dict({**base.to_dict(), **model_args.settings})
+        config = type(base).from_dict({**base.to_dict(), **model_args.settings})
     except (TypeError, ValueError, OverflowError) as err:
         raise RecipeError(first_line(err)) from err
     if config.max_position_embeddings < seq_len:
@@ -541,13 +541,13 @@ def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.
     """The model the run trains: new (initialised by the seed), or ``init_from``'s weights in
     float32; then frozen but its adapter (``freeze_backbone``) or wrapped in peft LoRA (``lora_rank``:
     every linear layer but lm_head, no dropout)."""
-    from looped_hf import LoopedForCausalLM
+    from looped_hf.model_types import causal_lm_class
 
     if training_args.init_from is None:
-        model = LoopedForCausalLM(config)
+        model = causal_lm_class(config)(config)
     else:
         try:
-            model = LoopedForCausalLM.from_pretrained(
+            model = causal_lm_class(config).from_pretrained(
                 training_args.init_from, config=config, dtype=torch.float32
             )
         except (OSError, ValueError, RuntimeError) as err:  # missing weights, shapes the recipe changed

@@ -89,9 +89,9 @@ def greedy_reference(
     """``generate(do_sample=False)`` on each prompt alone (batch 1, no padding), in float32: the new
     tokens and the log-probability of each. ``generate_kwargs`` (num_recurrences=, kv_budget=) go
     to ``generate``."""
-    from looped_hf import LoopedForCausalLM
+    from looped_hf.model_types import load_causal_lm
 
-    model = LoopedForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = load_causal_lm(checkpoint, dtype=torch.float32).eval()  # a per-loop LoRA retrofit's class too
     out = []
     for prompt in prompts:
         res = model.generate(

@@ -81,13 +81,28 @@ def test_tensors_are_read_on_demand_and_the_headers_give_dtypes_and_shapes(tmp_p
     assert set(ckpt.dtypes.values()) == {torch.bfloat16} and ckpt.floating_dtype() == torch.bfloat16
     assert ckpt.shape("lm_head.weight") == (256, 64) and "lm_head.weight" in ckpt
     assert ckpt.num_elements() == sum(t.numel() for t in native.values())
-    assert not ckpt._handles  # opening read the headers only
     head = ckpt.get_tensor("lm_head.weight")
     assert head.dtype == torch.bfloat16 and torch.equal(head, native["lm_head.weight"].to(torch.bfloat16))
     assert ckpt.sha256() == {"model.safetensors": sha256_file(folder / "model.safetensors")}
     assert ckpt.config["model_type"] == "ouro" and ckpt.generation_token_ids(256) == {}
     with pytest.raises(ConversionError, match=r"model_type='ouro': this converter reads 'llama'"):
         Checkpoint(folder, model_types=("llama",))
+
+
+def test_a_tensor_read_is_its_own_memory_and_leaves_no_file_mapped(tmp_path: Path) -> None:
+    """Retrofit fills its model in place from parent tensors: writing into one must not change the
+    next read of the same key, and reading a whole parent must not keep its files mapped (resident)."""
+    folder = copy_checkpoint("ouro-tiny", tmp_path / "ouro")
+    ckpt = Checkpoint(folder)
+    first = ckpt.get_tensor("lm_head.weight")
+    expected = first.clone()
+    first.add_(1.0)
+    assert torch.equal(ckpt.get_tensor("lm_head.weight"), expected)
+    for _ in ckpt.items():
+        pass
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # Linux: no mapping of the weight file survives the reads
+        assert str((folder / "model.safetensors").resolve()) not in maps.read_text()
 
 
 def test_mixed_dtypes_are_reported_and_an_excluded_buffer_is_not_counted(tmp_path: Path) -> None:

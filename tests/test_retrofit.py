@@ -307,6 +307,11 @@ def test_retrofitted_folder_loads_as_remote_code_without_looped_hf(tmp_path):
             with torch.no_grad():
                 torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=atol)
             AutoTokenizer.from_pretrained(folder)
+        # The per-loop LoRA model (the last one), saved again from its remote code, ships that code.
+        model.save_pretrained({str(tmp_path / "resaved")!r})
+        again = AutoModelForCausalLM.from_pretrained({str(tmp_path / "resaved")!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(again(ref["ids"]).logits, ref["logits"], rtol=0, atol=1e-4)
         print("REMOTE-OK")
         """
     assert "REMOTE-OK" in run_without_looped_hf(script, tmp_path)

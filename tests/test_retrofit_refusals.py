@@ -128,11 +128,10 @@ def test_an_existing_out_is_kept_unless_overwrite(capsys, parent, tmp_path):
 
 
 def test_overwrite_replaces_an_earlier_loop_lora_retrofit(parent, tmp_path):
-    from looped_hf.configuration_looped import LoopedConfig
-    from looped_hf.convert.common import LOOPED_MODEL_TYPES
-    from looped_hf.retrofit.loop_lora import LoopLoRAConfig
+    from looped_hf.fileio import LOOPED_MODEL_TYPES
+    from looped_hf.model_types import looped_classes
 
-    assert {LoopedConfig.model_type, LoopLoRAConfig.model_type} <= set(LOOPED_MODEL_TYPES)
+    assert tuple(looped_classes()) == LOOPED_MODEL_TYPES  # the one list of names, and a class for each
     earlier = tmp_path / "rrt"
     assert cli_main(["retrofit", str(parent), "--share", "lower", "--blocks", "3", "--lora-rank", "4",
                      "--out", str(earlier)]) == 0  # fmt: skip

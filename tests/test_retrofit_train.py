@@ -346,3 +346,58 @@ def test_a_retrofit_runs_card_shows_the_parent_its_loss_at_every_r_and_scores_be
         assert f"| {row['num_recurrences']} | {row['loss']:.4f} | {parent_loss:.4f} | {delta} |" in section
     assert "| task | parent | r = 1 | r = 2 |" in section and "| induction_head |" in section
     assert f"{record['train_flops']:.3g} training FLOPs" in section
+
+
+def test_a_loop_lora_retrofit_takes_eval_test_time_training_and_publish(
+    tiny_recipe, small_corpus, tmp_path, capsys
+):
+    """The RRT share with per-loop LoRA (model type ``looped_loop_lora``) goes where a plain retrofit
+    goes, loaded by looped_hf's registered classes (no remote code): eval and test-time at the r of
+    each of its loops, eval with a KV budget below r refused in one line before anything is written,
+    training from it, and publishing the run with its card and its own remote code."""
+    from transformers import AutoModelForCausalLM
+
+    from looped_hf.evaluation.cli import main as eval_main
+    from looped_hf.publish import main as publish_main
+    from looped_hf.recurrence_curves import main as test_time_main
+    from looped_hf.retrofit import main as retrofit_main
+    from looped_hf.retrofit.loop_lora import LoopLoRAForCausalLM
+
+    parent = _llama_parent(tmp_path / "parent", num_layers=4, seed=3)
+    folder = tmp_path / "rrt"  # 2 shared layers looped twice, a rank-4 LoRA per loop
+    share = ["--share", "lower", "--blocks", "2", "--lora-rank", "4"]
+    assert retrofit_main([str(parent), *share, "--out", str(folder)]) == 0
+    assert type(AutoModelForCausalLM.from_pretrained(folder)) is LoopLoRAForCausalLM
+
+    tasks = ["--bundle", "builtin", "--tasks", "induction_head", "--max-per-task", "2"]
+    # The default r grid stops at the loops.
+    assert eval_main([str(folder), *tasks, "--out", str(tmp_path / "eval")]) == 0
+    results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    assert results["recurrences"] == [1, 2] and {row["num_recurrences"] for row in results["rows"]} == {1, 2}
+    capsys.readouterr()
+    assert eval_main([str(folder), *tasks, "--kv-budget", "1", "--out", str(tmp_path / "kv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "kv_budget=1: a per-loop LoRA model needs every recurrence's KV slots" in err and "\n" not in err
+    assert not (tmp_path / "kv").exists()
+
+    assert test_time_main([str(folder), "--data", str(small_corpus), "--seq-len", "32", "--eval-blocks", "4",
+                           "--max-factor", "1"]) == 0  # fmt: skip
+    curve = json.loads((folder / "test_time_scaling.json").read_text())
+    assert [row["num_recurrences"] for row in curve["rows"]] == [1, 2]
+    assert all(math.isfinite(row["loss"]) for row in curve["rows"])
+
+    run = tmp_path / "run"
+    recipe = _recipe(tiny_recipe, folder, num_recurrences=2, backprop_recurrences=None, max_steps=2,
+                     output_dir=str(run))  # fmt: skip
+    record = train(*parse_recipe(recipe))
+    assert record["status"] == "ok", record.get("traceback")
+    trained = AutoModelForCausalLM.from_pretrained(run)
+    assert type(trained) is LoopLoRAForCausalLM
+    trained_b = trained.loop_lora.steps[1][0]["q_proj"].B
+    assert not torch.equal(trained_b, _weights(folder)["loop_lora.steps.1.0.q_proj.B"])  # the LoRA trained
+    assert publish_main([str(run), "--repo-id", "me/rrt", "--out", str(tmp_path / "pub")]) == 0
+    published = tmp_path / "pub"
+    assert json.loads((published / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
+        "loop_lora.LoopLoRAForCausalLM"
+    )
+    assert (published / "loop_lora.py").is_file() and "me/rrt" in (published / "README.md").read_text()

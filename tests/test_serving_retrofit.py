@@ -6,7 +6,10 @@ random one) and is served by ``vllm.LLM`` in float32 (the plugin's model, no rem
 tokens equal ``generate(do_sample=False)``'s and each chosen token's log-probability is within
 1e-3, at the folder's r = 1 (where it is the parent) and at r = 3 (three passes of the block, each
 with its own KV slots; the identity adapter makes each pass read the prelude's output, so the
-tokens are r = 1's, served through another slot plan). Run with the serving venv:
+tokens are r = 1's, served through another slot plan). The RRT share with a rank-4 LoRA per loop
+(``--share stepwise --blocks 2 --lora-rank 4``: model type ``looped_loop_lora``, its deltas applied
+by the same vLLM model class, ``serving/loop_lora_vllm.py``) is served so too, at its 3 loops; what
+it cannot serve (a depth past its loops, a KV budget) is refused in one line. Run with the serving venv:
 ``PYTHONPATH=$PWD /work/main/.venv-serve/bin/python -m pytest tests/test_serving_retrofit.py``.
 """
 
@@ -18,6 +21,7 @@ import pytest
 import torch
 from serving_helpers import greedy_references_via, reference_python, vllm_workdir
 from test_retrofit import VOCAB, tiny_parent
+from test_serving_depth import mixed_greedy
 from test_serving_parity import (
     assert_one_attention_per_slot,
     assert_served_as_generate,
@@ -31,6 +35,9 @@ from looped_hf.cli import main as cli_main
 from looped_hf.generation_looped import KVSlotPlan
 
 ENGINES = [{}, {"num_recurrences": 3}]
+# The loop-LoRA folder's requests: one batch at mixed depths (recurrence i runs only the requests
+# deeper than i, each at its own loops' deltas), one depth per prompt; their references follow the engines'.
+LOOP_LORA_DEPTHS = [3, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +47,23 @@ def workdir():
 
 
 @pytest.fixture(scope="module")
-def folder(workdir) -> Path:
-    parent = tiny_parent(workdir / "parent", "llama_tied", num_attention_heads=2, num_key_value_heads=1)
+def parent(workdir) -> Path:
+    return tiny_parent(workdir / "parent", "llama_tied", num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def folder(workdir, parent) -> Path:
     out = workdir / "retrofit"
     assert cli_main(["retrofit", str(parent), "--loop-in-place", "--layers", "2,3,1", "--state-init", "zeros",
+                     "--out", str(out)]) == 0  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def loop_lora_folder(workdir, parent) -> Path:
+    """6 parent layers as 2 shared layers looped 3 times, a rank-4 LoRA (and norm deltas) per loop."""
+    out = workdir / "rrt"
+    assert cli_main(["retrofit", str(parent), "--share", "stepwise", "--blocks", "2", "--lora-rank", "4",
                      "--out", str(out)]) == 0  # fmt: skip
     return out
 
@@ -55,14 +75,15 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(folder, prompts) -> list:
+def references(folder, loop_lora_folder, prompts) -> list:
     python = reference_python()
     if python is None:
         pytest.skip("no interpreter whose transformers runs looped_hf's forward for the generate() reference "
                     "(set LOOPED_HF_REFERENCE_PYTHON)")  # fmt: skip
-    return greedy_references_via(
-        python, [dict(checkpoint=folder, prompts=prompts, n=8, kwargs=over) for over in ENGINES]
-    )
+    jobs = [dict(checkpoint=folder, prompts=prompts, n=8, kwargs=over) for over in ENGINES]
+    jobs += [dict(checkpoint=loop_lora_folder, prompts=[p], n=8, kwargs={"num_recurrences": r})
+             for p, r in zip(prompts, LOOP_LORA_DEPTHS)]  # fmt: skip
+    return greedy_references_via(python, jobs)
 
 
 @needs_vllm
@@ -78,3 +99,41 @@ def test_vllm_serves_a_retrofit_with_generates_tokens_and_logprobs(index, folder
     finally:
         close(llm)
     assert_served_as_generate(prompts, outputs, references[index])
+
+
+@needs_vllm
+def test_vllm_serves_a_loop_lora_retrofit_with_generates_tokens_and_logprobs(
+    loop_lora_folder, prompts, references
+):
+    llm = make_llm(loop_lora_folder, max_model_len=128)
+    try:
+        vllm_config = llm.llm_engine.vllm_config
+        assert_one_attention_per_slot(vllm_config, KVSlotPlan.for_call(vllm_config.model_config.hf_config))
+        outputs = mixed_greedy(llm, prompts, [{"num_recurrences": r} for r in LOOP_LORA_DEPTHS])
+    finally:
+        close(llm)
+    assert_served_as_generate(prompts, outputs, [job[0] for job in references[len(ENGINES) :]])
+
+
+def test_serve_takes_a_loop_lora_retrofit_and_refuses_a_depth_past_its_loops_or_a_kv_budget(
+    loop_lora_folder, capsys
+):
+    """``looped-hf serve --dry-run`` checks the folder as a real start does, before vLLM starts: one
+    line (exit 2) for a server deeper than the loops or with a KV budget; a request deeper than the
+    loops is refused by the server's bounds."""
+    from looped_hf.model_types import load_config
+    from looped_hf.serving.depth import DepthError, ServedDepth
+
+    assert cli_main(["serve", str(loop_lora_folder), "--dry-run"]) == 0
+    refused = {
+        ("--max-num-recurrences", "4"): "num_recurrences=4: a per-loop LoRA model runs at most its 3 loops",
+        ("--kv-budget", "1"): "kv_budget=1: a per-loop LoRA model needs every recurrence's KV slots",
+        ("--kv-budget", "3"): "kv_budget=3: a per-loop LoRA model needs every recurrence's KV slots",
+    }
+    capsys.readouterr()
+    for flags, message in refused.items():
+        assert cli_main(["serve", str(loop_lora_folder), *flags, "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, flags
+    with pytest.raises(DepthError, match="num_recurrences=4: must be an integer from 1 to 3"):
+        ServedDepth.from_config(load_config(loop_lora_folder)).resolve({"num_recurrences": 4})

@@ -14,15 +14,12 @@ from typing import Any
 
 import torch
 
-from ..fileio import first_line
+from ..fileio import LOOPED_MODEL_TYPES, first_line
 from ..publish import PathLike, PublishError
 
 #: Files every converted folder has (the tokenizer's too when one was given).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
                    "generation_config.json", "README.md")  # fmt: skip
-#: The ``model_type`` of every folder looped_hf writes: ``LoopedConfig``'s and the per-loop LoRA
-#: retrofit's (``retrofit/loop_lora.py``); the folders ``--overwrite`` may replace.
-LOOPED_MODEL_TYPES = ("looped", "looped_loop_lora")
 #: The default output folder is the checkpoint folder's sibling with this suffix.
 DEFAULT_OUT_SUFFIX = "-looped"
 

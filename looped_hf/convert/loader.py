@@ -3,7 +3,7 @@
     ckpt = Checkpoint("./Ouro-1.4B", model_types=("ouro",))
     ckpt.config["hidden_size"]              # config.json, a checked JSON object
     for name in ckpt.keys():                # every tensor name, from the safetensors headers
-        tensor = ckpt.get_tensor(name)      # read on demand: one tensor in memory at a time
+        tensor = ckpt.get_tensor(name)      # read on demand, a copy of its own (no file stays open)
     ckpt.dtypes, ckpt.shape(name)           # from the headers, no tensor read
     ckpt.generation_token_ids()             # generation_config.json's bos / eos / pad, checked
     ckpt.check_tokenizer()                  # the tokenizer files load, and fit the vocabulary
@@ -347,7 +347,6 @@ class Checkpoint:
         self._file_of: dict[str, Path] = {}
         #: tensor name -> (dtype, shape), from the headers.
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._handles: dict[Path, Any] = {}
         single, index = self.folder / SINGLE_WEIGHTS, self.folder / SHARD_INDEX
         if single.is_file() or single.is_symlink():
             self._add_file(_inside(self.folder, SINGLE_WEIGHTS, "weight file"), None)
@@ -435,14 +434,19 @@ class Checkpoint:
         return name
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from the file that holds it (memory-mapped; nothing else is loaded)."""
+        """One tensor as memory of its own, read from the file that holds it (nothing else is loaded).
+
+        The file is opened for this read only. safetensors hands out views of a private memory map
+        of the file: kept open, every page read stays resident (a whole parent read tensor by tensor
+        would count twice in the process's memory), and a write into a view changes what the next
+        read of the same name returns. So the view is copied and the map released before return:
+        the caller may write into the tensor, and the peak is one tensor above what it keeps."""
         from safetensors import SafetensorError, safe_open
 
         path = self._file_of[self._known(name)]
         try:
-            if path not in self._handles:
-                self._handles[path] = safe_open(path, framework="pt")
-            return self._handles[path].get_tensor(name)
+            with safe_open(path, framework="pt") as handle:
+                return handle.get_tensor(name).clone()
         except (SafetensorError, OSError, RuntimeError) as err:
             raise ConversionError(f"{path}: tensor {name!r} cannot be read ({first_line(err)})") from None
 
@@ -454,16 +458,6 @@ class Checkpoint:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor by name (all in memory; a converter for a small or mid-size model reads so)."""
         return dict(self.items())
-
-    def close(self) -> None:
-        """Release the open weight files."""
-        self._handles.clear()
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def sha256(self) -> dict[str, str]:
         """{file name: sha256} of the weight files (what a card or a run record ties itself to)."""

@@ -97,10 +97,12 @@ def check_exit_flags(
                         "this model's config has exit_criterion=None)")  # fmt: skip
 
 
-def default_recurrences(trained: int) -> list[int]:
-    """1, 2, 4, ... up to 2x the trained r, plus the trained r itself."""
+def default_recurrences(config: Any) -> list[int]:
+    """1, 2, 4, ... up to 2x the trained r (at most the model's ceiling: a per-loop LoRA retrofit
+    runs only the loops that have a LoRA), plus the trained r itself."""
+    trained = int(config.num_recurrences)
     grid, r = {trained}, 1
-    while r <= 2 * trained:
+    while r <= min(2 * trained, config.recurrence_ceiling):
         grid.add(r)
         r *= 2
     return sorted(grid)
@@ -129,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_flags = (args.exit_criterion, args.exit_threshold, args.min_recurrences)
         if local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
             check_checkpoint_dir(args.checkpoint)
-            from looped_hf import LoopedConfig
+            from looped_hf.model_types import load_config
 
-            check_exit_flags(LoopedConfig.from_pretrained(args.checkpoint), *exit_flags)
+            config = load_config(args.checkpoint)
+            check_exit_flags(config, *exit_flags)
+            check_recurrences(config, args.recurrences or default_recurrences(config), args.kv_budget)
         out = check_output_path(Path(args.out) if args.out else (
             Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
         ), "--out", directory=True)  # fmt: skip
@@ -160,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             "min_recurrences": args.min_recurrences, "kv_budget": args.kv_budget,
         }  # fmt: skip
         trained = int(model.config.num_recurrences)
-        recurrences = args.recurrences or default_recurrences(trained)
+        recurrences = args.recurrences or default_recurrences(model.config)
         # Every r and the KV budget, through the model's config, before any r is scored.
-        _warn_cost(check_recurrences(model, recurrences, args.kv_budget), trained)
+        _warn_cost(check_recurrences(model.config, recurrences, args.kv_budget), trained)
         results = evaluate_model(
             model, tokenizer, bundles, recurrences,
             max_per_task=args.max_per_task, batch_tokens=args.batch_tokens, settings=settings,

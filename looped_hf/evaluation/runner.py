@@ -55,12 +55,13 @@ def check_lm_eval_tasks(tasks: Sequence[str], include_path: PathLike | None = No
 def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a checkpoint folder or Hub id, every failure a
     `CheckpointError` naming the file: a local folder is checked first (`check_checkpoint_dir`:
-    model_type looped, weights not truncated), then loaded; a config value `LoopedConfig` refuses
+    a looped model_type, weights not truncated), then loaded with its model type's class
+    (`model_types`: a per-loop LoRA retrofit too); a config value `LoopedConfig` refuses
     (num_recurrences 0, ...) and a weights file torch cannot read are named too. Eval, publish and
     test-time all load through here."""
     from transformers import AutoTokenizer
 
-    from looped_hf import LoopedForCausalLM
+    from looped_hf.model_types import load_causal_lm
 
     if Path(checkpoint).is_dir():
         check_checkpoint_dir(checkpoint)
@@ -73,7 +74,7 @@ def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
                 "the source folder's)"
             )
     try:
-        model = LoopedForCausalLM.from_pretrained(str(checkpoint)).eval()
+        model = load_causal_lm(checkpoint).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     except CheckpointError:
         raise
@@ -118,14 +119,14 @@ def load_checkpoint(checkpoint: PathLike) -> tuple[Any, Any, dict[str, Any]]:
     return model, tokenizer, info
 
 
-def check_recurrences(model: Any, recurrences: Sequence[int], kv_budget: int | None = None) -> list[int]:
-    """The r values to score (sorted, deduplicated), each checked before the first is scored, by
-    the model's config, the one owner of the r rules (`LoopedConfig.resolve_num_recurrences`: an
-    integer >= 1, at most the ceiling, only the trained r for a recurrence-locked model) and of the
-    KV budget (`LoopedConfig.num_kv_slots`). A refusal is an `EvalError` naming the field and value."""
+def check_recurrences(config: Any, recurrences: Sequence[int], kv_budget: int | None = None) -> list[int]:
+    """The r values to score (sorted, deduplicated), each checked before the first is scored (for a
+    local folder, before the model is loaded), by the model's config, the one owner of the r rules
+    (`LoopedConfig.resolve_num_recurrences`: an integer >= 1, at most the ceiling, only the trained r
+    for a recurrence-locked model) and of the KV budget (`LoopedConfig.num_kv_slots`; a per-loop LoRA
+    model's refuses one below r). A refusal is an `EvalError` naming the field and value."""
     if not recurrences:
         raise EvalError("recurrences=[]: need at least one r")
-    config = model.config
     try:
         grid = sorted({config.resolve_num_recurrences(r) for r in recurrences})
         for r in grid:
@@ -190,7 +191,7 @@ def evaluate_model(
     if unknown:
         raise EvalError(f"settings {unknown}: unknown; one of {list(CALL_SETTINGS)}")
     settings = {k: (settings or {}).get(k) for k in CALL_SETTINGS}
-    grid = check_recurrences(model, recurrences, settings["kv_budget"])
+    grid = check_recurrences(model.config, recurrences, settings["kv_budget"])
     say = progress or (lambda _line: None)
     started = time.time()
     max_length = getattr(model.config, "max_position_embeddings", None)

@@ -16,10 +16,38 @@ The layer choices are small functions in ``plan.py``; each parent family is one 
 ``architectures`` name. See docs/retrofit.md.
 """
 
-from ..convert.common import ConversionError
-from .cli import main
-from .core import FAMILIES, build_retrofit, default_out, retrofit
-from .plan import LayerPlan, explicit, loop_in_place, paper_rule, share
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public names -> their submodule, loaded on first access: ``looped_hf.register()`` imports
+# ``loop_lora`` (its classes are registered with the Auto API), which must not pull in the
+# converters and the publisher behind ``core`` at every ``import looped_hf``.
+_LAZY = {
+    "ConversionError": "..convert.common",
+    "main": ".cli",
+    "FAMILIES": ".core",
+    "build_retrofit": ".core",
+    "default_out": ".core",
+    "retrofit": ".core",
+    "LayerPlan": ".plan",
+    "explicit": ".plan",
+    "loop_in_place": ".plan",
+    "paper_rule": ".plan",
+    "share": ".plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "FAMILIES",

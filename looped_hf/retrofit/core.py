@@ -36,7 +36,7 @@ from ..publish import PathLike
 from .family import Family
 from .llama import LLAMA, MISTRAL
 from .olmo2 import OLMO2
-from .parent import open_parent, read_tensor
+from .parent import open_parent
 from .plan import LayerPlan
 from .qwen import QWEN2, QWEN3
 
@@ -184,7 +184,7 @@ def fill_from_parent(model: torch.nn.Module, parent: Checkpoint, sources: dict[s
             continue
         total = None
         for key in keys:
-            tensor = read_tensor(parent, key)
+            tensor = parent.get_tensor(key)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ConversionError(f"{parent.folder}: {key} has shape {tuple(tensor.shape)}, the config says "
                                       f"{tuple(param.shape)}")  # fmt: skip
@@ -201,7 +201,7 @@ def build_retrofit(parent: Checkpoint, plan: LayerPlan, *, adapter_init: str = "
                    state_init: str = "truncated_normal", seed: int = 0, extra_config: dict[str, Any] | None = None,
                    model_class: type | None = None, own: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """The looped model (eval mode, the parent's dtype) and its record (``retrofit.json``), from an
-    opened parent (``with parent:``) and a layer plan. ``model_class`` (default ``LoopedForCausalLM``)
+    opened parent and a layer plan. ``model_class`` (default ``LoopedForCausalLM``)
     and the parameters it names under the prefixes ``own`` (left to the caller) are for the
     per-loop LoRA."""
     from transformers.initialization import no_init_weights
@@ -334,11 +334,8 @@ def retrofit(parent_dir: PathLike, out: PathLike | None, plan_for: Callable[[int
             f"{parent.folder / 'config.json'} num_hidden_layers={layers!r}: expected an integer >= 1"
         )
     plan = plan_for(layers)
-    with parent:
-        model, record = build_retrofit(
-            parent, plan, adapter_init=adapter_init, state_init=state_init, seed=seed
-        )
-        return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
+    model, record = build_retrofit(parent, plan, adapter_init=adapter_init, state_init=state_init, seed=seed)
+    return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
 
 
 __all__ = ["ADAPTER_INITS", "DEFAULT_OUT_SUFFIX", "FAMILIES", "RECORD_FILE", "STATE_INITS", "adapter_weight",

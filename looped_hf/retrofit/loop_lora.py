@@ -26,6 +26,12 @@ file shipped beside ``modeling_looped.py``. Imports only torch, transformers and
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +55,29 @@ class LoopLoRAConfig(LoopedConfig):
     its own model type so that only the class that applies the deltas loads it."""
 
     model_type = "looped_loop_lora"
-    _auto_class = None  # the folder's remote code is written by the retrofit, not by save_pretrained
+    _auto_class = None  # its remote code is written by LoopLoRAForCausalLM.save_pretrained, not transformers
+
+    def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
+        """``LoopedConfig.resolve_num_recurrences``, with an r past the loops that have a LoRA
+        (``max_recurrences``) refused as such: no config change lets this model run it."""
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        loops = self.max_recurrences
+        if isinstance(r, int) and not isinstance(r, bool) and loops is not None and r > loops:
+            raise ValueError(f"num_recurrences={r}: a per-loop LoRA model runs at most its {loops} loops with a "
+                             "LoRA (max_recurrences)")  # fmt: skip
+        return super().resolve_num_recurrences(num_recurrences)
+
+    def num_kv_slots(self, num_recurrences: int | None = None, kv_budget: int | None = None) -> int:
+        """``LoopedConfig.num_kv_slots``, with a KV budget below r refused: loop t finds its deltas
+        from its KV slot (the module docstring), so every recurrence keeps slots of its own. Eval and
+        serving check each r here before running any."""
+        slots = super().num_kv_slots(num_recurrences, kv_budget)
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        budget = self.kv_budget if kv_budget is None else kv_budget
+        if budget is not None and budget < r:
+            raise ValueError(f"kv_budget={budget}: a per-loop LoRA model needs every recurrence's KV slots "
+                             f"(kv_budget None or >= num_recurrences={r})")  # fmt: skip
+        return slots
 
 
 class LoRAPair(nn.Module):
@@ -128,6 +156,20 @@ class LoopLoRAForCausalLM(LoopedForCausalLM):
         self._register_loop_hooks()
         self.post_init()
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """``PreTrainedModel.save_pretrained``, then the remote code beside the weights
+        (`ship_remote_code`), so that every folder of this model (a retrofit, a trained run, a
+        published copy) loads with ``trust_remote_code=True`` where looped_hf is not installed.
+        transformers' own copy (``_auto_class``) would look for the looped modules beside this file,
+        where they are only in a saved folder. ``push_to_hub=True`` is refused: it would upload the
+        folder before its code is there (save, then upload the folder)."""
+        if kwargs.get("push_to_hub"):
+            raise ValueError("LoopLoRAForCausalLM.save_pretrained(push_to_hub=True): save the folder, then upload it "
+                             "(looped-hf publish --push)")  # fmt: skip
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            ship_remote_code(Path(save_directory))
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (LoRAPair, NormDelta)):  # zero delta until the retrofit writes its init
             for param in module.parameters(recurse=False):
@@ -147,10 +189,7 @@ class LoopLoRAForCausalLM(LoopedForCausalLM):
 
     def _check_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         r = self.config.resolve_num_recurrences(kwargs.get("num_recurrences"))
-        budget = kwargs.get("kv_budget") or self.config.kv_budget
-        if budget is not None and budget < r:
-            raise ValueError(f"kv_budget={budget}: a per-loop LoRA model needs every recurrence's KV slots "
-                             f"(kv_budget None or >= num_recurrences={r})")  # fmt: skip
+        self.config.num_kv_slots(r, kwargs.get("kv_budget"))
 
     def _step_hook(self, j: int):
         prelude, block = self.config.num_prelude_layers, self.config.num_recurrent_layers
@@ -167,6 +206,27 @@ class LoopLoRAForCausalLM(LoopedForCausalLM):
         return hook
 
 
+def ship_remote_code(folder: Path) -> list[str]:
+    """Copy the looped model's modules (``modeling_looped.py`` and what it imports relatively) and
+    this file into ``folder``, and point its config's ``auto_map`` at the classes above; returns the
+    file names written. Works where this file was imported from (looped_hf, or a saved folder
+    loaded as remote code, where the looped modules sit beside it)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    modeling = sys.modules[LoopedForCausalLM.__module__].__file__
+    files = {Path(modeling), Path(__file__), *map(Path, get_relative_import_files(modeling))}
+    for file in files:
+        shutil.copyfile(file, folder / file.name)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["auto_map"] = {
+        "AutoConfig": f"{Path(__file__).stem}.{LoopLoRAConfig.__name__}",
+        "AutoModelForCausalLM": f"{Path(__file__).stem}.{LoopLoRAForCausalLM.__name__}",
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return sorted(file.name for file in files)
+
+
 __all__ = [
     "LOOP_LORA_TARGETS",
     "LoRAPair",
@@ -175,4 +235,5 @@ __all__ = [
     "LoopLoRAForCausalLM",
     "NormDelta",
     "norm_keys",
+    "ship_remote_code",
 ]

@@ -7,8 +7,6 @@ model's own remote code)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from ..convert.loader import Checkpoint
 from ..publish import PathLike
 from .core import build_retrofit, default_out, parent_family, write_retrofit
 from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM, LoRAPair, norm_keys
-from .parent import open_parent, read_tensor
+from .parent import open_parent
 from .plan import LayerPlan
 
 
@@ -46,7 +44,7 @@ def init_loop_lora(
         shared = layers[j].get_parameter(name)
         if name in zero_init:
             return torch.zeros_like(shared, dtype=torch.float32) - shared.float()
-        return read_tensor(parent, f"model.layers.{source}.{name}").float() - shared.float()
+        return parent.get_tensor(f"model.layers.{source}.{name}").float() - shared.float()
 
     for t, row in enumerate(plan.unrolled):
         for j, source in enumerate(row):
@@ -67,32 +65,6 @@ def vector_names(model: LoopLoRAForCausalLM) -> list[str]:
     layer = model.model.recurrent_layers[0]
     biases = [f"{t}.bias" for t in model.config.loop_lora_targets if layer.get_submodule(t).bias is not None]
     return [f"{path}.weight" for path in norm_keys(layer).values()] + biases
-
-
-def ship_loop_lora_code(folder: Path) -> list[str]:
-    """Copy the looped model's remote code and ``loop_lora.py`` into ``folder`` and point its
-    ``auto_map`` at the per-loop LoRA classes; returns the file names written."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    import looped_hf.modeling_looped as modeling
-
-    from . import loop_lora
-
-    files = {
-        Path(modeling.__file__),
-        Path(loop_lora.__file__),
-        *map(Path, get_relative_import_files(modeling.__file__)),
-    }
-    for file in files:
-        shutil.copyfile(file, folder / file.name)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["auto_map"] = {
-        "AutoConfig": "loop_lora.LoopLoRAConfig",
-        "AutoModelForCausalLM": "loop_lora.LoopLoRAForCausalLM",
-    }
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return sorted(file.name for file in files)
 
 
 def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: Callable[[int], LayerPlan], *,
@@ -118,16 +90,15 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
                               "projection has rank at most its smaller side)")  # fmt: skip
     extra = {"loop_lora_rank": rank, "loop_lora_targets": list(LOOP_LORA_TARGETS),
              "max_recurrences": plan.num_recurrences}  # fmt: skip
-    with parent:
-        model, record = build_retrofit(parent, plan, extra_config=extra, model_class=LoopLoRAForCausalLM,
-                                       own=("loop_lora.",))  # fmt: skip
-        init_loop_lora(model, parent, plan, family.zero_init)
-        record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
-                          "vectors": vector_names(model),
-                          "vectors_init": "v_parent - v_shared (full, per loop)",
-                          "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
-        return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license,
-                              extra_files=ship_loop_lora_code)  # fmt: skip
+    model, record = build_retrofit(parent, plan, extra_config=extra, model_class=LoopLoRAForCausalLM,
+                                   own=("loop_lora.",))  # fmt: skip
+    init_loop_lora(model, parent, plan, family.zero_init)
+    record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
+                      "vectors": vector_names(model),
+                      "vectors_init": "v_parent - v_shared (full, per loop)",
+                      "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
+    # The model's save_pretrained ships loop_lora.py and the looped modules (LoopLoRAForCausalLM).
+    return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
 
 
-__all__ = ["init_loop_lora", "retrofit_shared_lora", "ship_loop_lora_code", "svd_delta", "vector_names"]
+__all__ = ["init_loop_lora", "retrofit_shared_lora", "svd_delta", "vector_names"]

@@ -12,6 +12,8 @@ from typing import Any
 
 VLLM_ARCHITECTURE = "LoopedForCausalLM"
 VLLM_MODEL_CLASS = "looped_hf.serving.vllm_model:LoopedForCausalLM"
+# Every architecture that class serves: the looped LM's and a per-loop LoRA retrofit's (loop_lora_vllm).
+VLLM_ARCHITECTURES = (VLLM_ARCHITECTURE, "LoopLoRAForCausalLM")
 # vLLM's CPU attention backend runs these head sizes only (CPUAttentionBackend.get_supported_head_sizes);
 # the vLLM model pads any smaller head_dim to the next of them (vllm_model.attention_head_size).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -83,7 +85,9 @@ def servable_problems(
             f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes up to {max(CPU_HEAD_SIZES)} "
             "(smaller ones are padded to a size it runs)"
         )
-    return problems
+    from .loop_lora_vllm import loop_lora_problems  # a per-loop LoRA retrofit's own limits
+
+    return problems + loop_lora_problems(config, tensor_parallel_size=tensor_parallel_size)
 
 
 def check_servable(config: Any, **kwargs: Any) -> None:
@@ -93,4 +97,11 @@ def check_servable(config: Any, **kwargs: Any) -> None:
         raise ValueError("this looped checkpoint cannot be served by vLLM: " + "; ".join(problems))
 
 
-__all__ = ["CPU_HEAD_SIZES", "VLLM_ARCHITECTURE", "VLLM_MODEL_CLASS", "check_servable", "servable_problems"]
+__all__ = [
+    "CPU_HEAD_SIZES",
+    "VLLM_ARCHITECTURE",
+    "VLLM_ARCHITECTURES",
+    "VLLM_MODEL_CLASS",
+    "check_servable",
+    "servable_problems",
+]

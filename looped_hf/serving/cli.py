@@ -132,10 +132,10 @@ def read_looped_config(folder: Path) -> Any:
         raise ServeError(
             f"CKPT={str(folder)!r}: no tokenizer ({', '.join(TOKENIZER_FILES)}); the server needs one to read text"
         )
-    from looped_hf.configuration_looped import LoopedConfig
+    from looped_hf.model_types import config_from_dict
 
     try:
-        return LoopedConfig.from_dict(raw)
+        return config_from_dict(raw, folder / "config.json")
     except (ValueError, TypeError) as err:
         raise ServeError(f"{folder / 'config.json'}: {err}") from None
 

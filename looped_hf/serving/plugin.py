@@ -7,7 +7,8 @@ It makes three things known to vLLM:
   looped folder's config from the installed looped_hf, with no ``--trust-remote-code`` (a folder's
   ``auto_map`` names remote code, which transformers prefers only when the type is unknown);
 - architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
-  process that builds the model);
+  process that builds the model), and so ``LoopLoRAForCausalLM``, a per-loop LoRA retrofit's (the
+  same class applies its deltas, ``loop_lora_vllm``), whose ``LoopLoRAConfig`` is registered too;
 - a config hook (run when the engine's config is made, in the process the user started) that
   refuses what cannot be served with one clear line, installs the CPU worker that hands each
   request's depth to the model (``worker``; unless the user chose a worker), turns off the two
@@ -42,7 +43,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
+from . import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS, check_servable
 from .depth import REQUEST_KEYS, DepthError, ServedDepth
 
 logger = logging.getLogger(__name__)
@@ -338,7 +339,8 @@ def _register_config_hook() -> None:
         logger.warning("looped_hf: this vLLM has no MODELS_CONFIG_MAP; a kv_budget < r needs prefix caching and "
                        "chunked prefill turned off by hand")  # fmt: skip
         return
-    MODELS_CONFIG_MAP.setdefault(VLLM_ARCHITECTURE, LoopedConfigHook)
+    for architecture in VLLM_ARCHITECTURES:
+        MODELS_CONFIG_MAP.setdefault(architecture, LoopedConfigHook)
 
 
 def register() -> None:
@@ -347,8 +349,11 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from ..configuration_looped import LoopedConfig
+    from ..retrofit.loop_lora import LoopLoRAConfig
 
-    AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
-    if VLLM_ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(VLLM_ARCHITECTURE, VLLM_MODEL_CLASS)
+    for config in (LoopedConfig, LoopLoRAConfig):
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+    for architecture in VLLM_ARCHITECTURES:  # one model class serves them all
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, VLLM_MODEL_CLASS)
     _register_config_hook()

@@ -107,6 +107,7 @@ from ..recurrent_block_looped import (
 from . import check_servable
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
+from .loop_lora_vllm import WEIGHT_PREFIX, attach_loop_lora, has_loop_lora
 from .plugin import depth_setting_problems
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
@@ -342,6 +343,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
         self.engine_plan = model.plan
         self.kv_slots = model.kv_slots
+        self.loop_lora = model.loop_lora
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
 
@@ -403,6 +405,8 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         if j == 0 and self.keeps_inputs:
             x = x.clone()
+        if self.loop_lora is not None:  # a per-loop LoRA retrofit: loop `step`'s deltas (loop_lora_vllm)
+            self.loop_lora.step = step
         return layer(x, self.positions, self.kv_slots[self.plan.block(step, j)].attn)
 
 
@@ -443,6 +447,8 @@ class LoopedVllmModel(nn.Module):
         self.prelude_layers = stack("prelude_layers", config.num_prelude_layers)
         self.recurrent_layers = stack("recurrent_layers", config.num_recurrent_layers)
         self.coda_layers = stack("coda_layers", config.num_coda_layers)
+        # A per-loop LoRA retrofit's deltas on the shared block (loop_lora_vllm), else None.
+        self.loop_lora = attach_loop_lora(config, self.recurrent_layers) if has_loop_lora(config) else None
         # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
         # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
         build_loop_modules(self, config, norm)
@@ -571,9 +577,11 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
                     f"num_recurrences={config.num_recurrences}: this checkpoint's hyperconnection parameters were "
                     f"trained for num_recurrences={weight.shape[0]}, the only r it can run at"
                 )
+            loop_lora = name.startswith(WEIGHT_PREFIX)  # per-loop LoRA tensors load by name (loop_lora_vllm)
+            name = f"model.{name}" if loop_lora else name
             module, _, leaf = name.rpartition(".")
             path, _, part = module.rpartition(".")
-            if part in shards:
+            if part in shards and not loop_lora:
                 target = f"{path}.{fused_of[part]}.{leaf}"
                 param = params[target]
                 param.weight_loader(param, weight, shards[part])

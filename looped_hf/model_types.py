@@ -1,0 +1,78 @@
+"""The classes of every checkpoint looped_hf reads, by its config.json ``model_type``
+(``fileio.LOOPED_MODEL_TYPES`` is the one list of the names, read without torch):
+
+* ``looped``: ``LoopedConfig`` / ``LoopedForCausalLM``;
+* ``looped_loop_lora``: the per-loop LoRA retrofit's ``LoopLoRAConfig`` / ``LoopLoRAForCausalLM``
+  (``retrofit/loop_lora.py``: the RRT share with ``--lora-rank``).
+
+``looped_hf.register()`` registers the per-loop LoRA pair with transformers' Auto classes too (so
+its folder loads without ``trust_remote_code`` where looped_hf is installed, and still with it where
+looped_hf is not). Eval, test-time, publish and serve read a checkpoint through
+`config_from_dict` / `load_config` / `load_causal_lm`, and train's ``init_from`` through `load_config` /
+``causal_lm_class``, so a folder of either type works in each.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .fileio import check_model_type
+
+
+def looped_classes() -> dict[str, tuple[type, type]]:
+    """``model_type`` -> (config class, causal-LM class), for every type in ``fileio.LOOPED_MODEL_TYPES``
+    (in its order)."""
+    from .configuration_looped import LoopedConfig
+    from .modeling_looped import LoopedForCausalLM
+    from .retrofit.loop_lora import LoopLoRAConfig, LoopLoRAForCausalLM
+
+    return {
+        LoopedConfig.model_type: (LoopedConfig, LoopedForCausalLM),
+        LoopLoRAConfig.model_type: (LoopLoRAConfig, LoopLoRAForCausalLM),
+    }
+
+
+def causal_lm_class(config: Any) -> type:
+    """The causal-LM class of a config object (a ``LoopedConfig`` or a subclass listed above)."""
+    return looped_classes()[config.model_type][1]
+
+
+def classes_for(config: dict[str, Any], where: str | os.PathLike) -> tuple[type, type]:
+    """(config class, causal-LM class) of a raw config.json dict; another ``model_type`` is a
+    ``CheckpointError`` naming ``where`` and the value (``fileio.check_model_type``)."""
+    return looped_classes()[check_model_type(config, where)]
+
+
+def config_from_dict(config: dict[str, Any], where: str | os.PathLike) -> Any:
+    """The config object of a raw config.json dict, of its model type's class (a ``ValueError``
+    naming the field for a value the class refuses)."""
+    return classes_for(config, where)[0].from_dict(config)
+
+
+def _raw_config(source: str | os.PathLike) -> dict[str, Any]:
+    from transformers import PreTrainedConfig
+
+    return PreTrainedConfig.get_config_dict(str(source))[0]
+
+
+def load_config(source: str | os.PathLike, **kwargs: Any) -> Any:
+    """The config of a checkpoint folder or Hub id, of its model type's class (``kwargs`` go to
+    ``from_pretrained``)."""
+    return classes_for(_raw_config(source), f"{source}/config.json")[0].from_pretrained(str(source), **kwargs)
+
+
+def load_causal_lm(source: str | os.PathLike, **kwargs: Any) -> Any:
+    """The causal LM of a checkpoint folder or Hub id, of its model type's class (``kwargs`` go to
+    ``from_pretrained``: ``dtype``, ``config``, ...)."""
+    return classes_for(_raw_config(source), f"{source}/config.json")[1].from_pretrained(str(source), **kwargs)
+
+
+__all__ = [
+    "causal_lm_class",
+    "classes_for",
+    "config_from_dict",
+    "load_causal_lm",
+    "load_config",
+    "looped_classes",
+]
