@@ -173,11 +173,13 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
 # its weight: 6N per token in all. A frozen weight (``freeze_backbone``: all but the injection
 # adapter; peft LoRA: every base weight) needs no weight gradient, and no matmul needs its input's
 # gradient unless a trainable parameter lies upstream of that input: layers before the first
-# trainable parameter run forward only. The walk below follows the forward's order at the
-# granularity of a sublayer's entry (the matmuls that read the sublayer's input: its pre-norm, q/k/v
-# or gate/up) and the rest (everything after them), which is what autograd decides on for the
-# modes above (a LoRA on q/k/v makes everything after them need gradient; the entry's input may
-# not). Conventions as the all-trainable count: the study's, a layer's norm scales count as weights
+# trainable parameter run forward only. The walk below follows the forward's order in parts of a
+# layer (input norm, q/k/v, q/k norms, o_proj and output norms, MLP input norm, gate/up, down_proj
+# and output norms): a part's input needs gradient once an earlier part, or the layer's input,
+# has something trainable, which is what autograd decides on for the modes above (a LoRA on the
+# first layer's q/k/v makes everything after them need gradient; their input does not, nor does
+# the frozen norm before them). Parameters within one part are taken as reading one input (a
+# frozen q with a trained k is not told apart). Conventions as the all-trainable count: the study's, a layer's norm scales count as weights
 # (2N each way), the model-level norms as nothing, the injection as one [e; h] matmul per recurrence,
 # attention at full T (4 h q T forward, 8 h q T backward). peft's LoRA: A reads the projection's
 # input, B reads A's output (its input needs gradient whenever A trains).
