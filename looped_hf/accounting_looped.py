@@ -75,7 +75,9 @@ def head_passes(config: Any, num_recurrences: int, training: bool) -> int:
     threshold readout gathers each token's exit state first: one pass."""
     if not getattr(config, "exit_gate", False):
         return 1
-    every_step = config.exit_gate_output == "weighted" or (training and config.exit_gate_entropy_beta is not None)
+    every_step = config.exit_gate_output == "weighted" or (
+        training and config.exit_gate_entropy_beta is not None
+    )
     return num_recurrences if every_step else 1
 
 
@@ -147,9 +149,16 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
 
     with T the full sequence length (no causal halving, as in PaLM and the study), h heads of
     size q. The embedding lookup is free. Norm and elementwise FLOPs are ignored (O(d)).
+
+    A model with frozen parameters (``requires_grad=False``: ``freeze_backbone``, peft LoRA) is
+    counted by what its backward runs (`_frozen_training_flops`): 2N forward for every weight,
+    2N for the gradient of its input only where a trainable parameter lies upstream of it, 2N for
+    its own gradient only if it trains. With every parameter trainable both counts agree.
     """
     config = model.config
     r, r_grad, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences, training=True)
+    if _counts_frozen(model):
+        return _frozen_training_flops(model, seq_len, r, r - r_grad, hq)
     r_nograd = r - r_grad
     K = config.num_recurrent_layers
     apps_grad = config.num_prelude_layers + config.num_coda_layers + r_grad * K
@@ -157,6 +166,150 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
     dense = 6 * n_once_head + (6 * r_grad + 2 * r_nograd) * n_rec
     attention = 12 * hq * seq_len * apps_grad + 4 * hq * seq_len * apps_nograd
     return float(dense + attention)
+
+
+# --- frozen parameters ----------------------------------------------------------------------------
+# With every weight trainable the backward of each matmul computes the gradient of its input and of
+# its weight: 6N per token in all. A frozen weight (``freeze_backbone``: all but the injection
+# adapter; peft LoRA: every base weight) needs no weight gradient, and no matmul needs its input's
+# gradient unless a trainable parameter lies upstream of that input: layers before the first
+# trainable parameter run forward only. The walk below follows the forward's order in parts of a
+# layer (input norm, q/k/v, q/k norms, o_proj and output norms, MLP input norm, gate/up, down_proj
+# and output norms): a part's input needs gradient once an earlier part, or the layer's input,
+# has something trainable, which is what autograd decides on for the modes above (a LoRA on the
+# first layer's q/k/v makes everything after them need gradient; their input does not, nor does
+# the frozen norm before them). Parameters within one part are taken as reading one input (a
+# frozen q with a trained k is not told apart). Conventions as the all-trainable count: the study's, a layer's norm scales count as weights
+# (2N each way), the model-level norms as nothing, the injection as one [e; h] matmul per recurrence,
+# attention at full T (4 h q T forward, 8 h q T backward). peft's LoRA: A reads the projection's
+# input, B reads A's output (its input needs gradient whenever A trains).
+
+
+def _counts_frozen(model: nn.Module) -> bool:
+    """Whether `training_flops_per_token` counts the model by its frozen parameters: some parameter
+    is frozen and the design has none of the parts whose frozen count the walk does not model
+    (hyperconnection lanes, Ouro's exit gate, a retrofit's per-loop LoRA); those keep the
+    all-trainable count, an upper bound."""
+    if all(p.requires_grad for p in model.parameters()):
+        return False
+    base = model.model
+    unmodelled = (base.hyperconnection, getattr(base, "exit_gate", None), getattr(model, "loop_lora", None))
+    return all(part is None for part in unmodelled)
+
+
+#: A decoder layer's parameters in forward order (`_layer_part`): the attention's input norm,
+#: q/k/v, their q/k norms, (the attention itself), o_proj and the attention's output norms, the
+#: MLP's input norm, gate/up, down_proj and the MLP's output norms.
+_PRE_NORMS = {  # norm placement -> (the attention's input norm, the MLP's input norm)
+    "pre": ("input_layernorm.", "post_attention_layernorm."),
+    "sandwich": ("input_layernorm.", "pre_feedforward_layernorm."),
+    "pre_and_output": ("input_layernorm.", "pre_feedforward_layernorm."),
+    "sublayer_output": (None, None),
+}
+_LAYER_PARTS = 7
+_ATTENTION_AFTER_PART = 2  # the scores and weighted sum read q/k/v after their norms
+_ATTENTION_OUTPUT_NORMS = ("post_attention_layernorm.", "post_attention_residual_layernorm.")
+
+
+def _layer_part(name: str, placement: str) -> int:
+    """Which of the `_LAYER_PARTS` a decoder layer's parameter (by its name in the layer) is in."""
+    attn_norm, mlp_norm = _PRE_NORMS[placement]
+    if attn_norm and name.startswith(attn_norm):
+        return 0
+    if name.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.")):
+        return 1
+    if name.startswith(("self_attn.q_norm.", "self_attn.k_norm.")):
+        return 2
+    if mlp_norm and name.startswith(mlp_norm):
+        return 4
+    if name.startswith("self_attn.") or name.startswith(_ATTENTION_OUTPUT_NORMS):
+        return 3
+    if name.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+        return 5
+    return 6
+
+
+def _input_grad(named: list[tuple[str, nn.Parameter]], input_needs_grad: bool) -> int:
+    """Weights of one part whose input's gradient the backward computes: all of them when the
+    part's input needs gradient; else only peft's LoRA B (it reads A's output), where A trains."""
+    if input_needs_grad:
+        return sum(p.numel() for _, p in named)
+    trained_a = {name.split(".lora_A.")[0] for name, p in named if ".lora_A." in name and p.requires_grad}
+    return sum(
+        p.numel() for name, p in named if ".lora_B." in name and name.split(".lora_B.")[0] in trained_a
+    )
+
+
+def _layer_flops(
+    layer: nn.Module, placement: str, hq: int, seq_len: int, needs_grad: bool
+) -> tuple[float, bool]:
+    """(training FLOPs per token of one layer application with gradient, whether its output needs
+    gradient) given whether its input does. Each part's input needs gradient once any earlier part
+    (or the layer's input) does; the residual adds keep that."""
+    parts: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(_LAYER_PARTS)]
+    for name, p in layer.named_parameters():
+        parts[_layer_part(name, placement)].append((name, p))
+    flops = 0.0
+    for i, named in enumerate(parts):
+        n = sum(p.numel() for _, p in named)
+        trained = sum(p.numel() for _, p in named if p.requires_grad)
+        flops += 2 * n + 2 * trained + 2 * _input_grad(named, needs_grad)
+        needs_grad = needs_grad or trained > 0
+        if i == _ATTENTION_AFTER_PART:  # scores and weighted sum: 4 h q T forward, 8 backward
+            flops += (4 + (8 if needs_grad else 0)) * hq * seq_len
+    return flops, needs_grad
+
+
+def _forward_flops(layer: nn.Module, hq: int, seq_len: int) -> float:
+    """Forward FLOPs per token of one layer application: 2N + 4 h q T."""
+    return 2 * sum(p.numel() for p in layer.parameters()) + 4 * hq * seq_len
+
+
+def _trains(module: nn.Module | None) -> bool:
+    return module is not None and any(p.requires_grad for p in module.parameters())
+
+
+def _frozen_training_flops(model: nn.Module, seq_len: int, r: int, r_nograd: int, hq: int) -> float:
+    """Training FLOPs per token of a model with frozen parameters (see the section's comment):
+    the forward's parts in order, each part's input needing gradient or not."""
+    config, base = model.config, model.model
+    placement = config.norm_placement
+
+    def layers(stack: nn.ModuleList, needs_grad: bool) -> tuple[float, bool]:
+        total = 0.0
+        for layer in stack:
+            flops, needs_grad = _layer_flops(layer, placement, hq, seq_len, needs_grad)
+            total += flops
+        return total, needs_grad
+
+    needs_grad = _trains(base.embed_tokens) or _trains(base.embedding_norm)
+    flops, e_grad = layers(base.prelude_layers, needs_grad)
+    # The initial state: the prelude's output itself (state_init "embedding") or a fresh tensor.
+    h_grad = e_grad if config.state_init not in ("zeros", "noise", "truncated_normal") else False
+    injection = base.injection
+    named_injection = list(injection.named_parameters(prefix="injection")) if injection is not None else []
+    n_injection = sum(p.numel() for _, p in named_injection)
+    trained_injection = sum(p.numel() for _, p in named_injection if p.requires_grad)
+    for step in range(r):
+        if step < r_nograd:  # truncated backprop: forward only, and the state leaves detached
+            flops += 2 * n_injection + sum(
+                _forward_flops(layer, hq, seq_len) for layer in base.recurrent_layers
+            )
+            continue
+        mode = config.input_injection
+        needs_grad = (e_grad or h_grad) if mode in ("linear", "add") else h_grad
+        if mode == "linear":
+            flops += 2 * n_injection + 2 * trained_injection + 2 * _input_grad(named_injection, needs_grad)
+            needs_grad = needs_grad or trained_injection > 0
+        block, needs_grad = layers(base.recurrent_layers, needs_grad)
+        flops += block
+        h_grad = needs_grad or _trains(base.recurrence_norm)
+    needs_grad = h_grad or _trains(getattr(base, "post_loop_norm", None))
+    coda, needs_grad = layers(base.coda_layers, needs_grad)
+    needs_grad = needs_grad or _trains(base.norm)
+    n_head = config.padded_vocab_size * config.hidden_size * head_passes(config, r, True)
+    head_trains = model.lm_head.weight.requires_grad
+    return float(flops + coda + n_head * (2 + 2 * needs_grad + 2 * head_trains))
 
 
 def inference_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: int | None = None) -> float:

@@ -23,7 +23,8 @@ its forward only, 2 x its parameters per token plus its attention) is added to e
 token's FLOPs. `log_recurrences=True` (a sampled r or a curriculum) adds `step_num_recurrences`
 (the r the last optimizer step ran) and `mean_num_recurrences` (over the steps since the previous
 training log entry) to every training log entry. A peft-wrapped model (LoRA) is hooked as given
-and counted as its base model (frozen weights are counted as trained: an upper bound).
+and counted as its base model, by what its backward runs: the frozen base weights get no weight
+gradient (`accounting_looped.training_flops_per_token`; a frozen backbone likewise).
 
 Throughput: every training log entry also carries `tokens_per_second` (all processes) and
 `model_flops_per_second` (the looped-aware FLOPs above, all processes) over the optimizer steps
@@ -92,7 +93,9 @@ class LoopedComputeCallback(TrainerCallback, ExportableState):
     ) -> None:
         if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0
                                            and math.isfinite(peak_flops)):  # fmt: skip
-            raise ValueError(f"LoopedComputeCallback peak_flops={peak_flops!r}: must be a positive number of FLOP/s")
+            raise ValueError(
+                f"LoopedComputeCallback peak_flops={peak_flops!r}: must be a positive number of FLOP/s"
+            )
         if not (isinstance(teacher_flops_per_token, (int, float)) and teacher_flops_per_token >= 0
                 and math.isfinite(teacher_flops_per_token)):  # fmt: skip
             raise ValueError(

@@ -355,7 +355,7 @@ def resolve_run(
     from looped_hf.data import load_tokenizer
     from looped_hf.data.sources import describe_source, token_upper_bound
     from looped_hf.model_types import causal_lm_class
-    from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups
+    from looped_hf.optim import hyperp_learning_rates, lr_train_tokens, muonh_parameter_groups, peft_base
 
     seq_len = data_args.seq_len
     try:  # a file there, a parent that is a file, a place nothing can be made, a name too long
@@ -381,14 +381,19 @@ def resolve_run(
     except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed
         raise RecipeError(f"tokenizer={data_args.tokenizer!r}: cannot be loaded: {first_line(err)}") from err
     config = start_config(model_args, training_args, tokenizer, seq_len)
+    if training_args.lora_rank is not None and importlib.util.find_spec("peft") is None:
+        raise RecipeError(
+            f"LoopedTrainingArguments.lora_rank={training_args.lora_rank}: LoRA needs peft (pip install peft), "
+            "which is not installed"
+        )
     try:
         # Shapes are all that is read: on the meta device, without initialisation, nothing is allocated.
         with torch.device("meta"), no_init_weights():
             model = causal_lm_class(config)(config)
-        flops_per_token = model.training_flops_per_token(seq_len)
         params = model.num_scaling_params()
-        if training_args.freeze_backbone:
-            trainable_adapter(model)
+        # Counted as it will train: a frozen backbone or LoRA runs no weight gradient for the frozen
+        # weights (accounting_looped), so the plan and the compute callback give one number.
+        flops_per_token = peft_base(what_trains(model, training_args)).training_flops_per_token(seq_len)
     except (RuntimeError, ValueError, OverflowError) as err:  # sizes past what torch can index
         raise RecipeError(
             f"the model of this recipe cannot be built (hidden_size={config.hidden_size}, "
@@ -410,11 +415,6 @@ def resolve_run(
             )
     if training_args.recurrence_curriculum != "none":
         check_curriculum(training_args, config)
-    if training_args.lora_rank is not None and importlib.util.find_spec("peft") is None:
-        raise RecipeError(
-            f"LoopedTrainingArguments.lora_rank={training_args.lora_rank}: LoRA needs peft (pip install peft), "
-            "which is not installed"
-        )
     teacher_fpt = 0.0
     if training_args.distill_from is not None:
         teacher_fpt = teacher_flops(training_args.distill_from, config, seq_len)
@@ -539,8 +539,7 @@ def trainable_adapter(model: torch.nn.Module) -> list[str]:
 
 def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.nn.Module:
     """The model the run trains: new (initialised by the seed), or ``init_from``'s weights in
-    float32; then frozen but its adapter (``freeze_backbone``) or wrapped in peft LoRA (``lora_rank``:
-    every linear layer but lm_head, no dropout)."""
+    float32; then `what_trains`."""
     from looped_hf.model_types import causal_lm_class
 
     if training_args.init_from is None:
@@ -555,6 +554,13 @@ def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.
                 f"LoopedTrainingArguments.init_from={training_args.init_from!r}: its weights do not load into this "
                 f"config ({first_line(err)})"
             ) from None
+    return what_trains(model, training_args)
+
+
+def what_trains(model: torch.nn.Module, training_args: LoopedTrainingArguments) -> torch.nn.Module:
+    """``model`` frozen but its adapter (``freeze_backbone``) or wrapped in peft LoRA (``lora_rank``:
+    every linear layer but lm_head, no dropout), or as it is; the one place both are applied, for
+    the run's model and for the meta-device model its FLOPs are planned on."""
     if training_args.freeze_backbone:
         trainable_adapter(model)
     if training_args.lora_rank is not None:
