@@ -49,8 +49,8 @@ later recurrence i + k overwrites those places. That is exactly what ``generate(
 same split of tokens into forward calls (it writes, attends, and crops an earlier writer's tokens
 back out). vLLM splits tokens into calls itself, so with a budget the plugin turns off what would
 split them differently from ``generate()``: chunked prefill, and prefix caching, also off for any
-server of more than one depth (``plugin.depth_setting_problems``; an engine that still has them,
-because the plugin's config hook did not run, is refused here).
+server of more than one depth (``engine.engine_args``; an engine built without them is refused
+here, ``engine.engine_setting_problems``).
 One split remains vLLM's: a request preempted because the KV cache is full is recomputed by
 prefilling its prompt and the tokens generated so far in one call, so with a budget its later
 tokens are what ``generate()`` gives for that text as one prompt (without a budget a slot's KV does
@@ -107,7 +107,7 @@ from ..recurrent_block_looped import (
 from . import check_servable
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
-from .plugin import depth_setting_problems
+from .engine import check_engine_settings
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -425,9 +425,8 @@ class LoopedVllmModel(nn.Module):
         check_servable(config, pipeline_parallel_size=parallel.pipeline_parallel_size,
                        tensor_parallel_size=parallel.tensor_parallel_size,
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
-        problems = depth_setting_problems(vllm_config)
-        if problems:  # the plugin's config hook turns these off; a vLLM that did not run it gets here
-            raise ValueError("this looped engine cannot serve its requests' depths exactly: " + "; ".join(problems))
+        # Before any weight loads: an engine built without engine_args' settings is refused here.
+        check_engine_settings(vllm_config, on_cpu=current_platform.is_cpu())
         self.config = config
         self.plan = ServedDepth.from_config(config).plan(config)  # the deepest request's slots (depth.py)
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
