@@ -185,6 +185,26 @@ def test_vllm_greedy_tokens_and_logprobs_equal_generate(case, checkpoints, promp
 
 
 @needs_vllm
+def test_the_injections_contiguous_weight_changes_no_logprob(checkpoints, prompts, workdir) -> None:
+    """The loop's W_h is kept as a contiguous copy for speed (``keep_injection``): the served tokens
+    and logprobs are bit for bit those of the strided slice it replaces."""
+    llm = make_llm(checkpoints["study"])
+    try:
+        (kept,) = llm.apply_model(lambda model: model.model.loop.w_h is not None)
+        contiguous = greedy(llm, prompts)
+        llm.apply_model(lambda model: setattr(model.model.loop, "w_h", None))
+        strided = greedy(llm, prompts)
+    finally:
+        close(llm)
+    assert kept
+    for a, b in zip(contiguous, strided):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert [step[t].logprob for step, t in zip(a.logprobs, a.token_ids)] == [
+            step[t].logprob for step, t in zip(b.logprobs, b.token_ids)
+        ]
+
+
+@needs_vllm
 def test_the_kv_budget_changes_what_is_served_and_the_slots_it_needs(references) -> None:
     """kv_budget really reaches the engine: at r = 4 with k = 1 the tokens differ from the study shape
     without a budget somewhere (else the budget cases above would prove nothing)."""
