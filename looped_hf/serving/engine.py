@@ -42,7 +42,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import CPU_NORM_OPS, CPU_NORM_PROVIDER
+from . import CPU_NORM_OPS, CPU_NORM_PROVIDER, check_servable
 from .depth import MAX_KEY, ServedDepth
 from .plugin import guard_name
 
@@ -94,8 +94,6 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
     device (default: CPU when torch sees no CUDA device). The module docstring lists the settings
     and why; only the ones the served depths need are returned. Raises ``ValueError`` in one line
     naming the field for a checkpoint or override that cannot be served."""
-    from . import check_servable
-
     config = _served_config(model, overrides)
     cpu = device == "cpu" if device is not None else on_cpu()
     check_servable(config, device="cpu" if cpu else None)
