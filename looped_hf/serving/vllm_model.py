@@ -36,7 +36,9 @@ gate/up are fused here, so a peft adapter's ``q_proj`` ... ``up_proj`` land on t
 ``embedding_modules``; the projections of every layer (prelude, shared block, coda; the shared
 block's adapter applies at every recurrence, as in the HF model) serve an adapter through vLLM's
 ``enable_lora`` and ``LoRARequest``. The injection and the exit gate are plain ``nn.Linear`` modules,
-which vLLM's LoRA does not wrap: an adapter that targets them is refused by vLLM when it loads.
+which vLLM's LoRA does not wrap: an adapter that targets them is refused by vLLM when it loads. (In
+bfloat16 / float16 the injection's W_h also runs as ``injection_h``, a ``ReplicatedLinear`` filled from
+``injection.weight``, for vLLM's GEMM: ``_VllmRecurrentBlock.keep_injection``.)
 
 KV cache: one vLLM ``Attention`` per KV slot of ``KVSlotPlan.for_call(config, r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
