@@ -36,7 +36,9 @@ gate/up are fused here, so a peft adapter's ``q_proj`` ... ``up_proj`` land on t
 ``embedding_modules``; the projections of every layer (prelude, shared block, coda; the shared
 block's adapter applies at every recurrence, as in the HF model) serve an adapter through vLLM's
 ``enable_lora`` and ``LoRARequest``. The injection and the exit gate are plain ``nn.Linear`` modules,
-which vLLM's LoRA does not wrap: an adapter that targets them is refused by vLLM when it loads.
+which vLLM's LoRA does not wrap: an adapter that targets them is refused by vLLM when it loads. (In
+bfloat16 / float16 the injection's W_h also runs as ``injection_h``, a ``ReplicatedLinear`` filled from
+``injection.weight``, for vLLM's GEMM: ``_VllmRecurrentBlock.keep_injection``.)
 
 KV cache: one vLLM ``Attention`` per KV slot of ``KVSlotPlan.for_call(config, r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
@@ -49,8 +51,8 @@ later recurrence i + k overwrites those places. That is exactly what ``generate(
 same split of tokens into forward calls (it writes, attends, and crops an earlier writer's tokens
 back out). vLLM splits tokens into calls itself, so with a budget the plugin turns off what would
 split them differently from ``generate()``: chunked prefill, and prefix caching, also off for any
-server of more than one depth (``plugin.depth_setting_problems``; an engine that still has them,
-because the plugin's config hook did not run, is refused here).
+server of more than one depth (``engine.engine_args``; an engine built without them is refused
+here, ``engine.engine_setting_problems``).
 One split remains vLLM's: a request preempted because the KV cache is full is recomputed by
 prefilling its prompt and the tokens generated so far in one call, so with a budget its later
 tokens are what ``generate()`` gives for that text as one prompt (without a budget a slot's KV does
@@ -84,6 +86,7 @@ from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -107,8 +110,8 @@ from ..recurrent_block_looped import (
 from . import check_servable
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
+from .engine import check_engine_settings
 from .loop_lora_vllm import WEIGHT_PREFIX, attach_loop_lora, has_loop_lora
-from .plugin import depth_setting_problems
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -346,6 +349,8 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         self.loop_lora = model.loop_lora
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
+        self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once the weights are loaded
+        self.injection_h = model.injection_h  # W_h as a vLLM layer (bfloat16 / float16), else None
 
     def run(self, e: torch.Tensor, positions: torch.Tensor, depth: BatchDepth | None, keep_states: bool = False,
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
@@ -402,6 +407,40 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
             h = lanes.sum(0)  # lanes are summed before the coda
         return h, states
 
+    def keep_injection(self) -> list[str]:
+        """Keep W_h of the linear injection where its matmul runs fast (``load_weights`` calls this once
+        the weights are in; returns the parameters it filled). In bfloat16 / float16 it goes into the
+        model's ``injection_h``, a vLLM ``ReplicatedLinear``: vLLM's prepacked GEMM, 2-3x faster per call
+        on CPU than PyTorch's bfloat16 matmul. In float32 it stays PyTorch's matmul, on a contiguous copy:
+        the base class's W_h is a slice of W's columns, strided, and each recurrence's matmul with it
+        took 20-40% longer; the copy gives the same numbers (the result does not depend on the
+        operand's layout: tests/test_serving_parity.py)."""
+        # The base class decides whether the split applies and which columns are W_h (one owner of
+        # both); it is asked with no tokens.
+        no_tokens = self.injection.weight.new_zeros(0, self.config.hidden_size) if self.injection is not None else None
+        split = super().injection_split(no_tokens) if self.config.input_injection == "linear" else None
+        self.w_h = None if split is None else split[1].contiguous()
+        layer = self.injection_h
+        if layer is None:
+            return []
+        if split is not None:
+            default_weight_loader(layer.weight, self.w_h)
+            self.w_h = None
+        return ["model.injection_h.weight"]
+
+    def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The base class's (W_e e, W_h), W_h the contiguous copy when ``keep_injection`` made one."""
+        split = super().injection_split(e)
+        if split is None or self.w_h is None:
+            return split
+        return split[0], self.w_h
+
+    def inject(self, h: torch.Tensor, e: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The base class's, with W_h h from ``injection_h`` where ``keep_injection`` put W_h there."""
+        if split is not None and self.w_h is None and self.injection_h is not None:
+            return split[0] + self.injection_h(h)[0]
+        return super().inject(h, e, split)
+
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         if j == 0 and self.keeps_inputs:
             x = x.clone()
@@ -429,9 +468,8 @@ class LoopedVllmModel(nn.Module):
         check_servable(config, pipeline_parallel_size=parallel.pipeline_parallel_size,
                        tensor_parallel_size=parallel.tensor_parallel_size,
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
-        problems = depth_setting_problems(vllm_config)
-        if problems:  # the plugin's config hook turns these off; a vLLM that did not run it gets here
-            raise ValueError("this looped engine cannot serve its requests' depths exactly: " + "; ".join(problems))
+        # Before any weight loads: an engine built without engine_args' settings is refused here.
+        check_engine_settings(vllm_config, on_cpu=current_platform.is_cpu())
         self.config = config
         self.plan = ServedDepth.from_config(config).plan(config)  # the deepest request's slots (depth.py)
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
@@ -452,6 +490,13 @@ class LoopedVllmModel(nn.Module):
         # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
         # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
         build_loop_modules(self, config, norm)
+        # W_h of the linear injection as a vLLM layer, so it runs vLLM's GEMM (prepacked on CPU) like every
+        # other projection; filled from ``injection.weight`` when the weights load (``keep_injection``).
+        # Not in float32, where vLLM's GEMM would round differently from the matmul generate() runs.
+        self.injection_h = None
+        if config.input_injection == "linear" and config.looped_format != 1 and vllm_config.model_config.dtype != torch.float32:
+            self.injection_h = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=False,
+                                                prefix=f"{prefix}.injection_h")  # fmt: skip
         # Ouro's exit gate. Its "threshold" readout picks each token's state at its exit step after the
         # loop (every recurrence runs and writes its KV either way, as in generate()): exact, at the
         # request's r. "last" reads the r-th state; "weighted" is refused (check_servable).
@@ -592,4 +637,5 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
                 raise ValueError(f"checkpoint weight {name!r}: the looped vLLM model has no such parameter")
             getattr(param, "weight_loader", default_weight_loader)(param, weight)
             loaded.add(name)
+        loaded.update(self.model.loop.keep_injection())
         return loaded
