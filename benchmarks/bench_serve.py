@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="per-request depth instead: requests at r = --shallow and --r served together against "
                         "all at --r, the two groups one after the other, and the stock vLLM worker (see depth_mix)")  # fmt: skip
     p.add_argument("--shallow", type=int, default=2, help="the shallow requests' r in --depth-mix")
+    p.add_argument("--single-depth", action="store_true",
+                   help="single-depth throughput instead: every request at the served r on a default server (more "
+                        "than one depth allowed), vLLM's stock worker (no depth tensors) and a default server run "
+                        "eager (see single_depth_sides)")  # fmt: skip
     return p
 
 
@@ -106,10 +110,9 @@ def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
 def vllm_engine(folder: Path, args: argparse.Namespace, **kwargs: Any) -> Any:
     from vllm import LLM
 
-    return LLM(
-        model=str(folder), dtype=args.dtype, skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
-        max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency), **kwargs,
-    )  # fmt: skip
+    settings = dict(dtype=args.dtype, skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
+                    max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency))  # fmt: skip
+    return LLM(model=str(folder), **{**settings, **kwargs})
 
 
 def close(engine: Any) -> None:
@@ -310,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
         root = Path(tmp)
-        if args.depth_mix:
+        if args.depth_mix or args.single_depth:
             return depth_mix_main(args, argv, root)
         # vLLM's compile cache and IPC sockets in the temp folder, a fixed CPU KV-cache size.
         for name in ("cache", "rpc"):
@@ -367,11 +370,72 @@ def main(argv: list[str] | None = None) -> int:
 # the all_deep runs (the engine core runs in this process).
 
 
+def timed_generate(llm: Any, prompts: list[list[int]], depths: list[dict], new_tokens: int) -> float:
+    """Seconds for ``llm`` to serve the first ``len(depths)`` prompts, each at its depth (``extra_args``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, extra_args=d or None) for d in depths]
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[: len(depths)]], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def single_depth_sides(args: argparse.Namespace, folder: Path) -> dict[str, dict[int, list[float]]]:
+    """``--single-depth``: {side: {n: [seconds per repeat]}}, n requests all at the served r (no depth field),
+    the sides interleaved in every repeat:
+
+    - default: a default server (its ceiling the served r: requests may ask r = 1 .. r, so it runs the
+      looped worker with prefix caching off), compiled with ``--compile``;
+    - stock: vLLM's stock CPU worker on the same model and settings: no depth tensors ever, the forward a
+      single-depth server runs;
+    - default_eager: the default server eager, as every server of more than one depth ran before a step at
+      the default depth ran the compiled graph (with ``--compile``; without it, the same as default).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
+    engines = {
+        "default": vllm_engine(folder, args),
+        "stock": vllm_engine(folder, args, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker"),
+        "default_eager": vllm_engine(folder, args, enforce_eager=True),
+    }
+    for llm in engines.values():  # warm-up (and, compiled, the compile of each size seen)
+        for n in args.concurrency:
+            timed_generate(llm, prompts, [{}] * n, args.new_tokens)
+    results: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.concurrency} for name in engines}
+    for rep in range(args.repeats):
+        for n in args.concurrency:
+            for name, llm in engines.items():
+                results[name][n].append(timed_generate(llm, prompts, [{}] * n, args.new_tokens))
+        print(f"[bench_serve] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    for llm in engines.values():
+        close(llm)
+    return results
+
+
+def single_depth_table(results: dict[str, dict[int, list[float]]], new_tokens: int, compiled: bool) -> str:
+    """Markdown: tokens/s per side (median, min .. max) and the ratios of medians."""
+    how = "compiled" if compiled else "eager"
+    lines = [
+        f"| requests | default server, {how} (tokens/s) | stock worker, {how} (tokens/s) | default server, eager "
+        f"(tokens/s) | default / stock | default eager / default |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in results["default"]:
+        rates = {name: [n * new_tokens / t for t in results[name][n]] for name in results}
+        med = {name: statistics.median(rates[name]) for name in rates}
+        lines.append(
+            f"| {n} | {spread(rates['default'])} | {spread(rates['stock'])} | {spread(rates['default_eager'])} | "
+            f"{med['default'] / med['stock']:.2f} | {med['default_eager'] / med['default']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, dict[int, list[float]]], float]:
     """({side: {n: [seconds per repeat]}}, the loop's share of the forward in all_deep)."""
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from looped_hf.serving import vllm_model
 
@@ -384,10 +448,7 @@ def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, d
                         worker_cls="vllm.v1.worker.cpu_worker.CPUWorker")  # fmt: skip
 
     def run(llm: Any, depths: list[dict]) -> float:
-        params = [SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, extra_args=d) for d in depths]
-        start = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[: len(depths)]], params, use_tqdm=False)
-        return time.perf_counter() - start
+        return timed_generate(llm, prompts, depths, args.new_tokens)
 
     def halves(n: int) -> tuple[list[dict], list[dict]]:
         return [shallow] * (n // 2), [deep] * (n - n // 2)
@@ -457,7 +518,7 @@ def depth_mix_table(results: dict[str, dict[int, list[float]]], shallow: int, de
 
 def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path) -> int:
     """``--depth-mix``: save the model (trained at --r), time the sides, print the table."""
-    if not 1 <= args.shallow <= args.r:
+    if args.depth_mix and not 1 <= args.shallow <= args.r:
         print(f"bench_serve: --shallow {args.shallow} must be from 1 to --r {args.r}", file=sys.stderr)
         return 2
     for name in ("cache", "rpc"):
@@ -469,8 +530,21 @@ def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path)
     import vllm
 
     looped_dir, _, config = save_models(root, args)
-    results, loop_share = depth_mix_sides(args, looped_dir)
     prelude, block, coda = args.layers
+    if args.single_depth:
+        results = single_depth_sides(args, looped_dir)
+        print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+        print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
+              f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "
+              f"engine core in this process")  # fmt: skip
+        print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, r={args.r}; every request at r={args.r} "
+              f"(no depth field); prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median "
+              f"(min .. max) of {args.repeats} repeats\n")  # fmt: skip
+        print(single_depth_table(results, args.new_tokens, args.compile))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "single_depth": results}))
+        return 0
+    results, loop_share = depth_mix_sides(args, looped_dir)
     print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "

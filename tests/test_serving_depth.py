@@ -198,22 +198,41 @@ def test_32_requests_at_mixed_depths_and_budgets_in_one_batch_each_equal_generat
 
 
 @needs_vllm
-def test_a_converted_ouro_serves_32_requests_at_mixed_depths_and_exit_thresholds_as_generate(
+def test_a_converted_ouro_serves_32_requests_at_mixed_depths_and_exit_thresholds_as_generate_compiled(
     folders, references, monkeypatch
 ) -> None:
     """The converted Ouro fixture (threshold readout at 1.0, trained r 4) served up to r 8 with a budget
     of 8: requests at r = 1, 2, 4, 8, budgets below r and thresholds 0.3, 0.5, 0.9 or the config's, in
     one batch, each equal generate() at its r, kv_budget and exit_gate_threshold (each token reads its
-    exit step's state among its own r states)."""
+    exit step's state among its own r states). The engine compiles (vLLM's CPU mode, its CI backend:
+    Dynamo's trace without Inductor's C++ build): the mixed steps run eagerly, and a step whose
+    requests all run the served default runs the traced graph, no depth tensors, as generate()."""
+    from looped_hf.serving import vllm_model
+
     mixed_steps = recording_mixed_steps(monkeypatch)
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+    graph_steps = []  # per forward: whether it ran without depth tensors (the compiled graph)
+    forward = vllm_model.LoopedForCausalLM.forward
+
+    def recording(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, token_recurrences=None,
+                  **depth):  # fmt: skip
+        graph_steps.append(token_recurrences is None)
+        return forward(self, input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences, **depth)
+
+    monkeypatch.setattr(vllm_model.LoopedForCausalLM, "forward", recording)
     prompts, depths = MIXES["ouro"]
-    llm = make_llm(folders["ouro"], SERVER, max_num_seqs=32, max_model_len=128)
+    defaults = [i for i, depth in enumerate(depths) if not depth]
+    llm = make_llm(folders["ouro"], SERVER, max_num_seqs=32, max_model_len=128, enforce_eager=False)
     try:
         outputs = mixed_greedy(llm, prompts, depths)
+        graph_steps.clear()
+        default_outputs = mixed_greedy(llm, [prompts[i] for i in defaults], [{}] * len(defaults))
     finally:
         close(llm)
     assert_served_as_generate(prompts, outputs, references["ouro"])
     assert any(set(r) >= {1, 2, 4, DEEPEST} for r in mixed_steps)
+    assert graph_steps and all(graph_steps)  # every step at the default: the compiled graph
+    assert_served_as_generate([prompts[i] for i in defaults], default_outputs, [references["ouro"][i] for i in defaults])
 
 
 def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_the_range() -> None:
