@@ -381,9 +381,10 @@ def timed_generate(llm: Any, prompts: list[list[int]], depths: list[dict], new_t
     return time.perf_counter() - start
 
 
-def single_depth_sides(args: argparse.Namespace, folder: Path) -> dict[str, dict[int, list[float]]]:
-    """``--single-depth``: {side: {n: [seconds per repeat]}}, n requests all at the served r (no depth field),
-    the sides interleaved in every repeat:
+def single_depth_sides(args: argparse.Namespace, folder: Path) -> tuple[Rates, Rates]:
+    """``--single-depth``: ({side: {n: [seconds per repeat]}}, the same in CPU-seconds of this process, which
+    holds the engine cores: the work done, steadier than wall time on a shared machine), n requests all
+    at the served r (no depth field), the sides interleaved in every repeat:
 
     - default: a default server (its ceiling the served r: requests may ask r = 1 .. r, so it runs the
       looped worker with prefix caching off), compiled with ``--compile``;
@@ -404,23 +405,27 @@ def single_depth_sides(args: argparse.Namespace, folder: Path) -> dict[str, dict
     for llm in engines.values():  # warm-up (and, compiled, the compile of each size seen)
         for n in args.concurrency:
             timed_generate(llm, prompts, [{}] * n, args.new_tokens)
-    results: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.concurrency} for name in engines}
+    results: Rates = {name: {n: [] for n in args.concurrency} for name in engines}
+    cpu: Rates = {name: {n: [] for n in args.concurrency} for name in engines}
     for rep in range(args.repeats):
         for n in args.concurrency:
             for name, llm in engines.items():
+                cpu_start = time.process_time()
                 results[name][n].append(timed_generate(llm, prompts, [{}] * n, args.new_tokens))
+                cpu[name][n].append(time.process_time() - cpu_start)
         print(f"[bench_serve] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     for llm in engines.values():
         close(llm)
-    return results
+    return results, cpu
 
 
-def single_depth_table(results: dict[str, dict[int, list[float]]], new_tokens: int, compiled: bool) -> str:
-    """Markdown: tokens/s per side (median, min .. max) and the ratios of medians."""
+def single_depth_table(results: Rates, new_tokens: int, compiled: bool, unit: str = "tokens/s") -> str:
+    """Markdown: tokens per second (``unit``: of wall time or CPU time) per side (median, min .. max) and
+    the ratios of medians."""
     how = "compiled" if compiled else "eager"
     lines = [
-        f"| requests | default server, {how} (tokens/s) | stock worker, {how} (tokens/s) | default server, eager "
-        f"(tokens/s) | default / stock | default eager / default |",
+        f"| requests | default server, {how} ({unit}) | stock worker, {how} ({unit}) | default server, eager "
+        f"({unit}) | default / stock | default eager / default |",
         "|---|---|---|---|---|---|",
     ]
     for n in results["default"]:
@@ -526,13 +531,17 @@ def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path)
     os.environ.update({"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
                        "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "TOKENIZERS_PARALLELISM": "false",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
+    if args.single_depth:
+        # Three engines in one process, each with its OpenMP threads: spinning waiters starve each other on a
+        # busy machine (measured: 3 to 50 tokens/s instead of hundreds), so waiting threads sleep.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     import vllm
 
     looped_dir, _, config = save_models(root, args)
     prelude, block, coda = args.layers
     if args.single_depth:
-        results = single_depth_sides(args, looped_dir)
+        results, cpu = single_depth_sides(args, looped_dir)
         print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
         print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
               f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "
@@ -541,8 +550,10 @@ def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path)
               f"(no depth field); prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median "
               f"(min .. max) of {args.repeats} repeats\n")  # fmt: skip
         print(single_depth_table(results, args.new_tokens, args.compile))
+        print("\nPer CPU-second of this process (the engine cores run in it):\n")
+        print(single_depth_table(cpu, args.new_tokens, args.compile, unit="tokens/CPU-s"))
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "single_depth": results}))
+            Path(args.json).write_text(json.dumps({"args": vars(args), "single_depth": results, "cpu": cpu}))
         return 0
     results, loop_share = depth_mix_sides(args, looped_dir)
     print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
