@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="the models' dtype on every side (vLLM's own default is bfloat16)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
+    p.add_argument("--native-norm", action="store_true",
+                   help="both models' RMSNorms on vLLM's PyTorch implementation (default: the CPU build's kernels, "
+                        "looped_hf.serving.cpu_norm)")  # fmt: skip
     p.add_argument("--skip-kv", action="store_true", help="skip the KV-capacity table (five engine starts)")
     p.add_argument("--skip-generate", action="store_true", help="time vLLM only (looped and Llama), not generate()")
     p.add_argument("--generate-python", default=None, metavar="PYTHON",
@@ -107,12 +110,28 @@ def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
     return root / "looped", root / "llama", looped
 
 
-def vllm_engine(folder: Path, args: argparse.Namespace, **kwargs: Any) -> Any:
+def norm_priority(args: argparse.Namespace) -> dict[str, list[str]]:
+    """vLLM's ``ir_op_priority`` for every engine here, looped and Llama alike: the CPU build's RMSNorm
+    kernels (``looped_hf.serving.cpu_norm``; what ``engine_args`` gives a looped engine on CPU), or
+    with ``--native-norm`` vLLM's PyTorch implementation."""
+    from looped_hf.serving import CPU_NORM_OPS
+    from looped_hf.serving.engine import cpu_norm_priority
+
+    return {op: ["native"] for op in CPU_NORM_OPS} if args.native_norm else cpu_norm_priority()
+
+
+def vllm_engine(folder: Path, args: argparse.Namespace, looped: bool = True, hf_overrides: dict | None = None,
+                **kwargs: Any) -> Any:  # fmt: skip
+    """vLLM's offline engine on ``folder``: a looped one with ``engine_args(folder, **hf_overrides)``,
+    a Llama without; both with ``norm_priority``, then ``kwargs``."""
     from vllm import LLM
+
+    from looped_hf.serving import engine_args
 
     settings = dict(dtype=args.dtype, skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
                     max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency))  # fmt: skip
-    return LLM(model=str(folder), **{**settings, **kwargs})
+    looped_settings = engine_args(folder, **(hf_overrides or {})) if looped else {}
+    return LLM(model=str(folder), **{**settings, **looped_settings, "ir_op_priority": norm_priority(args), **kwargs})
 
 
 def close(engine: Any) -> None:
@@ -207,7 +226,7 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> t
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args)}
+    engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args, looped=False)}
     paths = {name: engine.apply_model(norm_path)[0] for name, engine in engines.items()}
     if len(set(paths.values())) != 1:
         raise SystemExit(f"bench_serve: the looped model and the Llama run their RMSNorms differently: {paths}")
@@ -399,7 +418,7 @@ def single_depth_sides(args: argparse.Namespace, folder: Path) -> tuple[Rates, R
     prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
     engines = {
         "default": vllm_engine(folder, args),
-        "stock": vllm_engine(folder, args, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker"),
+        "stock": vllm_engine(folder, args, worker_cls=stock_worker()),
         "default_eager": vllm_engine(folder, args, enforce_eager=True),
     }
     for llm in engines.values():  # warm-up (and, compiled, the compile of each size seen)
@@ -438,6 +457,23 @@ def single_depth_table(results: Rates, new_tokens: int, compiled: bool, unit: st
     return "\n".join(lines)
 
 
+def stock_worker() -> str:
+    """The ``worker_cls`` of the stock side: vLLM's own CPU model runner (no per-request depth kwargs)
+    in a subclass of the looped worker, which the model takes (``engine.engine_setting_problems``);
+    safe here only because every request of that side runs the engine's r."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from looped_hf.serving.worker import LoopedCPUWorker
+
+    class StockRunnerWorker(LoopedCPUWorker):
+        def init_device(self) -> None:
+            CPUWorker.init_device(self)
+
+    StockRunnerWorker.__module__ = __name__
+    globals()["StockRunnerWorker"] = StockRunnerWorker  # vLLM loads the worker by name
+    return f"{__name__}.StockRunnerWorker"
+
+
 def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, dict[int, list[float]]], float]:
     """({side: {n: [seconds per repeat]}}, the loop's share of the forward in all_deep)."""
     import torch
@@ -449,8 +485,7 @@ def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, d
     deep = {"num_recurrences": args.r}
     shallow = {"num_recurrences": args.shallow}
     engine = vllm_engine(folder, args, hf_overrides={"max_num_recurrences": args.r})
-    stock = vllm_engine(folder, args, hf_overrides={"max_num_recurrences": args.r},
-                        worker_cls="vllm.v1.worker.cpu_worker.CPUWorker")  # fmt: skip
+    stock = vllm_engine(folder, args, hf_overrides={"max_num_recurrences": args.r}, worker_cls=stock_worker())
 
     def run(llm: Any, depths: list[dict]) -> float:
         return timed_generate(llm, prompts, depths, args.new_tokens)

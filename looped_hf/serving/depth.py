@@ -10,7 +10,7 @@ out is the server's. The server's bounds (``ServedDepth``) come from the served 
   a hyperconnection model runs its trained r only.
 - k: 1 .. the server's ``kv_budget`` (``--kv-budget``), which sizes the KV slots; a server without a
   budget keeps every recurrence's KV and takes no per-request budget, because a budget below r
-  needs prompts prefilled whole (``plugin._budget_settings``), which only a budget server promises.
+  needs prompts prefilled whole (``engine.engine_args``), which only a budget server promises.
 - exit_threshold: a number in [0, 1], for a model whose exit gate reads out at a threshold.
 
 ``ServedDepth.resolve`` is the one rule: the engine's admission check (``plugin``'s logits-processor

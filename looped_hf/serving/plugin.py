@@ -1,21 +1,20 @@
 """The ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls ``register()`` in each of its
 processes before it reads a model's config.
 
-It makes three things known to vLLM:
+It makes three things known to vLLM, each through vLLM's public registration:
 
 - ``LoopedConfig`` to transformers' ``AutoConfig`` under model_type ``looped``, so vLLM builds a
   looped folder's config from the installed looped_hf, with no ``--trust-remote-code`` (a folder's
   ``auto_map`` names remote code, which transformers prefers only when the type is unknown);
-- architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (imported lazily, in the
-  process that builds the model);
-- a config hook (run when the engine's config is made, in the process the user started) that
-  refuses what cannot be served with one clear line, installs the CPU worker that hands each
-  request's depth to the model (``worker``; unless the user chose a worker), turns off the two
-  scheduler features that would serve a request other than ``generate()`` does
-  (``depth_setting_problems``: prefix caching when the server runs more than one depth, chunked
-  prefill with a kv_budget), and adds the engine's request guard (below) to its logits processors.
-  vLLM has no public way to register such a hook (``_register_config_hook`` says why it is still
-  needed, and where it goes).
+- architecture ``LoopedForCausalLM`` -> ``looped_hf.serving.vllm_model`` (``ModelRegistry.register_model``;
+  imported lazily, in the process that builds the model);
+- on CPU, vLLM's CPU RMSNorm kernels as an implementation of its IR ops (``cpu_norm``).
+
+It writes into none of vLLM's tables. The engine settings a looped folder needs (prefix caching and
+chunked prefill off where requests' depths need it, the CPU worker that hands each request's depth
+to the model, the request guard below) are ``engine.engine_args``, passed by the user or by
+``looped-hf serve``; vLLM has no public per-model hook that could set them, and the model refuses an
+engine built without them.
 
 Each request runs at its own depth (``depth.ServedDepth``: num_recurrences, kv_budget,
 exit_threshold, within the server's bounds), and one outside them is refused, never served at
@@ -37,76 +36,12 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import re
 from collections.abc import Iterator
 from typing import Any
 
-from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, check_servable
+from . import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS
 from .depth import REQUEST_KEYS, DepthError, ServedDepth
-
-logger = logging.getLogger(__name__)
-
-
-def depth_setting_problems(vllm_config) -> list[str]:
-    """The engine settings that would serve a request other than ``generate()`` does, one line each
-    naming the setting and its fix (empty: none). Requests at different depths write different KV (a
-    request at r = 2 leaves slots 2.. empty, and its coda's KV is not r = 8's), so a cached prefix is
-    not another depth's: no prefix caching when the server runs more than one depth. A budget below
-    r makes a token's KV at a shared slot depend on which tokens shared its forward call, so with a
-    budget (any request may ask one below its r) prompts are prefilled whole: no chunked prefill. The
-    config hook turns these off; the model refuses an engine that still has them (a vLLM that did
-    not run the hook)."""
-    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
-    problems = {
-        "enable_prefix_caching": (
-            vllm_config.cache_config.enable_prefix_caching and not served.single_depth,
-            f"requests may run at different depths (num_recurrences 1 .. {served.max_num_recurrences}, "
-            f"kv_budget={served.kv_budget}), and one depth's cached prefix is not another's",
-        ),
-        "enable_chunked_prefill": (
-            vllm_config.scheduler_config.enable_chunked_prefill and served.kv_budget is not None,
-            f"with kv_budget={served.kv_budget} (a request's budget below its r) prompts are prefilled whole, "
-            "as generate() does",
-        ),
-    }
-    return [
-        f"{name}=True: {why}; pass {name}=False (--no-{name.replace('_', '-')})"
-        for name, (on, why) in problems.items()
-        if on
-    ]
-
-
-def _depth_settings(vllm_config) -> None:
-    """Turn off what ``depth_setting_problems`` names, and with a budget let a whole prompt fit one call."""
-    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
-    cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
-    if cache_config.enable_prefix_caching and not served.single_depth:
-        logger.info("looped_hf: requests may run at different depths (1 .. %d), turning prefix caching off",
-                    served.max_num_recurrences)  # fmt: skip
-        cache_config.enable_prefix_caching = False
-    if served.kv_budget is None:
-        return
-    if scheduler_config.enable_chunked_prefill:
-        logger.info("looped_hf: kv_budget=%s, turning chunked prefill off", served.kv_budget)
-        scheduler_config.enable_chunked_prefill = False
-        scheduler_config.long_prefill_token_threshold = 0
-    max_len = vllm_config.model_config.max_model_len
-    if scheduler_config.max_num_batched_tokens < max_len:
-        scheduler_config.max_num_batched_tokens = max_len
-
-
-def _install_worker(vllm_config) -> None:
-    """On CPU, vLLM's V1 runner with each request's depth in the forward (``worker``), unless the user
-    chose a worker."""
-    from vllm.platforms import current_platform
-
-    parallel = vllm_config.parallel_config
-    if current_platform.is_cpu() and parallel.worker_cls == "auto":
-        from .worker import WORKER_CLS
-
-        parallel.worker_cls = WORKER_CLS
-
 
 _GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)")
 
@@ -114,7 +49,11 @@ _GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(
 def guard_name(served: ServedDepth) -> str:
     """The request guard's class name for a server's depths (``ServedDepth``; k 0: no budget). vLLM reads
     a dot in the name as an attribute path, so the threshold's is a ``p`` (and a minus an ``m``)."""
-    threshold = "none" if served.exit_threshold is None else repr(served.exit_threshold).replace(".", "p").replace("-", "m")
+    threshold = (
+        "none"
+        if served.exit_threshold is None
+        else repr(served.exit_threshold).replace(".", "p").replace("-", "m")
+    )
     lock = "locked" if served.locked else "free"
     return f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}_t{threshold}_{lock}"
 
@@ -160,7 +99,10 @@ def map_body(parsed: Any, served: ServedDepth) -> tuple[Any, tuple[str, str] | N
         key = path.rsplit(".", 1)[-1]
         if path == key or (path == f"vllm_xargs.{key}" and xargs is not None):
             continue
-        return parsed, (path, f"{path}={value!r}: not read there; set {key} at the top of the body or in vllm_xargs")
+        return parsed, (
+            path,
+            f"{path}={value!r}: not read there; set {key} at the top of the body or in vllm_xargs",
+        )
     top = {key: parsed[key] for key in REQUEST_KEYS if key in parsed}
     for key, value in top.items():
         if xargs is not None and key in xargs and xargs[key] != value:
@@ -221,7 +163,9 @@ class RequestGuard:
         mapped, refused = map_body(parsed, served)
         if refused is not None:
             field, why = refused
-            payload = json.dumps({"error": {"message": why, "type": "BadRequestError", "param": field, "code": 400}})
+            payload = json.dumps(
+                {"error": {"message": why, "type": "BadRequestError", "param": field, "code": 400}}
+            )
             await send({"type": "http.response.start", "status": 400,
                         "headers": [(b"content-type", b"application/json")]})  # fmt: skip
             await send({"type": "http.response.body", "body": payload.encode()})
@@ -275,80 +219,17 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _add_request_guard(vllm_config) -> None:
-    guard = f"{__name__}:{guard_name(ServedDepth.from_config(vllm_config.model_config.hf_config))}"
-    model_config = vllm_config.model_config
-    processors = list(model_config.logits_processors or [])
-    if guard not in processors:
-        model_config.logits_processors = [*processors, guard]
-
-
-class LoopedConfigHook:
-    """vLLM's per-architecture config hook (the interface of ``VerifyAndUpdateConfig``)."""
-
-    @staticmethod
-    def verify_and_update_config(vllm_config) -> None:
-        from vllm.platforms import current_platform
-
-        parallel = vllm_config.parallel_config
-        check_servable(
-            vllm_config.model_config.hf_config,
-            pipeline_parallel_size=parallel.pipeline_parallel_size,
-            tensor_parallel_size=parallel.tensor_parallel_size,
-            device="cpu" if current_platform.is_cpu() else None,
-        )
-        ServedDepth.from_config(vllm_config.model_config.hf_config)  # a ceiling the model refuses: one line
-        _depth_settings(vllm_config)
-        _install_worker(vllm_config)
-        _add_request_guard(vllm_config)
-
-    @staticmethod
-    def verify_and_update_model_config(model_config) -> None:
-        return None
-
-
-def _register_config_hook() -> None:
-    """Add ``LoopedConfigHook`` to the per-architecture config hooks vLLM runs when it makes an
-    engine's config (idempotent).
-
-    vLLM (0.32) has no public way to do this: its own models' hooks live in the table
-    ``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, read once per engine in the user's
-    process, and there is no function to register one (``ModelRegistry.register_model`` takes the
-    model class only, and vLLM reads no engine setting from a model class or its config). The hook
-    is still needed, because three of its four jobs have no other place:
-
-    - turning prefix caching off for a server of more than one depth, and chunked prefill for one with
-      a kv_budget, must happen before the scheduler is made, and only the engine's config reaches it.
-      Without the hook, ``vllm.LLM(FOLDER, hf_overrides={"kv_budget": 2})`` could only be refused and
-      the flags asked for (the model does exactly that when the hook did not run:
-      ``depth_setting_problems``);
-    - the CPU worker that hands each request's depth to the model is an engine setting
-      (``parallel_config.worker_cls``), chosen before the workers start;
-    - the request guard is a logits processor whose name carries the server's depths, so it
-      must be added per engine; vLLM's public ``vllm.logits_processors`` entry point applies one
-      class to every engine and model, and its ``validate_params`` sees the request only;
-    - the servability check needs no hook: the model checks again when it is built (in the engine
-      process), the hook only gives the refusal before vLLM starts its workers.
-
-    So the one entry is written there, by ``setdefault`` (an entry vLLM itself might add one day
-    wins), and a vLLM without the table gets no hook rather than a plugin that fails to load."""
-    try:
-        from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-    except ImportError:
-        logger.warning("looped_hf: this vLLM has no MODELS_CONFIG_MAP; a kv_budget < r needs prefix caching and "
-                       "chunked prefill turned off by hand")  # fmt: skip
-        return
-    MODELS_CONFIG_MAP.setdefault(VLLM_ARCHITECTURE, LoopedConfigHook)
-
-
 def register() -> None:
-    """Register the looped config, model and config hook with vLLM (idempotent)."""
+    """Register the looped config and model with vLLM and, on CPU, vLLM's CPU RMSNorm kernels as an IR
+    implementation (``cpu_norm``; used only where an engine's ``ir_op_priority`` names it). Idempotent.
+    Only public registration: the engine settings a looped folder needs are ``engine.engine_args``."""
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
     from ..configuration_looped import LoopedConfig
+    from .cpu_norm import register as register_cpu_norm
 
     AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
     if VLLM_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(VLLM_ARCHITECTURE, VLLM_MODEL_CLASS)
-    _register_config_hook()
+    register_cpu_norm()

@@ -49,8 +49,8 @@ later recurrence i + k overwrites those places. That is exactly what ``generate(
 same split of tokens into forward calls (it writes, attends, and crops an earlier writer's tokens
 back out). vLLM splits tokens into calls itself, so with a budget the plugin turns off what would
 split them differently from ``generate()``: chunked prefill, and prefix caching, also off for any
-server of more than one depth (``plugin.depth_setting_problems``; an engine that still has them,
-because the plugin's config hook did not run, is refused here).
+server of more than one depth (``engine.engine_args``; an engine built without them is refused
+here, ``engine.engine_setting_problems``).
 One split remains vLLM's: a request preempted because the KV cache is full is recomputed by
 prefilling its prompt and the tokens generated so far in one call, so with a budget its later
 tokens are what ``generate()`` gives for that text as one prompt (without a budget a slot's KV does
@@ -109,7 +109,7 @@ from ..recurrent_block_looped import (
 from . import check_servable
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
-from .plugin import depth_setting_problems
+from .engine import check_engine_settings
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -346,6 +346,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         self.kv_slots = model.kv_slots
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
+        self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once the weights are loaded
 
     def run(self, e: torch.Tensor, positions: torch.Tensor, depth: BatchDepth | None, keep_states: bool = False,
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
@@ -402,6 +403,25 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
             h = lanes.sum(0)  # lanes are summed before the coda
         return h, states
 
+    def keep_injection(self) -> None:
+        """Keep W_h of the linear injection as a contiguous copy (``load_weights`` calls this once the
+        weights are in). The base class's W_h is a slice of W's columns, strided, and each
+        recurrence's matmul with it took 20-40% longer on CPU (aten's path for a strided operand).
+        Same numbers: the copy holds the same values, and the matmul's result does not depend on the
+        operand's layout."""
+        # The base class decides whether the split applies and which columns are W_h (one owner of
+        # both); it is asked with no tokens.
+        no_tokens = self.injection.weight.new_zeros(0, self.config.hidden_size) if self.injection is not None else None
+        split = super().injection_split(no_tokens) if self.config.input_injection == "linear" else None
+        self.w_h = None if split is None else split[1].contiguous()
+
+    def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The base class's (W_e e, W_h), W_h the contiguous copy when ``keep_injection`` made one."""
+        split = super().injection_split(e)
+        if split is None or self.w_h is None:
+            return split
+        return split[0], self.w_h
+
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         if j == 0 and self.keeps_inputs:
             x = x.clone()
@@ -424,9 +444,8 @@ class LoopedVllmModel(nn.Module):
         check_servable(config, pipeline_parallel_size=parallel.pipeline_parallel_size,
                        tensor_parallel_size=parallel.tensor_parallel_size,
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
-        problems = depth_setting_problems(vllm_config)
-        if problems:  # the plugin's config hook turns these off; a vLLM that did not run it gets here
-            raise ValueError("this looped engine cannot serve its requests' depths exactly: " + "; ".join(problems))
+        # Before any weight loads: an engine built without engine_args' settings is refused here.
+        check_engine_settings(vllm_config, on_cpu=current_platform.is_cpu())
         self.config = config
         served = ServedDepth.from_config(config)
         self.plan = served.plan(config)  # the engine's slots: the deepest request's (depth.py)
@@ -589,4 +608,5 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
                 raise ValueError(f"checkpoint weight {name!r}: the looped vLLM model has no such parameter")
             getattr(param, "weight_loader", default_weight_loader)(param, weight)
             loaded.add(name)
+        self.model.loop.keep_injection()
         return loaded

