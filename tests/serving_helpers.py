@@ -10,6 +10,7 @@ is perturbed so each recurrence differs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -126,6 +127,9 @@ def transformers_runs_looped_forward() -> bool:
 REFERENCE_PYTHON_ENV = "LOOPED_HF_REFERENCE_PYTHON"
 
 
+# Once per process: each candidate is probed in a subprocess that imports transformers and looped_hf, and
+# every serving module (and test_serving_depth's every test) asks.
+@functools.cache
 def reference_python() -> str | None:
     """The interpreter that computes ``generate()``'s reference: this one when its transformers runs
     the looped forward, else ``$LOOPED_HF_REFERENCE_PYTHON``, else a ``python3`` on PATH that differs
