@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP thread per worker would only oversubscribe the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The serving tests' one vLLM cache folder (serving_helpers.vllm_env), made by the controlling
+    pytest process before xdist starts its workers (which inherit the variable), removed at its end."""
+    from serving_helpers import SESSION_VLLM_CACHE_ENV
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get(SESSION_VLLM_CACHE_ENV):
+        os.environ[SESSION_VLLM_CACHE_ENV] = tempfile.mkdtemp(prefix="looped-hf-vllm-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(SESSION_VLLM_CACHE_ENV), ignore_errors=True))
 
 
 def fixture_path(*parts: str) -> Path:

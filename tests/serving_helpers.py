@@ -10,6 +10,7 @@ is perturbed so each recurrence differs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -59,11 +60,22 @@ def save_serving_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     return Path(path)
 
 
+#: The environment variable that names the test session's one vLLM cache folder (conftest sets it).
+SESSION_VLLM_CACHE_ENV = "LOOPED_HF_TEST_VLLM_CACHE"
+
+
 def vllm_env(root: Path) -> dict[str, str]:
-    """vLLM's files (compile cache, IPC sockets) under ``root`` and a small CPU KV cache (GiB)."""
-    (root / "cache").mkdir(parents=True, exist_ok=True)
+    """vLLM's IPC sockets under ``root``, its cache in the test session's folder (else under ``root``),
+    and a small CPU KV cache (GiB).
+
+    One cache for the session because vLLM inspects a plugin's model class in a fresh subprocess (an
+    import of vLLM, torch and the model: tens of seconds on 2 busy cores) unless its cache holds the
+    answer, keyed by the hash of the model's source file: the first engine of the session inspects it
+    (so that path is still tested), every later engine and server reads the answer."""
+    cache = Path(os.environ.get(SESSION_VLLM_CACHE_ENV) or root / "cache")
+    cache.mkdir(parents=True, exist_ok=True)
     (root / "rpc").mkdir(parents=True, exist_ok=True)
-    return {"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
+    return {"VLLM_CACHE_ROOT": str(cache), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
             "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
@@ -115,6 +127,9 @@ def transformers_runs_looped_forward() -> bool:
 REFERENCE_PYTHON_ENV = "LOOPED_HF_REFERENCE_PYTHON"
 
 
+# Once per process: each candidate is probed in a subprocess that imports transformers and looped_hf, and
+# every serving module (and test_serving_depth's every test) asks.
+@functools.cache
 def reference_python() -> str | None:
     """The interpreter that computes ``generate()``'s reference: this one when its transformers runs
     the looped forward, else ``$LOOPED_HF_REFERENCE_PYTHON``, else a ``python3`` on PATH that differs
@@ -156,6 +171,9 @@ def greedy_references_via(python: str, jobs: list[dict]) -> list[list[tuple[list
     payload = json.dumps([{**job, "checkpoint": str(job["checkpoint"])} for job in jobs])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's looped_hf
+    # One thread, as the pytest worker that waits for it: a second OpenMP thread on 2 cores shared with
+    # the other worker made these few tiny generate() calls ten times slower (3 s -> 31 s for 8 of them).
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run([python, "-c", script, str(Path(__file__).parent)], input=payload, capture_output=True,
                           text=True, env=env, check=False)  # fmt: skip
     if done.returncode != 0:

@@ -518,7 +518,10 @@ def test_train_publish_serve_and_query_with_the_openai_client_and_lm_eval(tmp_pa
     text_prompts = ["To be, or not to be", "Once upon a time"]
 
     vllm_root = Path(tempfile.mkdtemp(prefix="lvs-"))  # vLLM's IPC sockets need a short path (107 bytes)
-    served_env = {**env, **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    # vllm_env's VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the model in the engine's process, as in the failed
+    # start above: one process start-up fewer. vLLM's default (a worker process of its own) is served by
+    # test_serving_depth's server.
+    served_env = {**env, **vllm_env(vllm_root)}
     served_env.pop("VLLM_CPU_KVCACHE_SPACE")  # serve sizes it, as for a user who never heard of it
     port = _free_port()
     serve = [sys.executable, "-m", "looped_hf", "serve", str(run), "--num-recurrences", str(R),
