@@ -20,6 +20,7 @@ vLLM or torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,13 +85,15 @@ class ServedDepth:
     @property
     def single_depth(self) -> bool:
         """Whether every request runs the same depth (a hyperconnection model or a ceiling of 1, no budget, no
-        threshold readout): then a cached prefix is every request's (the plugin keeps prefix caching)."""
+        threshold readout): then a cached prefix is every request's (``engine.engine_args`` keeps prefix
+        caching on)."""
         return (self.locked or self.max_num_recurrences == 1) and self.kv_budget is None and self.exit_threshold is None
 
-    @property
+    @functools.cached_property
     def default(self) -> RequestDepth:
         """The depth of a request that names none; a step whose requests all run it passes the forward no
-        depth tensors (``worker``), and the forward then runs this depth (compiled, when vLLM compiles)."""
+        depth tensors (``worker``), and the forward then runs this depth (compiled, when vLLM compiles).
+        Resolved once: the runner compares every step's requests with it."""
         return self.resolve(None)
 
     def num_slots(self, config: Any) -> int:
