@@ -92,6 +92,25 @@ def test_the_servers_engine_flags_are_engine_args_settings(folder, capsys, monke
             "--ir-op-priority"} <= set(flags)  # fmt: skip
 
 
+def test_a_users_logits_processors_run_after_the_request_guard(folder, capsys, monkeypatch) -> None:
+    """``--logits-processors`` after ``--`` (each occurrence, both spellings) joins the guard in one
+    flag, since vLLM keeps only the last occurrence of a flag; one naming nothing is refused."""
+    from looped_hf.serving.engine import engine_args
+
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: True)
+    vllm_args = ["--logits-processors", "mine:First", "mine.Second", "--dtype", "float32",
+                 "--logits-processors=mine:Third"]  # fmt: skip
+    code, out, err = _serve([str(folder), "--dry-run", "--", *vllm_args], capsys)
+    assert code == 0, err
+    [guard] = engine_args(folder, device="cpu")["logits_processors"]
+    assert out.count("--logits-processors") == 1
+    assert f"--logits-processors {guard} mine:First mine.Second mine:Third " in out and "--dtype float32" in out
+    for bad in (["--logits-processors", "--dtype", "float32"], ["--logits-processors="]):
+        code, out, err = _serve([str(folder), "--dry-run", "--", *bad], capsys)
+        assert code == 2 and "--logits-processors" in err and "names no processor" in err
+        assert len(err.strip().splitlines()) == 1
+
+
 def test_without_flags_the_checkpoints_r_is_kept(folder, capsys) -> None:
     code, out, _ = _serve([str(folder), "--dry-run"], capsys)
     assert code == 0 and "--hf-overrides" not in out

@@ -258,13 +258,41 @@ def check_vllm_installed() -> None:
         )
 
 
+def _take_list_flag(args: list[str], flag: str) -> tuple[list[str], list[str]]:
+    """``args`` without ``flag``'s occurrences (``flag V1 V2 ...`` up to the next option, or
+    ``flag=V``), and their values in order. An occurrence without a value is a ``ServeError``."""
+    rest: list[str] = []
+    values: list[str] = []
+    taking, taken = False, 0
+    for arg in [*args, "--"]:  # the sentinel closes a trailing occurrence
+        if taking and not arg.startswith("-"):
+            values.append(arg)
+            taken += 1
+            continue
+        if taking and not taken:
+            raise ServeError(f"{flag} after --: names no processor (give module:Class, as vLLM loads it)")
+        taking = arg == flag
+        taken = 0
+        if arg.startswith(flag + "="):
+            if not arg.split("=", 1)[1]:
+                raise ServeError(f"{arg} after --: names no processor (give module:Class, as vLLM loads it)")
+            values.append(arg.split("=", 1)[1])
+        elif not taking:
+            rest.append(arg)
+    return rest[:-1], values
+
+
 def server_command(
     folder: Path, settings: dict[str, Any], *, host: str, port: int, vllm_args: list[str]
 ) -> list[str]:
     """The argv that runs vLLM's OpenAI-compatible server on ``folder`` with the engine ``settings``
     (``engine.engine_args``; its ``hf_overrides`` are the served r and kv_budget). A flag after ``--``
     that sets one of them is refused: given twice, vLLM takes the last, and the model would refuse
-    the engine after its start-up."""
+    the engine after its start-up. The one list among them, ``--logits-processors``, is merged
+    instead: the user's processors run after the request guard."""
+    vllm_args, processors = _take_list_flag(vllm_args, "--logits-processors")
+    if processors:
+        settings = {**settings, "logits_processors": [*settings["logits_processors"], *processors]}
     own = dict(OWN_FLAGS)
     for name in settings:
         flag = "--" + name.replace("_", "-")
