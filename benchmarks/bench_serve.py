@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         import vllm
 
         looped_dir, llama_dir, config = save_models(root, args)
+        load = [os.getloadavg()[0]]  # the machine's 1-minute load around the timed sides (a shared machine)
         results, cpu, norms = throughput(args, looped_dir, llama_dir)
+        load.append(os.getloadavg()[0])
         rows = [] if args.skip_kv else kv_capacity(args, looped_dir, config)
     prelude, block, coda = args.layers
     print(f"command: python benchmarks/bench_serve.py {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -356,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'compiled' if args.compile else 'eager'}, engine core "
           f"{'in this process' if os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0' else 'in its own process'}")  # fmt: skip
     print(f"RMSNorms, looped and Llama alike: {norms}")
+    print(f"load (1-minute average) before / after the timed runs: {load[0]:.2f} / {load[1]:.2f}")
     extras = "none (--llama-layers)" if args.llama_layers else "QK-norm, logit soft-cap, embedding norm"
     print(f"model: hidden {args.hidden}, P={prelude} K={block} C={coda}, r={args.r} (effective depth "
           f"{config.effective_num_layers}; the Llama has {config.effective_num_layers} layers), looped extras: {extras}, "
@@ -369,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nKV cache (VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB} GiB):\n")
         print(kv_table(rows))
     if args.json:
-        report = {"args": vars(args), "throughput": results, "cpu_throughput": cpu, "norms": norms, "kv": rows}
+        report = {"args": vars(args), "throughput": results, "cpu_throughput": cpu, "norms": norms, "load": load,
+                  "kv": rows}  # fmt: skip
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 

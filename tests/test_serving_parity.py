@@ -358,7 +358,7 @@ def layer_kinds(model) -> dict[str, set[str]]:
         leaf = name.rsplit(".", 1)[-1]
         kind = ("norm" if leaf.endswith(("norm", "layernorm", "qk_rms")) else "rope" if leaf == "rotary_emb"
                 else "act" if leaf == "act_fn" else "linear" if leaf.endswith("_proj")
-                else "injection" if leaf == "injection_h" else None)  # fmt: skip
+                else "injection" if leaf in ("injection_e", "injection_h") else None)  # fmt: skip
         if kind:
             kinds[kind].add(f"{type(module).__module__}.{type(module).__name__}")
     return kinds
@@ -374,7 +374,7 @@ def rms_norm_priority(model) -> list[str]:
 @needs_vllm
 def test_the_model_is_built_from_vllms_layers_and_serves_bfloat16(checkpoints, prompts, references, workdir) -> None:
     """Every norm is vLLM's ``RMSNorm``, RoPE is ``get_rope``'s, the activation and the projections
-    are vLLM's (its CustomOps pick each platform's kernel; the injection's W_h too, in bfloat16), and
+    are vLLM's (its CustomOps pick each platform's kernel; the injection's W_e and W_h too, in bfloat16), and
     vLLM's default dtype serves: the first token of each prompt is ``generate()``'s float32 greedy one."""
     llm = make_llm(checkpoints["study"], dtype="bfloat16")
     try:

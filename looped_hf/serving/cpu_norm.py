@@ -56,6 +56,10 @@ def _fused_takes(
 
 def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
     """``vllm.ir.ops.rms_norm`` on the CPU kernel (rows of a strided ``x`` copied first)."""
+    if x.dim() == 2 and x.is_contiguous():  # the common case, without the reshapes (a few us a call)
+        out = torch.empty_like(x)
+        torch.ops._C.rms_norm(out, x, weight, epsilon)
+        return out
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
     torch.ops._C.rms_norm(out, rows, weight, epsilon)

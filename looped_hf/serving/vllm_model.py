@@ -37,8 +37,9 @@ gate/up are fused here, so a peft adapter's ``q_proj`` ... ``up_proj`` land on t
 block's adapter applies at every recurrence, as in the HF model) serve an adapter through vLLM's
 ``enable_lora`` and ``LoRARequest``. The injection and the exit gate are plain ``nn.Linear`` modules,
 which vLLM's LoRA does not wrap: an adapter that targets them is refused by vLLM when it loads. (In
-bfloat16 / float16 the injection's W_h also runs as ``injection_h``, a ``ReplicatedLinear`` filled from
-``injection.weight``, for vLLM's GEMM: ``_VllmRecurrentBlock.keep_injection``.)
+bfloat16 / float16 the injection's halves W_e and W_h also run as ``injection_e`` and ``injection_h``,
+``ReplicatedLinear`` layers filled from ``injection.weight``, for vLLM's GEMM:
+``_VllmRecurrentBlock.keep_injection``.)
 
 KV cache: one vLLM ``Attention`` per KV slot of ``KVSlotPlan.for_call(config, r, kv_budget)``, named
 ``model.kv_slots.{slot}.attn`` (vLLM orders caches by the one integer in the name). A shared block
@@ -189,6 +190,17 @@ class _LoopedAttention(nn.Module):
         """``norm`` over each head of ``x`` (tokens, heads * head_dim)."""
         return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
 
+    def _after_rope_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The study's QK-norm, one weightless norm over every head of q and of k, in one call: the
+        norm is per head, so q's and k's heads are rows of one batch. q and k are strided views of
+        the fused qkv output, so normalising their heads copies them anyway: one copy of [q; k] and
+        one norm call instead of two of each (vLLM's Qwen3 makes two), with the same numbers (the
+        norm runs row by row)."""
+        qk = torch.cat([q, k], dim=-1)
+        qk = self.qk_rms(qk.view(-1, self.head_dim)).view(qk.shape)
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        return q, k
+
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         """(tokens, heads * head_dim) -> (tokens, heads * attn_head_size), each head zero-padded."""
         padded = F.pad(x.view(x.shape[0], -1, self.head_dim), (0, self.attn_head_size - self.head_dim))
@@ -203,7 +215,7 @@ class _LoopedAttention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = self.rotary_emb(positions, q, k)
         if self.qk_norm == "after_rope":
-            q, k = self._heads(self.qk_rms, q), self._heads(self.qk_rms, k)
+            q, k = self._after_rope_norm(q, k)
         if self.attn_head_size == self.head_dim:
             out = attn(q, k, v)
         else:
@@ -351,8 +363,10 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         self.loop_lora = model.loop_lora
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
-        self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once the weights are loaded
-        self.injection_h = model.injection_h  # W_h as a vLLM layer (bfloat16 / float16), else None
+        self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once loaded
+        # W_e and W_h as vLLM layers (bfloat16 / float16), else None; filled by ``keep_injection``.
+        self.injection_e, self.injection_h = model.injection_e, model.injection_h
+        self.injection_on_vllm = False
 
     def run(self, e: torch.Tensor, positions: torch.Tensor, depth: BatchDepth | None, keep_states: bool = False,
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
@@ -410,36 +424,49 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         return h, states
 
     def keep_injection(self) -> list[str]:
-        """Keep W_h of the linear injection where its matmul runs fast (``load_weights`` calls this once
-        the weights are in; returns the parameters it filled). In bfloat16 / float16 it goes into the
-        model's ``injection_h``, a vLLM ``ReplicatedLinear``: vLLM's prepacked GEMM, 2-3x faster per call
-        on CPU than PyTorch's bfloat16 matmul. In float32 it stays PyTorch's matmul, on a contiguous copy:
-        the base class's W_h is a slice of W's columns, strided, and each recurrence's matmul with it
-        took 20-40% longer; the copy gives the same numbers (the result does not depend on the
+        """Keep the linear injection's halves W_e and W_h where their matmuls run fast (``load_weights``
+        calls this once the weights are in; returns the parameters it filled). In bfloat16 / float16
+        they go into the model's ``injection_e`` and ``injection_h``, vLLM ``ReplicatedLinear`` layers:
+        vLLM's prepacked GEMM, 2-6x faster per call on CPU than PyTorch's bfloat16 matmul (W_e e once
+        per forward, W_h h once per recurrence). In float32 W_h stays PyTorch's matmul, on a contiguous
+        copy: the base class's W_h is a slice of W's columns, strided, and each recurrence's matmul with
+        it took 20-40% longer; the copy gives the same numbers (the result does not depend on the
         operand's layout: tests/test_serving_parity.py)."""
-        # The base class decides whether the split applies and which columns are W_h (one owner of
-        # both); it is asked with no tokens.
-        no_tokens = self.injection.weight.new_zeros(0, self.config.hidden_size) if self.injection is not None else None
-        split = super().injection_split(no_tokens) if self.config.input_injection == "linear" else None
-        self.w_h = None if split is None else split[1].contiguous()
-        layer = self.injection_h
-        if layer is None:
+        self.w_h, self.injection_on_vllm = None, False
+        if self.injection is None or self.config.input_injection != "linear":
             return []
-        if split is not None:
-            default_weight_loader(layer.weight, self.w_h)
-            self.w_h = None
-        return ["model.injection_h.weight"]
+        # The base class decides whether the split applies and which columns are W_e and W_h (one owner
+        # of both). Asked with the identity, its first part is W_e's transpose, exactly (each entry is one
+        # product with 1).
+        weight = self.injection.weight
+        identity = torch.eye(self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+        split = super().injection_split(identity)
+        if split is None:
+            return []
+        w_e, w_h = split[0].T, split[1]
+        if self.injection_h is None:
+            self.w_h = w_h.contiguous()
+            return []
+        default_weight_loader(self.injection_e.weight, w_e.contiguous())
+        default_weight_loader(self.injection_h.weight, w_h.contiguous())
+        self.injection_on_vllm = True
+        return ["model.injection_e.weight", "model.injection_h.weight"]
 
     def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The base class's (W_e e, W_h), W_h the contiguous copy when ``keep_injection`` made one."""
+        """The base class's (W_e e, W_h): W_e e from ``injection_e`` where ``keep_injection`` put the
+        halves on vLLM's layers, W_h the contiguous copy where it made one."""
+        if self.injection_on_vllm:
+            return self.injection_e(e)[0], self.injection_h.weight
         split = super().injection_split(e)
         if split is None or self.w_h is None:
             return split
         return split[0], self.w_h
 
-    def inject(self, h: torch.Tensor, e: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def inject(
+        self, h: torch.Tensor, e: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """The base class's, with W_h h from ``injection_h`` where ``keep_injection`` put W_h there."""
-        if split is not None and self.w_h is None and self.injection_h is not None:
+        if split is not None and self.injection_on_vllm:
             return split[0] + self.injection_h(h)[0]
         return super().inject(h, e, split)
 
@@ -491,13 +518,15 @@ class LoopedVllmModel(nn.Module):
         # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
         # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
         build_loop_modules(self, config, norm)
-        # W_h of the linear injection as a vLLM layer, so it runs vLLM's GEMM (prepacked on CPU) like every
-        # other projection; filled from ``injection.weight`` when the weights load (``keep_injection``).
+        # W_e and W_h of the linear injection as vLLM layers, so they run vLLM's GEMM (prepacked on CPU) like
+        # every other projection; filled from ``injection.weight`` when the weights load (``keep_injection``).
         # Not in float32, where vLLM's GEMM would round differently from the matmul generate() runs.
-        self.injection_h = None
-        if config.input_injection == "linear" and config.looped_format != 1 and vllm_config.model_config.dtype != torch.float32:
-            self.injection_h = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=False,
-                                                prefix=f"{prefix}.injection_h")  # fmt: skip
+        self.injection_e = self.injection_h = None
+        dtype = vllm_config.model_config.dtype
+        if config.input_injection == "linear" and config.looped_format != 1 and dtype != torch.float32:
+            d = config.hidden_size
+            self.injection_e = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.injection_e")
+            self.injection_h = ReplicatedLinear(d, d, bias=False, prefix=f"{prefix}.injection_h")
         # Ouro's exit gate. Its "threshold" readout picks each token's state at its exit step after the
         # loop (every recurrence runs and writes its KV either way, as in generate()): exact, at the
         # request's r. "last" reads the r-th state; "weighted" is refused (check_servable).
@@ -578,10 +607,9 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
                                       prefix=maybe_prefix(prefix, "lm_head"))  # fmt: skip
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        # The padded rows are cropped (org_vocab_size) before the soft-cap, as logits_from_hidden does.
-        self.logits_processor = LogitsProcessor(
-            config.padded_vocab_size, config.vocab_size, soft_cap=config.logit_softcap
-        )
+        # The padded rows are cropped (org_vocab_size) before the soft-cap (compute_logits), as
+        # logits_from_hidden does.
+        self.logits_processor = LogitsProcessor(config.padded_vocab_size, config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -606,7 +634,17 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
                                   token_kv_budgets, token_exit_thresholds)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        """The head's logits, cropped to the vocabulary, then the soft-cap as ``generate()`` runs it
+        (modeling_looped's ``_SoftCap``: cap * tanh(logits / cap) in float32), so the logits are float32
+        in any dtype, which vLLM's sampler reads them in. Not vLLM's ``soft_cap``: it runs in the model's
+        dtype, where tanh is slow on CPU (bfloat16, 32 x 4,096 logits on one thread: 290 us, against 90
+        us for this float32 one in place). In float32 the same three operations, in the same order."""
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        cap = self.config.logit_softcap
+        if logits is None or cap is None:
+            return logits
+        # In place: the head's output is this call's own (in float32 .float() is the same tensor).
+        return logits.float().div_(cap).tanh_().mul_(cap)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load looped_hf's safetensors names (``model.prelude_layers.0.self_attn.q_proj.weight``...),
