@@ -10,7 +10,8 @@ Three measurements, in one run, in the serving environment (``make serve-setup``
    offline engine (every request submitted at once, so they share its continuous batch) against
    ``generate()`` on the same requests as one batch, on the same looped checkpoint;
 2. the same vLLM on a Llama of the same width, heads, MLP and effective depth (P + r*K + C layers):
-   the loop should cost what its depth costs;
+   the loop should cost what its depth costs (``--qwen3``: also a Qwen3 of that shape, a Llama with a
+   per-head QK-norm, the nearest stock model to the looped layers);
 3. vLLM's KV-cache capacity, tokens per GiB of ``VLLM_CPU_KVCACHE_SPACE``, at r = 1, 4 and 8 with
    one cache per layer application and with a ``kv_budget``, next to what P + k*K + C caches of
    this shape should hold.
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-layers", action="store_true",
                    help="looped layers without QK-norm, logit soft-cap and embedding norm, as Llama's: then only the "
                         "loop (injection, recurrence norm) differs from the Llama")  # fmt: skip
+    p.add_argument("--qwen3", action="store_true",
+                   help="also time vLLM's Qwen3 of the same width and effective depth: a Llama with a per-head QK-norm, "
+                        "the nearest stock model to the looped one's layers")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="the models' dtype on every side (vLLM's own default is bfloat16)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the models (default: eager)")
@@ -83,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
-    """A random looped checkpoint and the Llama of its width and effective depth; returns both folders
-    and the looped config."""
+    """A random looped checkpoint and the Llama of its width and effective depth (with ``--qwen3`` also the
+    Qwen3 of that shape, in ``root / "qwen3"``); returns the looped and Llama folders and the looped
+    config."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -98,15 +103,20 @@ def save_models(root: Path, args: argparse.Namespace) -> tuple[Path, Path, Any]:
         max_position_embeddings=1024,
         **({"qk_norm": None, "logit_softcap": None, "embedding_norm": False} if args.llama_layers else {}),
     )  # fmt: skip
-    llama = LlamaConfig(
+    shape = dict(
         vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=heads, num_key_value_heads=heads,
         head_dim=64, intermediate_size=looped.intermediate_size, num_hidden_layers=looped.effective_num_layers,
         hidden_act="silu", max_position_embeddings=1024, rms_norm_eps=looped.rms_norm_eps,
         tie_word_embeddings=looped.tie_word_embeddings,
     )  # fmt: skip
+    llama = LlamaConfig(**shape)
     torch.manual_seed(0)
     LoopedForCausalLM(looped).save_pretrained(root / "looped")
     LlamaForCausalLM(llama).save_pretrained(root / "llama")
+    if args.qwen3:  # the Llama's shape with Qwen3's per-head q and k norms (learnable, before RoPE)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(root / "qwen3")
     return root / "looped", root / "llama", looped
 
 
@@ -213,9 +223,9 @@ Rates = dict[str, dict[int, list[float]]]  # {side: {concurrency: [tokens per se
 
 
 def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> tuple[Rates, Rates, str]:
-    """(tokens/s of vLLM looped, generate() looped and vLLM Llama; tokens per CPU-second of the two
-    vLLM sides; how both vLLM models ran their RMSNorms). The two must run them the same way
-    (``norm_path``), so the ratio compares the models, not two norm kernels. CPU-seconds are this
+    """(tokens/s of vLLM looped, generate() looped, vLLM Llama and with ``--qwen3`` vLLM Qwen3; tokens
+    per CPU-second of the vLLM sides; how the vLLM models ran their RMSNorms). They must all run them
+    the same way (``norm_path``), so the ratio compares the models, not two norm kernels. CPU-seconds are this
     process's (``time.process_time``, every thread), which holds vLLM's engine core unless
     VLLM_ENABLE_V1_MULTIPROCESSING=1: on a machine other jobs share they count the work done, not
     the time waited for a core, so their ratio is the steadier one there."""
@@ -227,9 +237,11 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> t
     prompts = torch.randint(0, args.vocab, (max(args.concurrency), args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     engines = {"vllm_looped": vllm_engine(looped_dir, args), "vllm_llama": vllm_engine(llama_dir, args, looped=False)}
+    if args.qwen3:
+        engines["vllm_qwen3"] = vllm_engine(llama_dir.parent / "qwen3", args, looped=False)
     paths = {name: engine.apply_model(norm_path)[0] for name, engine in engines.items()}
     if len(set(paths.values())) != 1:
-        raise SystemExit(f"bench_serve: the looped model and the Llama run their RMSNorms differently: {paths}")
+        raise SystemExit(f"bench_serve: the models run their RMSNorms differently: {paths}")
     worker = None
     if not args.skip_generate:
         worker = GenerateWorker(generate_python(args.generate_python), looped_dir, prompts, args.new_tokens, args.dtype)
@@ -247,6 +259,8 @@ def throughput(args: argparse.Namespace, looped_dir: Path, llama_dir: Path) -> t
     if worker is not None:
         sides["generate_looped"] = worker.tokens_per_s
     sides["vllm_llama"] = lambda n: run_vllm("vllm_llama", n)
+    if args.qwen3:
+        sides["vllm_qwen3"] = lambda n: run_vllm("vllm_qwen3", n)
     for fn in sides.values():  # warm-up: first calls allocate and (with --compile) compile
         fn(min(args.concurrency))
     for name in cpu:
@@ -285,11 +299,26 @@ def spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f} .. {max(values):,.0f})"
 
 
+def qwen3_columns(rates: Rates) -> tuple[str, str, Callable[[int], str]]:
+    """With ``--qwen3``: the Qwen3 side's header cells, their separator and each row's cells (its rate and
+    looped / Qwen3, of medians); otherwise empty."""
+    if "vllm_qwen3" not in rates:
+        return "", "", lambda n: ""
+
+    def cells(n: int) -> str:
+        ratio = statistics.median(rates["vllm_looped"][n]) / statistics.median(rates["vllm_qwen3"][n])
+        return f" {spread(rates['vllm_qwen3'][n])} | {ratio:.2f} |"
+
+    return " vLLM, equal-depth Qwen3 | looped / Qwen3 |", "---|---|", cells
+
+
 def throughput_table(results: dict[str, dict[int, list[float]]]) -> str:
     """Markdown: tokens/s per side and concurrency, and the two ratios of the targets (of medians)."""
+    head, rule, qwen3 = qwen3_columns(results)
     lines = [
-        "| concurrent requests | vLLM, looped | generate(), looped | vLLM, equal-depth Llama | vLLM / generate() | looped / Llama |",
-        "|---|---|---|---|---|---|",
+        "| concurrent requests | vLLM, looped | generate(), looped | vLLM, equal-depth Llama | vLLM / generate() | "
+        f"looped / Llama |{head}",
+        f"|---|---|---|---|---|---|{rule}",
     ]
     timed_generate = "generate_looped" in results  # not with --skip-generate
     for n in results["vllm_looped"]:
@@ -298,7 +327,7 @@ def throughput_table(results: dict[str, dict[int, list[float]]]) -> str:
         vs_generate = f"{med['vllm_looped'] / med['generate_looped']:.2f}x" if timed_generate else "-"
         lines.append(
             f"| {n} | {spread(results['vllm_looped'][n])} | {generate} | {spread(results['vllm_llama'][n])} | "
-            f"{vs_generate} | {med['vllm_looped'] / med['vllm_llama']:.2f} |"
+            f"{vs_generate} | {med['vllm_looped'] / med['vllm_llama']:.2f} |{qwen3(n)}"
         )
     return "\n".join(lines)
 
@@ -306,10 +335,14 @@ def throughput_table(results: dict[str, dict[int, list[float]]]) -> str:
 def cpu_table(cpu: Rates) -> str:
     """Markdown: tokens per CPU-second of the two vLLM sides per concurrency, and their ratio (of
     medians)."""
-    lines = ["| concurrent requests | vLLM, looped | vLLM, equal-depth Llama | looped / Llama |", "|---|---|---|---|"]
+    head, rule, qwen3 = qwen3_columns(cpu)
+    lines = [f"| concurrent requests | vLLM, looped | vLLM, equal-depth Llama | looped / Llama |{head}",
+             f"|---|---|---|---|{rule}"]  # fmt: skip
     for n in cpu["vllm_looped"]:
         ratio = statistics.median(cpu["vllm_looped"][n]) / statistics.median(cpu["vllm_llama"][n])
-        lines.append(f"| {n} | {spread(cpu['vllm_looped'][n])} | {spread(cpu['vllm_llama'][n])} | {ratio:.2f} |")
+        lines.append(
+            f"| {n} | {spread(cpu['vllm_looped'][n])} | {spread(cpu['vllm_llama'][n])} | {ratio:.2f} |{qwen3(n)}"
+        )
     return "\n".join(lines)
 
 
