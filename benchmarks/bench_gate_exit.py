@@ -1,0 +1,97 @@
+"""Recurrences the exit gate saves when it stops tokens (``exit_criterion="gate"``), on the converted Ouro
+fixture (``tests/fixtures/zoo/ouro-tiny``, random weights) or any gated checkpoint.
+
+    python benchmarks/bench_gate_exit.py                    # the docs' table (seconds)
+    python benchmarks/bench_gate_exit.py runs/ouro --r 4 --thresholds 0.3 0.5
+
+Per r and threshold, over prompts of 1 to 64 tokens plus ``--new-tokens`` greedy tokens each (decoded one
+forward at a time through a cache, which is ``generate()``, tests/test_gate_exit.py), three ratios to every
+token running all r recurrences:
+
+* ``readout``: the threshold readout's exit steps (``exit_gate_output="threshold"``: every recurrence runs,
+  each token reads its exit step), the recurrences a stopping engine would need on that model;
+* ``gate exit, per token``: the gate criterion's own exit steps (``recurrences_used``), what an engine that
+  drops each stopped token would run;
+* ``generate() ran``: block passes x tokens of each forward, what ``generate()`` really computed (a forward
+  runs a recurrence while any of its tokens still runs, so a prompt costs its slowest token's; a decoded
+  token costs its own, counted with a hook on the block's first layer).
+
+Counts, not timings: no spread to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LENGTHS = (1, 3, 8, 16, 24, 32, 48, 64)
+
+
+def measure(model, r: int, threshold: float, new_tokens: int) -> tuple[int, int, int, int]:
+    """(tokens, readout recurrences, gate-exit recurrences, block passes x tokens run) over the prompts."""
+    from transformers import DynamicCache
+
+    passes = []
+    hook = model.model.recurrent_layers[0].register_forward_hook(lambda *_: passes.append(1))
+    tokens = readout = stopped = ran = 0
+    gate = dict(num_recurrences=r, exit_criterion="gate", exit_threshold=threshold)
+    try:
+        for i, length in enumerate(PROMPT_LENGTHS):
+            ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(i))
+            cache, chunk = DynamicCache(config=model.config), ids
+            for _ in range(new_tokens + 1):
+                before = len(passes)
+                with torch.no_grad():
+                    out = model(chunk, cache=cache, use_cache=True, **gate)
+                ran += (len(passes) - before) * chunk.shape[1]
+                stopped += int(out.recurrences_used.sum())
+                ids = torch.cat([ids, out.logits[:, -1:].argmax(-1)], dim=1)
+                chunk = ids[:, -1:]
+            ids = ids[:, :-1]  # the prompt and the tokens fed back: every token one forward ran
+            hook.remove()
+            with torch.no_grad():
+                steps = model(ids, num_recurrences=r, exit_gate_output="threshold", exit_gate_threshold=threshold)
+            hook = model.model.recurrent_layers[0].register_forward_hook(lambda *_: passes.append(1))
+            tokens += ids.shape[1]
+            readout += int(steps.recurrences_used.sum())
+    finally:
+        hook.remove()
+    return tokens, readout, stopped, ran
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", nargs="?", default=None, help="a gated checkpoint (default: the Ouro fixture)")
+    parser.add_argument("--r", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.9, 1.0])
+    parser.add_argument("--new-tokens", type=int, default=8)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from looped_hf import LoopedForCausalLM
+    from looped_hf.convert import main as convert
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.checkpoint
+        if folder is None:
+            folder = str(Path(tmp) / "ouro")
+            assert convert(["ouro", str(ROOT / "tests/fixtures/zoo/ouro-tiny"), "--out", folder]) == 0
+        model = LoopedForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    print("python benchmarks/bench_gate_exit.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"{args.checkpoint or 'tests/fixtures/zoo/ouro-tiny (converted)'}, float32, CPU")
+    print("| r | threshold | tokens | readout | gate exit, per token | generate() ran |")
+    print("|---|---|---|---|---|---|")
+    for r in args.r:
+        for threshold in args.thresholds:
+            tokens, readout, stopped, ran = measure(model, r, threshold, args.new_tokens)
+            full = tokens * r
+            print(f"| {r} | {threshold} | {tokens} | {readout / full:.2f} | {stopped / full:.2f} | {ran / full:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
