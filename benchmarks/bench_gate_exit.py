@@ -42,7 +42,9 @@ def measure(model, r: int, threshold: float, new_tokens: int) -> tuple[int, int,
     gate = dict(num_recurrences=r, exit_criterion="gate", exit_threshold=threshold)
     try:
         for i, length in enumerate(PROMPT_LENGTHS):
-            ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(
+                0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(i)
+            )
             cache, chunk = DynamicCache(config=model.config), ids
             for _ in range(new_tokens + 1):
                 before = len(passes)
@@ -55,7 +57,9 @@ def measure(model, r: int, threshold: float, new_tokens: int) -> tuple[int, int,
             ids = ids[:, :-1]  # the prompt and the tokens fed back: every token one forward ran
             hook.remove()
             with torch.no_grad():
-                steps = model(ids, num_recurrences=r, exit_gate_output="threshold", exit_gate_threshold=threshold)
+                steps = model(
+                    ids, num_recurrences=r, exit_gate_output="threshold", exit_gate_threshold=threshold
+                )
             hook = model.model.recurrent_layers[0].register_forward_hook(lambda *_: passes.append(1))
             tokens += ids.shape[1]
             readout += int(steps.recurrences_used.sum())
@@ -66,7 +70,9 @@ def measure(model, r: int, threshold: float, new_tokens: int) -> tuple[int, int,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", nargs="?", default=None, help="a gated checkpoint (default: the Ouro fixture)")
+    parser.add_argument(
+        "checkpoint", nargs="?", default=None, help="a gated checkpoint (default: the Ouro fixture)"
+    )
     parser.add_argument("--r", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.9, 1.0])
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -90,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         for threshold in args.thresholds:
             tokens, readout, stopped, ran = measure(model, r, threshold, args.new_tokens)
             full = tokens * r
-            print(f"| {r} | {threshold} | {tokens} | {readout / full:.2f} | {stopped / full:.2f} | {ran / full:.2f} |")
+            print(
+                f"| {r} | {threshold} | {tokens} | {readout / full:.2f} | {stopped / full:.2f} | {ran / full:.2f} |"
+            )
 
 
 if __name__ == "__main__":
