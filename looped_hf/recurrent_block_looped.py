@@ -123,10 +123,11 @@ class GateExit:
     """The exit gate as an adaptive-exit criterion (``exit_criterion="gate"``): called with each
     recurrence's state, in order, it says which tokens' exit CDF has reached ``threshold`` by now,
     so ``_AdaptiveExit`` stops them at the step the threshold readout picks (same gate step, same
-    CDF rule). The steps' probabilities are kept (r - 1 small tensors) so the CDF is the readout's
+    CDF rule; ``threshold``: one number, or one per token as ``threshold_exit_steps``'). The steps'
+    probabilities are kept (r - 1 small tensors) so the CDF is the readout's
     own running sum, not a second one rounding differently."""
 
-    def __init__(self, gate: nn.Module, threshold: float) -> None:
+    def __init__(self, gate: nn.Module, threshold: float | torch.Tensor) -> None:
         self.gate, self.threshold = gate, threshold
         self.remaining: torch.Tensor | None = None
         self.probabilities: list[torch.Tensor] = []
