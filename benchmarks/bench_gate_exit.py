@@ -17,11 +17,20 @@ token running all r recurrences:
   token costs its own, counted with a hook on the block's first layer).
 
 Counts, not timings: no spread to report.
+
+    python benchmarks/bench_gate_exit.py --engine           # in the serving environment (vLLM)
+
+``--engine`` serves the converted fixture with ``vllm.LLM`` (float32, CPU, eager) and sends the same 32 requests
+(prompts of 1 to 70 tokens, 8 greedy tokens each) at r and threshold twice, interleaved ``--repeats`` times: with
+the threshold readout (every recurrence runs) and with ``exit_criterion="gate"``. It reports the block rows the
+engine ran (tokens x recurrences through the loop, counted on the block's recurrence; a partly stopped prefill's
+stopped tokens count as run) and the wall time of the gate side over the readout's (median, min .. max).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -68,6 +77,51 @@ def measure(model, r: int, threshold: float, new_tokens: int) -> tuple[int, int,
     return tokens, readout, stopped, ran
 
 
+def engine_table(folder: str, rs: list[int], thresholds: list[float], repeats: int) -> None:
+    """The ``--engine`` table (see the module docstring)."""
+    import statistics
+    import time
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from serving_helpers import vllm_env
+    from test_serving_depth import NEW_TOKENS, SERVER, mix_prompts, mixed_greedy
+    from test_serving_parity import close, make_llm
+
+    from looped_hf.serving import vllm_model
+
+    rows = [0]
+    recurrence = vllm_model._VllmRecurrentBlock.recurrence
+
+    def counting(self, step, h, *args):
+        rows[0] += h.shape[0]
+        return recurrence(self, step, h, *args)
+
+    vllm_model._VllmRecurrentBlock.recurrence = counting
+    os.environ.update(vllm_env(Path(tempfile.mkdtemp(prefix="bench-gate-exit-"))))
+    prompts = mix_prompts(5, 256)
+    llm = make_llm(Path(folder), SERVER, max_num_seqs=32, max_model_len=128)
+    print("| r | threshold | requests | gate rows / readout rows | gate time / readout time (min .. max) |")
+    print("|---|---|---|---|---|")
+    try:
+        for r in rs:
+            for threshold in thresholds:
+                readout = [{"num_recurrences": r, "exit_threshold": threshold}] * len(prompts)
+                gate = [{**d, "exit_criterion": "gate"} for d in readout]
+                counts, ratios = {}, []
+                for _ in range(repeats):
+                    seconds = {}
+                    for name, depths in (("readout", readout), ("gate", gate)):
+                        rows[0], start = 0, time.perf_counter()
+                        mixed_greedy(llm, prompts, depths)
+                        seconds[name], counts[name] = time.perf_counter() - start, rows[0]
+                    ratios.append(seconds["gate"] / seconds["readout"])
+                print(f"| {r} | {threshold} | {len(prompts)} x ({NEW_TOKENS} new) | "
+                      f"{counts['gate'] / counts['readout']:.2f} | {statistics.median(ratios):.2f} "
+                      f"({min(ratios):.2f} .. {max(ratios):.2f}) |")  # fmt: skip
+    finally:
+        close(llm)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -76,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--r", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.9, 1.0])
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--engine", action="store_true", help="serve with vllm.LLM (the serving environment)")
+    parser.add_argument("--repeats", type=int, default=3, help="--engine: interleaved repeats")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from looped_hf import LoopedForCausalLM
@@ -87,9 +143,16 @@ def main(argv: list[str] | None = None) -> None:
         if folder is None:
             folder = str(Path(tmp) / "ouro")
             assert convert(["ouro", str(ROOT / "tests/fixtures/zoo/ouro-tiny"), "--out", folder]) == 0
+        print("python benchmarks/bench_gate_exit.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        print(f"{args.checkpoint or 'tests/fixtures/zoo/ouro-tiny (converted)'}, float32, CPU")
+        if args.engine:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from test_serving_zoo import save_tokenizer  # vLLM loads a tokenizer with the checkpoint
+
+            save_tokenizer(Path(folder))
+            engine_table(folder, args.r, args.thresholds, args.repeats)
+            return
         model = LoopedForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    print("python benchmarks/bench_gate_exit.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    print(f"{args.checkpoint or 'tests/fixtures/zoo/ouro-tiny (converted)'}, float32, CPU")
     print("| r | threshold | tokens | readout | gate exit, per token | generate() ran |")
     print("|---|---|---|---|---|---|")
     for r in args.r:
