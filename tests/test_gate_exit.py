@@ -180,14 +180,17 @@ def test_the_gate_exit_under_a_kv_budget_keeps_the_budgets_slots() -> None:
 
 def test_the_gate_exit_traces_with_fullgraph_and_gives_the_eager_result() -> None:
     model, x = gated_model(), ids()
-    # A fresh dynamo: forward compiled earlier in this process at another threshold would make the
-    # float dynamic on recompile, and the config's range checks read it as a Python number.
+    # A fresh dynamo, before and after: forward compiled in this process at another threshold makes
+    # the float dynamic on recompile, and the config's range checks read it as a Python number.
     torch._dynamo.reset()
-    with torch.no_grad():
-        eager = gate_exit(model, x, 0.5)
-        graphed = torch.compile(model, fullgraph=True, backend="eager")(
-            x, exit_criterion="gate", exit_threshold=0.5
-        )
+    try:
+        with torch.no_grad():
+            eager = gate_exit(model, x, 0.5)
+            graphed = torch.compile(model, fullgraph=True, backend="eager")(
+                x, exit_criterion="gate", exit_threshold=0.5
+            )
+    finally:
+        torch._dynamo.reset()
     assert len(eager.recurrences_used.unique()) > 1
     assert torch.equal(graphed.recurrences_used, eager.recurrences_used)
     torch.testing.assert_close(graphed.logits, eager.logits)

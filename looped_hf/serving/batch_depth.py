@@ -17,11 +17,13 @@ request's attention reads only its own queries, KV blocks and length, whichever 
 A request that asks for the gate's exit (``exit_criterion="gate"``, a gated model) loses its tokens
 as the gate stops them (``GateStops``: the rule is ``GateExit``'s, generate()'s): once all its tokens
 have stopped it leaves the groups, and a stopped token's KV slots of the later recurrences get its
-latest KV, copied in the paged caches (``copy_kv``), as ``_ExitKV`` fills them. A request with only
-some tokens stopped (a prefill) keeps them in its group, since vLLM's CPU kernel takes a request's
-queries as the last ``query_len`` tokens of its sequence: their KV is copied in before the attention
-call and their own write goes to the null block (``NULL_SLOT``), their rows are computed and their
-state stays frozen (no saving is counted for them).
+latest KV, as ``_ExitKV`` fills them: the key and value its attention backend wrote at its exit step
+(kept as the backend ran, ``GateStops.record``), written again by each later slot's backend
+(``GateStops.refill``; the CPU backend stores blocks in its own layout, so the cache is never copied
+by hand). A request with only some tokens stopped (a prefill) keeps them in its group, since vLLM's
+CPU kernel takes a request's queries as the last ``query_len`` tokens of its sequence: their latest
+KV is written before the attention call and their own write goes to the null block (``NULL_SLOT``);
+their rows are computed and their state stays frozen (no saving is counted for them).
 
 CPU only (``CPUAttentionMetadata``); the GPU backends' metadata is documented in docs/serving.md.
 """

@@ -534,7 +534,8 @@ class LoopedVllmModel(nn.Module):
     ) -> torch.Tensor:
         """The hidden states of the batch's tokens, each run at its request's depth: ``token_recurrences``
         (r), ``token_kv_budgets`` (min(k, r)) and, for the threshold readout, ``token_exit_thresholds``
-        and ``token_gate_exit`` (the gate stops the token: ``batch_depth.GateStops``), per token (``worker.depth_kwargs``; None, as in vLLM's dummy runs and in a step whose requests
+        and ``token_gate_exit`` (the gate stops the token: ``batch_depth.GateStops``), per token
+        (``worker.depth_kwargs``; None, as in vLLM's dummy runs and in a step whose requests
         all run the served default: every token at the default r and budget and the config's threshold)."""
         plan = self.plan
         depth = None
