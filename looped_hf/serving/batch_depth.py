@@ -87,8 +87,8 @@ class BatchDepth:
     and the groups each recurrence runs."""
 
     def __init__(
-        self, token_recurrences: torch.Tensor, token_kv_budgets: torch.Tensor, plan: KVSlotPlan, num_tokens: int,
-        token_gate_exit: torch.Tensor | None = None,
+        self, token_recurrences: torch.Tensor, token_kv_budgets: torch.Tensor, plan: KVSlotPlan,
+        num_tokens: int, token_gate_exit: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         context = get_forward_context()
         metadata = context.attn_metadata
