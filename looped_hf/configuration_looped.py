@@ -98,6 +98,11 @@ EXIT_THRESHOLD_RANGES = {
 # ``OuroForCausalLM.forward``): the last recurrence's; the recurrence where each token's exit CDF
 # first reaches ``exit_gate_threshold``; or the expectation sum_t p_t logits_t.
 EXIT_GATE_OUTPUTS = ("last", "threshold", "weighted")
+# The adaptive-exit criterion of a model with an exit gate: a token stops at the first recurrence
+# c >= min_recurrences whose exit CDF reaches the threshold (the step of the "threshold" readout),
+# and really stops there (its later KV is its latest, as every criterion's). Its threshold is
+# ``exit_threshold``, else the gate's ``exit_gate_threshold``.
+EXIT_GATE_CRITERION = "gate"
 # The Auto class -> model class pairs modeling_looped.py provides (written to every ``auto_map``).
 AUTO_CLASSES = {
     "AutoModel": "LoopedModel",
@@ -343,7 +348,8 @@ class LoopedConfig(PreTrainedConfig):
         ``generate`` accept all three per call (``exit_criterion="none"`` turns a configured one
         off); outputs carry ``recurrences_used`` per token. Compute is saved when every token of
         a call has stopped (decoding at batch 1: each token's own exit); until then stopped tokens
-        are computed and discarded, and under ``torch.compile`` every recurrence runs.
+        are computed and discarded, and under ``torch.compile`` every recurrence runs. With an
+        exit gate the one criterion is ``"gate"`` (``EXIT_GATE_CRITERION``, see ``exit_gate``).
     exit_gate, exit_gate_output, exit_gate_threshold, exit_gate_entropy_beta:
         Ouro's learned exit (ByteDance's Ouro-1.4B / 2.6B). ``exit_gate=True`` adds a gate,
         Linear(hidden -> 1, with bias), read on each recurrence's state after the recurrence
@@ -358,7 +364,14 @@ class LoopedConfig(PreTrainedConfig):
         exit selects outputs and saves no compute. ``exit_gate_entropy_beta``: ``None`` (default)
         trains on the returned logits; a number beta gives Ouro's objective, per labelled token
         sum_t p_t L_t - beta H(p), L_t the cross-entropy of step t's logits and H the entropy of
-        p. The gate decides each token's exit, so it is refused together with ``exit_criterion``;
+        p. ``exit_criterion="gate"`` makes the gate stop tokens: a token stops at the first
+        recurrence c >= ``min_recurrences`` whose exit CDF reaches ``exit_threshold`` (``None``:
+        ``exit_gate_threshold``), the threshold readout's step, and from there on is an exited
+        token of the adaptive exit above (frozen state, its latest KV for later recurrences and
+        tokens), so it saves compute; its logits are its exit step's, and the other tokens'
+        differ from the threshold readout's only through the KV they attend to. ``"weighted"``
+        and the entropy loss read every step of every token, so they are refused with it; every
+        other criterion is refused with a gate (the gate decides each token's exit);
         a readout other than the last recurrence's, or the entropy loss, needs step t's logits,
         so it is refused with coda layers (each step would need its own coda pass). ``forward``
         and ``generate`` accept ``exit_gate_output=`` and ``exit_gate_threshold=`` per call.
@@ -487,7 +500,7 @@ class LoopedConfig(PreTrainedConfig):
     recurrence_norm: bool = True
     kv_budget: int | None = validated_field(KV_BUDGET_RULE, default=None)
     max_recurrences: int | None = validated_field(R_RULE, default=None)
-    exit_criterion: Literal[EXIT_CRITERIA + ("none",)] | None = None
+    exit_criterion: Literal[EXIT_CRITERIA + (EXIT_GATE_CRITERION, "none")] | None = None
     exit_threshold: int | float | None = interval(None, None)(default=None)  # its range depends on the criterion
     min_recurrences: int = validated_field(MIN_RECURRENCES_RULE, default=1)
     exit_gate: bool = False
@@ -609,9 +622,13 @@ class LoopedConfig(PreTrainedConfig):
                 if getattr(self, field) != default:
                     raise self._bad(field, "needs exit_gate=True (there is no gate to read)")
             return
-        if self.exit_criterion not in (None, "none"):
+        if self.exit_criterion not in (None, "none", EXIT_GATE_CRITERION):
             raise self._bad("exit_criterion", "refused with exit_gate=True: the gate decides each token's exit; "
-                                              "set exit_gate_output='threshold' instead")  # fmt: skip
+                                              f"set exit_criterion={EXIT_GATE_CRITERION!r} (the gate stops the "
+                                              "token) or exit_gate_output='threshold'")  # fmt: skip
+        if self.exit_criterion == EXIT_GATE_CRITERION and self.exit_gate_output == "weighted":
+            raise self._bad("exit_gate_output", f"'weighted' reads every recurrence of every token, which "
+                                                f"exit_criterion={EXIT_GATE_CRITERION!r} stops")  # fmt: skip
         if self.num_coda_layers > 0 and (self.exit_gate_output != "last" or self.exit_gate_entropy_beta is not None):
             field = "exit_gate_output" if self.exit_gate_output != "last" else "exit_gate_entropy_beta"
             raise self._bad(field, f"needs every recurrence's logits, which num_coda_layers={self.num_coda_layers} "
@@ -727,8 +744,17 @@ class LoopedConfig(PreTrainedConfig):
             minimum = check_override("min_recurrences", min_recurrences, MIN_RECURRENCES_RULE)
         if criterion is None or criterion == "none":
             return None
+        if criterion == EXIT_GATE_CRITERION:
+            if not self.exit_gate:
+                raise ValueError(f"exit_criterion={criterion!r}: this model has no exit gate (config.exit_gate="
+                                 "False)")  # fmt: skip
+            threshold = self.exit_gate_threshold if threshold is None else threshold
+            threshold = check_override("exit_threshold", threshold, EXIT_GATE_THRESHOLD_RULE)
+            return criterion, float(threshold), minimum
         if criterion not in EXIT_CRITERIA:
-            raise ValueError(f"exit_criterion={criterion!r}: must be None or one of {EXIT_CRITERIA}")
+            raise ValueError(
+                f"exit_criterion={criterion!r}: must be None or one of {EXIT_CRITERIA + (EXIT_GATE_CRITERION,)}"
+            )
         if threshold is None:
             threshold = EXIT_DEFAULT_THRESHOLDS[criterion]
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
@@ -803,4 +829,4 @@ class LoopedConfig(PreTrainedConfig):
         return self.input_injection == "hyperconnection"
 
 
-__all__ = ["MAX_NUM_RECURRENCES", "MAX_PARAMETERS", "MAX_UNIQUE_LAYERS", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]
+__all__ = ["MAX_NUM_RECURRENCES", "MAX_PARAMETERS", "MAX_UNIQUE_LAYERS", "RECURRENCE_CEILING_FACTOR", "EXIT_CRITERIA", "EXIT_GATE_CRITERION", "EXIT_DEFAULT_THRESHOLDS", "EXIT_THRESHOLD_RANGES", "EXIT_GATE_OUTPUTS", "LOOPED_FORMAT", "LoopedConfig", "tensor_parallel_plan"]

@@ -7,7 +7,9 @@ relative import), so it imports only torch, transformers and ``.configuration_lo
 - Adaptive exit, per token (``config.exit_criterion`` or ``exit_criterion=`` per call): each token
   stops recurring once its criterion fires; its state freezes and, at later recurrences, it offers
   the KV of its last computed one (``_ExitKV``, Huginn's "latest"). ``_AdaptiveExit`` holds the
-  criterion's memory and who stopped when; ``resolve_exit_rule`` checks a call's rule.
+  criterion's memory and who stopped when; ``resolve_exit_rule`` checks a call's rule. On a model
+  with an exit gate the criterion is the gate (``exit_criterion="gate"``): a token stops where
+  its exit CDF reaches the threshold, the step of the gate's threshold readout.
 - The cache a call needs: one slot per layer application (``_grow_cache``; a cache is filled at
   one r and one budget, ``_check_cache_recurrences``). A KV budget k (``config.kv_budget`` or
   ``kv_budget=`` per call, the study's engine) keeps only k recurrence slots; which slot each
@@ -34,7 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from .configuration_looped import KV_BUDGET_RULE, R_RULE, LoopedConfig, check_override
+from .configuration_looped import EXIT_GATE_CRITERION, KV_BUDGET_RULE, R_RULE, LoopedConfig, check_override
 from .interface_looped import (
     CACHE_RENAMED,
     KEEPS_UNWRITTEN_SLOTS,
@@ -91,7 +93,8 @@ class _AdaptiveExit:
     After recurrence c (1-based), ``step`` freezes the tokens that stopped earlier (their state
     keeps its value, their KV its latest, see ``_ExitKV``) and stops the running tokens whose
     criterion fires, from c = ``min_recurrences`` on. Distribution criteria decode the state
-    (``predict``: coda, norm, head) from c = min_recurrences - 1 on, so their memory is ready.
+    (``predict``: coda, norm, head) from c = min_recurrences - 1 on, so their memory is ready; the
+    gate criterion reads every state (``predict``: ``recurrent_block_looped.GateExit``).
     """
 
     def __init__(
@@ -135,6 +138,10 @@ class _AdaptiveExit:
             else:
                 value = (cur - prev).norm(dim=-1) / cur.norm(dim=-1).clamp_min(torch.finfo(cur.dtype).tiny)
             return value < self.threshold if c >= self.minimum else None
+        if self.criterion == EXIT_GATE_CRITERION:
+            # predict: recurrent_block_looped.GateExit, whose CDF must see every recurrence.
+            reached = self.predict(state)
+            return reached if c >= self.minimum else None
         if c < self.minimum - 1:
             return None
         logp = F.log_softmax(self.predict(state).float(), dim=-1)
@@ -178,6 +185,13 @@ def resolve_exit_rule(
     if rule is None:
         return None
     name, _, minimum = rule
+    gate = getattr(model, "exit_gate", None)
+    if (name == EXIT_GATE_CRITERION) != (gate is not None):
+        raise ValueError(
+            f"exit_criterion={name!r}: this model has no exit gate (a head built without it)" if gate is None else
+            f"exit_criterion={name!r}: refused with exit_gate=True (the gate decides each token's exit; use "
+            f"exit_criterion={EXIT_GATE_CRITERION!r} or exit_gate_output='threshold')"
+        )  # fmt: skip
     if minimum > r:
         raise ValueError(f"min_recurrences={minimum}: exceeds num_recurrences={r}, the cap on recurrences per token")
     if name in _HEAD_CRITERIA and head is None:

@@ -44,7 +44,7 @@ from transformers.utils.generic import TransformersKwargs, can_return_tuple, mer
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .accounting_looped import inference_flops_per_token, num_scaling_params, training_flops_per_token
-from .configuration_looped import LoopedConfig
+from .configuration_looped import EXIT_GATE_CRITERION, LoopedConfig
 
 # The layers and the loop's modules live beside this file; the names below stay importable from
 # here (the vLLM model, tests and older callers import them from modeling_looped).
@@ -72,6 +72,7 @@ from .interface_looped import (
     warn_past_positions,
 )
 from .recurrent_block_looped import (
+    GateExit,
     LoopedHyperConnection,
     LoopedRecurrentBlock,
     LoopNorms,
@@ -310,9 +311,6 @@ class LoopedModel(LoopedPreTrainedModel):
         r = config.resolve_num_recurrences(num_recurrences)
         plan = KVSlotPlan.for_call(config, r, kv_budget)
         exit_rule = resolve_exit_rule(self, exit_criterion, exit_threshold, min_recurrences, r, exit_head, cache, kwargs)
-        if exit_rule is not None and self.exit_gate is not None:
-            raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with exit_gate=True (the gate decides each "
-                             "token's exit; use exit_gate_output='threshold')")  # fmt: skip
 
         if inputs_embeds is None:
             check_token_ids(config, input_ids, self.training and torch.is_grad_enabled())
@@ -352,7 +350,9 @@ class LoopedModel(LoopedPreTrainedModel):
             h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
         num_new_tokens = inputs_embeds.shape[1]
         predict = None  # the distribution exit criteria's decoder: after_loop (coda cropped back), head
-        if exit_rule is not None and exit_head is not None:
+        if exit_rule is not None and exit_rule[0] == EXIT_GATE_CRITERION:
+            predict = GateExit(self.exit_gate, exit_rule[1])
+        elif exit_rule is not None and exit_head is not None:
             predict = coda_predictor(self, exit_head, plan.coda(0), layer_kwargs, num_new_tokens)
         loop = LoopedRecurrentBlock(self, plan, layer_kwargs, num_new_tokens)
         # The gate reads every recurrence's state, so the loop keeps them when there is one.
@@ -452,14 +452,21 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
         given), ``return_dict=False`` returns a tuple, and an unknown keyword raises ``TypeError``.
         With an exit gate (``LoopedConfig.exit_gate``), ``exit_gate_output`` and
         ``exit_gate_threshold`` override the config's readout for this call, and the output carries
-        ``exit_probabilities``."""
+        ``exit_probabilities``; ``exit_criterion="gate"`` makes the gate stop each token at its
+        threshold step (``LoopedConfig.exit_gate``; ``exit_gate_threshold`` is then its threshold
+        unless ``exit_threshold`` is given)."""
         loss_kwargs = {key: kwargs.pop(key) for key in _LOSS_KWARGS if key in kwargs}
         kwargs = _checked_kwargs(self, kwargs)  # so an error names the class the caller called
         readout = self.config.exit_gate_settings(exit_gate_output, exit_gate_threshold)  # None: no gate
         wants_loss = labels is not None or loss_kwargs.get("shift_labels") is not None
         beta = self.config.exit_gate_entropy_beta if readout is not None and wants_loss else None
-        # Only a gate readout other than the last step, or Ouro's loss, reads every step's state.
-        per_step = readout is not None and (readout[0] != "last" or beta is not None)
+        criterion = self.config.exit_criterion if exit_criterion is None else exit_criterion
+        gate_stops = readout is not None and criterion == EXIT_GATE_CRITERION
+        if gate_stops:
+            exit_threshold = self._gate_exit_threshold(readout[0], beta, exit_threshold, exit_gate_threshold)
+        # Only a gate readout other than the last step, or Ouro's loss, reads every step's state;
+        # under the gate's exit a token's last state is its exit step's, the threshold readout.
+        per_step = readout is not None and not gate_stops and (readout[0] != "last" or beta is not None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -500,6 +507,26 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
             recurrences_used=used,
             exit_probabilities=outputs.exit_probabilities,
         )
+
+    @staticmethod
+    def _gate_exit_threshold(
+        output: str, beta: float | None, exit_threshold: float | None, exit_gate_threshold: float | None
+    ) -> float | None:
+        """The call's ``exit_threshold`` under ``exit_criterion="gate"``: a per-call
+        ``exit_gate_threshold`` is the gate's threshold too (``LoopedConfig.exit_settings`` falls
+        back to the config's). Refuses the readouts and loss that need every token at every step."""
+        if output == "weighted":
+            raise ValueError(f"exit_gate_output='weighted': reads every recurrence of every token, which "
+                             f"exit_criterion={EXIT_GATE_CRITERION!r} stops; use 'last' or 'threshold'")  # fmt: skip
+        if beta is not None:
+            raise ValueError(f"exit_gate_entropy_beta={beta!r}: Ouro's loss reads every recurrence of every token, "
+                             f"which exit_criterion={EXIT_GATE_CRITERION!r} stops")  # fmt: skip
+        if exit_gate_threshold is None:
+            return exit_threshold
+        if exit_threshold is not None and exit_threshold != exit_gate_threshold:
+            raise ValueError(f"exit_gate_threshold={exit_gate_threshold!r}: differs from exit_threshold="
+                             f"{exit_threshold!r}, and exit_criterion={EXIT_GATE_CRITERION!r} has one threshold")  # fmt: skip
+        return exit_gate_threshold
 
     def _exit_gate_readout(
         self, outputs: LoopedModelOutputWithPast, readout: tuple[str, float], beta: float | None,

@@ -70,6 +70,19 @@ class LoopedHyperConnection(nn.Module):
         return mixed + gain * update.unsqueeze(0)
 
 
+def exit_gate_step(gate: nn.Module, state: torch.Tensor, remaining: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One recurrence of Ouro's exit distribution: (p_t, the chance to get past step t), float32,
+    from the state s_t and the chance ``remaining`` to have reached t (``None`` at t = 0: 1).
+    lambda_t = sigmoid(gate(s_t)), p_t = lambda_t * remaining. The one owner of the gate's
+    per-step rule: ``exit_gate_probabilities`` runs it over a forward's states, ``GateExit`` as
+    the loop goes."""
+    stop = torch.sigmoid(gate(state).squeeze(-1).float())
+    if remaining is None:
+        return stop, 1.0 - stop
+    return stop * remaining, remaining * (1.0 - stop)
+
+
 def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torch.Tensor:
     """Ouro's exit distribution over the r recurrences, (batch, tokens, r), in float32 (a bf16
     product of r survival terms would lose the small exit probabilities).
@@ -85,10 +98,15 @@ def exit_gate_probabilities(gate: nn.Module, states: list[torch.Tensor]) -> torc
         if t == len(states) - 1:
             probabilities.append(remaining if remaining is not None else torch.ones_like(state[..., 0], dtype=torch.float32))
             break
-        stop = torch.sigmoid(gate(state).squeeze(-1).float())
-        probabilities.append(stop if remaining is None else stop * remaining)
-        remaining = 1.0 - stop if remaining is None else remaining * (1.0 - stop)
+        p, remaining = exit_gate_step(gate, state, remaining)
+        probabilities.append(p)
     return torch.stack(probabilities, dim=-1)
+
+
+def threshold_reached(probabilities: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """Per token and step, whether the exit CDF (the running sum of ``probabilities``, (..., steps))
+    has reached ``threshold`` by that step: Ouro's threshold exit, the one owner of its CDF rule."""
+    return probabilities.cumsum(dim=-1) >= threshold
 
 
 def threshold_exit_steps(probabilities: torch.Tensor, threshold: float | torch.Tensor) -> torch.LongTensor:
@@ -96,9 +114,28 @@ def threshold_exit_steps(probabilities: torch.Tensor, threshold: float | torch.T
     threshold exit); the last step where it never does (the CDF rounds to just under 1). A tensor
     ``threshold`` of shape (..., tokens, 1) gives each token its own (the vLLM model's per-request
     thresholds)."""
-    reached = probabilities.cumsum(dim=-1) >= threshold
+    reached = threshold_reached(probabilities, threshold)
     first = reached.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximum
     return torch.where(reached.any(dim=-1), first, probabilities.shape[-1] - 1)
+
+
+class GateExit:
+    """The exit gate as an adaptive-exit criterion (``exit_criterion="gate"``): called with each
+    recurrence's state, in order, it says which tokens' exit CDF has reached ``threshold`` by now,
+    so ``_AdaptiveExit`` stops them at the step the threshold readout picks (same gate step, same
+    CDF rule; ``threshold``: one number, or one per token as ``threshold_exit_steps``'). The steps'
+    probabilities are kept (r - 1 small tensors) so the CDF is the readout's
+    own running sum, not a second one rounding differently."""
+
+    def __init__(self, gate: nn.Module, threshold: float | torch.Tensor) -> None:
+        self.gate, self.threshold = gate, threshold
+        self.remaining: torch.Tensor | None = None
+        self.probabilities: list[torch.Tensor] = []
+
+    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+        p, self.remaining = exit_gate_step(self.gate, state, self.remaining)
+        self.probabilities.append(p)
+        return threshold_reached(torch.stack(self.probabilities, dim=-1), self.threshold)[..., -1]
 
 
 def threshold_readout(values: list[torch.Tensor], probabilities: torch.Tensor, threshold: float | torch.Tensor,
@@ -335,13 +372,16 @@ class LoopedRecurrentBlock:
 
 
 __all__ = [
+    "GateExit",
     "LoopNorms",
     "LoopedHyperConnection",
     "LoopedRecurrentBlock",
     "after_loop",
     "build_loop_modules",
     "exit_gate_probabilities",
+    "exit_gate_step",
     "loop_norms",
     "threshold_exit_steps",
+    "threshold_reached",
     "threshold_readout",
 ]

@@ -48,10 +48,12 @@ NUM_REQUESTS = 32
 DEEPEST = 8
 
 
-def depth_mix(budgets: bool = True, thresholds: tuple[float, ...] = ()) -> list[dict]:
+def depth_mix(budgets: bool = True, thresholds: tuple[float, ...] = (), gate_exit: bool = False) -> list:
     """``NUM_REQUESTS`` requests' ``extra_args``: r = 1, 2, 4, 8 interleaved; with ``budgets``, each r's
     requests cycle through the server's budget (absent) and budgets below r (1, 2, 3, 5: each its own
-    slot plan); with ``thresholds``, every other request names one in turn (the rest the config's).
+    slot plan); with ``thresholds``, every other request names one in turn (the rest the config's);
+    with ``gate_exit``, the requests i with i mod 8 in (3, 5) (r 8 and 2, with a threshold) ask the
+    gate to stop their tokens (``exit_criterion="gate"``).
     Requests 13 and 30 name nothing: the served default (r 3 of the checkpoints here, or Ouro's 4)."""
     depths = []
     for i in range(NUM_REQUESTS):
@@ -63,6 +65,8 @@ def depth_mix(budgets: bool = True, thresholds: tuple[float, ...] = ()) -> list[
             depth["kv_budget"] = k
         if thresholds and i % 2:
             depth["exit_threshold"] = thresholds[(i // 2) % len(thresholds)]
+        if gate_exit and i % 8 in (3, 5):
+            depth["exit_criterion"] = "gate"
         depths.append({} if i in (13, 30) else depth)
     return depths
 
@@ -81,7 +85,7 @@ OURO_THRESHOLDS = (0.3, 0.5, 0.9)
 MIXES = {
     "study": (mix_prompts(3, SERVING_VOCAB), depth_mix()),
     "server": (mix_prompts(0, 256), depth_mix()),
-    "ouro": (mix_prompts(5, 256), depth_mix(thresholds=OURO_THRESHOLDS)),
+    "ouro": (mix_prompts(5, 256), depth_mix(thresholds=OURO_THRESHOLDS, gate_exit=True)),
 }
 
 
@@ -204,7 +208,8 @@ def test_a_converted_ouro_serves_32_requests_at_mixed_depths_and_exit_thresholds
     """The converted Ouro fixture (threshold readout at 1.0, trained r 4) served up to r 8 with a budget
     of 8: requests at r = 1, 2, 4, 8, budgets below r and thresholds 0.3, 0.5, 0.9 or the config's, in
     one batch, each equal generate() at its r, kv_budget and exit_gate_threshold (each token reads its
-    exit step's state among its own r states). The engine compiles (vLLM's CPU mode, its CI backend:
+    exit step's state among its own r states); some ask the gate to stop their tokens
+    (``exit_criterion="gate"``), which then leave the loop, and equal generate() in that mode. The engine compiles (vLLM's CPU mode, its CI backend:
     Dynamo's trace without Inductor's C++ build): the mixed steps run eagerly, and a step whose
     requests all run the served default runs the traced graph, no depth tensors, as generate()."""
     from looped_hf.serving import vllm_model
@@ -220,6 +225,17 @@ def test_a_converted_ouro_serves_32_requests_at_mixed_depths_and_exit_thresholds
         return forward(self, input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences, **depth)
 
     monkeypatch.setattr(vllm_model.LoopedForCausalLM, "forward", recording)
+    from looped_hf.serving.batch_depth import GateStops
+
+    stopped_early = []  # per mixed forward with gate-exit requests: the tokens the gate stopped before their r
+    refill = GateStops.refill
+
+    def counting(self, step, kv_slots, num_layers):
+        if step == self.depth.max_recurrences - 1:
+            stopped_early.append(int((self.exit_step > 0).sum()))
+        return refill(self, step, kv_slots, num_layers)
+
+    monkeypatch.setattr(GateStops, "refill", counting)
     prompts, depths = MIXES["ouro"]
     defaults = [i for i, depth in enumerate(depths) if not depth]
     llm = make_llm(folders["ouro"], SERVER, max_num_seqs=32, max_model_len=128, enforce_eager=False)
@@ -230,6 +246,7 @@ def test_a_converted_ouro_serves_32_requests_at_mixed_depths_and_exit_thresholds
     finally:
         close(llm)
     assert_served_as_generate(prompts, outputs, references["ouro"])
+    assert sum(stopped_early) > 0  # the gate-exit requests' tokens left the loop before their r
     assert any(set(r) >= {1, 2, 4, DEEPEST} for r in mixed_steps)
     assert graph_steps and all(graph_steps)  # every step at the default: the compiled graph
     assert_served_as_generate([prompts[i] for i in defaults], default_outputs, [references["ouro"][i] for i in defaults])
@@ -244,6 +261,7 @@ def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_
         "num_recurrences": ([0, 7, 2.0, "3", True], "must be an integer from 1 to 6"),
         "kv_budget": ([0, 3, 1.5], "must be an integer from 1 to 2"),
         "exit_threshold": ([0.5], "this model has no exit gate with the threshold readout"),
+        "exit_criterion": (["gate"], "this model has no exit gate with the threshold readout"),
     }
     for field, (values, message) in refused.items():
         for value in values:
@@ -266,6 +284,11 @@ def test_a_request_depth_is_resolved_within_the_servers_bounds_and_refused_with_
     assert gated.resolve({"exit_threshold": 0.25}).exit_threshold == 0.25
     with pytest.raises(DepthError, match=r"exit_threshold=1\.5: must be a number from 0 to 1"):
         gated.resolve({"exit_threshold": 1.5})
+    assert gated.resolve({"exit_criterion": "gate"}).gate_exit and not gated.resolve(None).gate_exit
+    for value in ("kl", True, "none"):
+        with pytest.raises(DepthError, match=r"must be 'gate' \(the exit gate stops each token") as err:
+            gated.resolve({"exit_criterion": value})
+        assert err.value.field == "exit_criterion"
     with pytest.raises(ValueError, match="max_num_recurrences=2: below the served num_recurrences=3"):
         ServedDepth.from_config(serving_config(max_num_recurrences=2))
 
@@ -292,6 +315,7 @@ def test_top_level_depth_fields_move_into_vllm_xargs_and_bad_ones_are_refused_by
         json.dumps({"num_recurrences": 5}): ("num_recurrences", "from 1 to 4"),
         json.dumps({"vllm_xargs": {"kv_budget": 3}}): ("vllm_xargs.kv_budget", "from 1 to 2"),
         json.dumps({"extra": {"kv_budget": 1}}): ("extra.kv_budget", "not read there"),
+        json.dumps({"exit_criterion": "gate"}): ("exit_criterion", "no exit gate with the threshold readout"),
         json.dumps({"num_recurrences": 2, "vllm_xargs": {"num_recurrences": 3}}): (
             "num_recurrences",
             "set it once",

@@ -61,6 +61,7 @@ def servable_problems(
         problems.append(
             f"exit_criterion={config.exit_criterion!r}: per-token adaptive exit is not served by vLLM (every token of "
             "a batch runs its request's r); save the config with exit_criterion=None to serve at a fixed r"
+            + ("; a request asks for the gate's exit itself (exit_criterion='gate')" if config.exit_gate else "")
         )
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type in CALL_DEPENDENT_ROPE_TYPES:

@@ -14,6 +14,17 @@ the block table, their tokens' slot mapping, and the CPU kernel's scheduler meta
 them, as ``CPUAttentionMetadataBuilder.build`` builds it) and the subset's KV slot mapping. Exact: a
 request's attention reads only its own queries, KV blocks and length, whichever requests share the call.
 
+A request that asks for the gate's exit (``exit_criterion="gate"``, a gated model) loses its tokens
+as the gate stops them (``GateStops``: the rule is ``GateExit``'s, generate()'s): once all its tokens
+have stopped it leaves the groups, and a stopped token's KV slots of the later recurrences get its
+latest KV, as ``_ExitKV`` fills them: the key and value its attention backend wrote at its exit step
+(kept as the backend ran, ``GateStops.record``), written again by each later slot's backend
+(``GateStops.refill``; the CPU backend stores blocks in its own layout, so the cache is never copied
+by hand). A request with only some tokens stopped (a prefill) keeps them in its group, since vLLM's
+CPU kernel takes a request's queries as the last ``query_len`` tokens of its sequence: their latest
+KV is written before the attention call and their own write goes to the null block (``NULL_SLOT``);
+their rows are computed and their state stays frozen (no saving is counted for them).
+
 CPU only (``CPUAttentionMetadata``); the GPU backends' metadata is documented in docs/serving.md.
 """
 
@@ -31,7 +42,11 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
 from ..generation_looped import KVSlotPlan
-from ..recurrent_block_looped import exit_gate_probabilities, threshold_readout
+from ..recurrent_block_looped import GateExit, exit_gate_probabilities, threshold_readout
+
+# vLLM's block pool keeps block 0 as its null block, never handed to a request
+# (``BlockPool.null_block``): slot 0 takes a write that no attention reads.
+NULL_SLOT = 0
 
 
 @dataclass
@@ -72,8 +87,9 @@ class BatchDepth:
     and the groups each recurrence runs."""
 
     def __init__(
-        self, token_recurrences: torch.Tensor, token_kv_budgets: torch.Tensor, plan: KVSlotPlan, num_tokens: int
-    ) -> None:
+        self, token_recurrences: torch.Tensor, token_kv_budgets: torch.Tensor, plan: KVSlotPlan,
+        num_tokens: int, token_gate_exit: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         context = get_forward_context()
         metadata = context.attn_metadata
         self.context = context
@@ -88,11 +104,15 @@ class BatchDepth:
         self.num_tokens = num_tokens
         self.max_recurrences = max(self.recurrences)
         self._metadata: dict[tuple[int, ...], tuple[CPUAttentionMetadata, torch.Tensor]] = {}
+        asks = token_gate_exit[first].tolist() if token_gate_exit is not None else None
+        self.gate_exit = asks or [False] * len(self.recurrences)  # per request: does the gate stop it
+        self.stops: GateStops | None = None  # set by stop_with_gate
+        self.dropped: set[int] = set()  # gate-exit requests whose every token has stopped
 
     @property
     def uniform_plan(self) -> KVSlotPlan | None:
         """The one plan every request runs, when they all share r and k (the batch runs as one)."""
-        if len(set(self.recurrences)) == 1 and len(set(self.kv_budgets)) == 1:
+        if len(set(self.recurrences)) == 1 and len(set(self.kv_budgets)) == 1 and not any(self.gate_exit):
             return self._plan(self.recurrences[0], self.kv_budgets[0])
         return None
 
@@ -104,13 +124,14 @@ class BatchDepth:
         """The groups that run recurrence ``step`` (0-based): active requests, one group per KV slot."""
         by_slot: dict[int, list[int]] = {}
         for i, (r, k) in enumerate(zip(self.recurrences, self.kv_budgets)):
-            if r > step:
+            if r > step and i not in self.dropped:
                 by_slot.setdefault(step % k, []).append(i)
         out = []
         for requests in by_slot.values():
             k = self.kv_budgets[requests[0]]
             plan = self._plan(self.max_recurrences, k)
             everyone = len(requests) == len(self.recurrences) and self.starts[-1] == self.num_tokens
+            everyone = everyone and self.stops is None
             tokens = None if everyone else self._tokens(requests)
             out.append(StepGroup(plan, tuple(requests), tokens))
         return out
@@ -119,8 +140,11 @@ class BatchDepth:
         return torch.cat([torch.arange(self.starts[i], self.starts[i + 1]) for i in requests])
 
     @contextlib.contextmanager
-    def attend(self, group: StepGroup, layers: list[torch.nn.Module], dtype: torch.dtype) -> Iterator[None]:
-        """While the group runs, ``layers`` (its vLLM ``Attention``s) see only its requests."""
+    def attend(self, group: StepGroup, layers: list[torch.nn.Module], dtype: torch.dtype,
+               stopped: torch.Tensor | None = None) -> Iterator[None]:  # fmt: skip
+        """While the group runs, ``layers`` (its vLLM ``Attention``s) see only its requests; the
+        ``stopped`` tokens of the group (a mask) write their fresh KV to ``NULL_SLOT``, not their slot,
+        and under the gate's exit every layer's KV write is kept as the tokens' latest (``GateStops``)."""
         if group.tokens is None:
             yield
             return
@@ -136,13 +160,20 @@ class BatchDepth:
             for name, _, slots in saved:
                 attn_metadata[name] = meta
                 if slots is not None:
-                    slot_mapping[name] = slots[tokens]
+                    own = slots[tokens]
+                    slot_mapping[name] = own if stopped is None else own.masked_fill(stopped, NULL_SLOT)
+            if self.stops is not None:
+                for j, layer in enumerate(layers):
+                    self.stops.record(j, layer, tokens, stopped)
             yield
         finally:
             for name, old_meta, slots in saved:
                 attn_metadata[name] = old_meta
                 if slots is not None:
                     slot_mapping[name] = slots
+            if self.stops is not None:
+                for layer in layers:
+                    vars(layer.impl).pop("do_kv_cache_update", None)
 
     def threshold_readout(self, states: list[torch.Tensor], gate: torch.nn.Module, thresholds: torch.Tensor,
                           ) -> torch.Tensor:  # fmt: skip
@@ -160,4 +191,91 @@ class BatchDepth:
         return out
 
 
-__all__ = ["BatchDepth", "StepGroup", "subset_metadata"]
+    def stop_with_gate(self, gate: torch.nn.Module, thresholds: torch.Tensor, minimum: int) -> None:
+        """Let the gate stop the tokens of the requests that ask for it (``GateStops``)."""
+        self.stops = GateStops(self, gate, thresholds, minimum)
+
+    def request_plan(self, i: int) -> KVSlotPlan:
+        return self._plan(self.max_recurrences, self.kv_budgets[i])
+
+
+class GateStops:
+    """The gate's exit for one forward (``exit_criterion="gate"``): which tokens of the requests that
+    ask for it have stopped, and at which recurrence. The rule is ``GateExit``'s (generate()'s): after
+    recurrence c >= ``minimum`` (1-based), a running token whose exit CDF reaches its request's
+    threshold stops, unless c is its r anyway."""
+
+    def __init__(
+        self, depth: BatchDepth, gate: torch.nn.Module, thresholds: torch.Tensor, minimum: int
+    ) -> None:
+        n = depth.num_tokens
+        self.depth = depth
+        self.requests = [i for i, asks in enumerate(depth.gate_exit) if asks]
+        self.rows = torch.cat([torch.arange(depth.starts[i], depth.starts[i + 1]) for i in self.requests])
+        self.exit = GateExit(gate, thresholds[:n][self.rows].unsqueeze(-1))
+        self.row_r = depth.token_recurrences[:n][self.rows].long()
+        self.minimum = minimum
+        self.exit_step = torch.zeros(n, dtype=torch.long)  # 0: running; else the recurrences it ran
+        # Per block layer j: every token's latest (key, value), as its attention backend wrote them.
+        self.latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def stopped(self) -> torch.Tensor:
+        return self.exit_step > 0
+
+    def after(self, step: int, h: torch.Tensor) -> None:
+        """Read the gate on the states after recurrence ``step`` (0-based); stop who it stops."""
+        c = step + 1
+        fires = self.exit(h[self.rows])
+        if c < self.minimum:
+            return
+        new = fires & (self.exit_step[self.rows] == 0) & (self.row_r > c)
+        if bool(new.any()):
+            self.exit_step[self.rows[new]] = c
+            depth = self.depth
+            for i in self.requests:
+                own = self.exit_step[depth.starts[i] : depth.starts[i + 1]]
+                if i not in depth.dropped and bool((own > 0).all()):
+                    depth.dropped.add(i)
+
+    def record(
+        self, j: int, layer: torch.nn.Module, tokens: torch.Tensor, stopped: torch.Tensor | None
+    ) -> None:
+        """While block layer j's ``Attention`` (``layer``) runs ``tokens``, keep the KV it writes for the
+        running ones as their latest: its backend's own write (``impl.do_kv_cache_update``) is wrapped,
+        so the KV is the cache's, in whatever layout the backend stores it."""
+        write = layer.impl.do_kv_cache_update
+
+        def keeping(attn, key, value, kv_cache, slot_mapping):
+            n = len(tokens)
+            running = slice(None) if stopped is None else ~stopped
+            if j not in self.latest:
+                shape = (self.depth.num_tokens, *key.shape[1:])
+                self.latest[j] = (key.new_zeros(shape), value.new_zeros(shape))
+            self.latest[j][0][tokens[running]] = key[:n][running]
+            self.latest[j][1][tokens[running]] = value[:n][running]
+            return write(attn, key, value, kv_cache, slot_mapping)
+
+        layer.impl.do_kv_cache_update = keeping
+
+    def refill(self, step: int, kv_slots: torch.nn.ModuleList, num_layers: int) -> None:
+        """Before recurrence ``step``: every stopped token of a request still at its r gets its latest
+        KV (its exit recurrence's) in this recurrence's slots, as ``_ExitKV`` gives it, written by the
+        slot's backend (``do_kv_cache_update``)."""
+        depth = self.depth
+        for i in self.requests:  # each request at its own plan (its budget)
+            if depth.recurrences[i] <= step:
+                continue
+            own = torch.arange(depth.starts[i], depth.starts[i + 1])
+            own = own[self.exit_step[own] > 0]
+            if len(own) == 0:
+                continue
+            plan = depth.request_plan(i)
+            for j in range(num_layers):
+                attn = kv_slots[plan.block(step, j)].attn
+                key, value = self.latest[j]
+                slots = depth.meta.slot_mapping[own]
+                attn.impl.do_kv_cache_update(attn, key[own], value[own], attn.kv_cache, slots)
+
+
+__all__ = ["NULL_SLOT", "BatchDepth", "GateStops", "StepGroup", "subset_metadata"]

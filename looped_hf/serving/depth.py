@@ -12,6 +12,8 @@ out is the server's. The server's bounds (``ServedDepth``) come from the served 
   budget keeps every recurrence's KV and takes no per-request budget, because a budget below r
   needs prompts prefilled whole (``engine.engine_args``), which only a budget server promises.
 - exit_threshold: a number in [0, 1], for a model whose exit gate reads out at a threshold.
+- exit_criterion: ``"gate"`` (or absent), for the same model: the gate stops each token at its
+  threshold step and the token runs no later recurrence, as ``generate(exit_criterion="gate")``.
 
 ``ServedDepth.resolve`` is the one rule: the engine's admission check (``plugin``'s logits-processor
 guard), the HTTP middleware's 400 and the model runner (``worker``) all call it. Nothing here imports
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: The fields a request sets, in ``extra_args`` / ``vllm_xargs`` or at the top of an OpenAI body.
-REQUEST_KEYS = ("num_recurrences", "kv_budget", "exit_threshold")
+REQUEST_KEYS = ("num_recurrences", "kv_budget", "exit_threshold", "exit_criterion")
 #: The ``hf_overrides`` key that carries ``looped-hf serve --max-num-recurrences`` to the engine.
 MAX_KEY = "max_num_recurrences"
 
@@ -42,12 +44,13 @@ class DepthError(ValueError):
 
 @dataclass(frozen=True)
 class RequestDepth:
-    """One request's depth: r, its effective KV budget min(k, r), and its exit threshold (None: the
-    model has no threshold readout)."""
+    """One request's depth: r, its effective KV budget min(k, r), its exit threshold (None: the
+    model has no threshold readout) and whether the gate stops its tokens (``exit_criterion="gate"``)."""
 
     num_recurrences: int
     kv_budget: int
     exit_threshold: float | None
+    gate_exit: bool = False
 
 
 def _is_int(value: Any) -> bool:
@@ -131,7 +134,12 @@ class ServedDepth:
             if self.exit_threshold is not None
             else "absent: this model has no exit gate with the threshold readout"
         )
-        return {"num_recurrences": r, "kv_budget": k, "exit_threshold": t}
+        c = (
+            "'gate' (the exit gate stops each token at its threshold step) or absent"
+            if self.exit_threshold is not None
+            else "absent: this model has no exit gate with the threshold readout"
+        )
+        return {"num_recurrences": r, "kv_budget": k, "exit_threshold": t, "exit_criterion": c}
 
     def resolve(self, args: Mapping[str, Any] | None, where: str = "") -> RequestDepth:
         """A request's depth from its ``extra_args`` (absent fields: the server's). ``where`` prefixes the
@@ -164,7 +172,11 @@ class ServedDepth:
             or not 0 <= threshold <= 1
         ):
             raise bad("exit_threshold")
-        return RequestDepth(r, min(k, r), None if threshold is None else float(threshold))
+        criterion = args.get("exit_criterion")
+        if criterion is not None and (self.exit_threshold is None or criterion != "gate"):
+            raise bad("exit_criterion")
+        threshold = None if threshold is None else float(threshold)
+        return RequestDepth(r, min(k, r), threshold, criterion is not None)
 
 
 __all__ = ["MAX_KEY", "REQUEST_KEYS", "DepthError", "RequestDepth", "ServedDepth"]

@@ -398,8 +398,10 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         h = self.initial_state(e)
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
         split = self.injection_split(e) if self.config.input_injection == "linear" else None
-        positions, states = self.positions, []
+        positions, states, stops = self.positions, [], depth.stops
         for step in range(depth.max_recurrences):
+            if stops is not None:  # the gate's exit: stopped tokens offer their latest KV (batch_depth)
+                stops.refill(step, self.kv_slots, len(self.layers))
             for group in depth.groups(step):
                 self.plan = group.plan
                 attention = [self.kv_slots[group.plan.block(step, j)].attn for j in range(len(self.layers))]
@@ -408,17 +410,24 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
                     with depth.attend(group, attention, e.dtype):
                         h, lanes = self.recurrence(step, h, lanes, e, split)
                     continue
+                stopped = stops.stopped[idx] if stops is not None else None
                 sub_split = (split[0][idx], split[1]) if split is not None else None
                 sub_lanes = lanes[:, idx] if lanes is not None else None
                 self.positions = positions[idx]
-                with depth.attend(group, attention, e.dtype):
+                with depth.attend(group, attention, e.dtype, stopped):
                     sub_h, sub_lanes = self.recurrence(step, h[idx], sub_lanes, e[idx], sub_split)
                 self.positions = positions
+                if stopped is not None:  # a stopped token's state stays frozen
+                    sub_h = torch.where(stopped[:, None], h[idx], sub_h)
+                    if lanes is not None:
+                        sub_lanes = torch.where(stopped[None, :, None], lanes[:, idx], sub_lanes)
                 h = h.index_copy(0, idx, sub_h)
                 if lanes is not None:
                     lanes = lanes.index_copy(1, idx, sub_lanes)
-            if keep_states:
+            if keep_states or stops is not None:
                 states.append(lanes.sum(0) if hc is not None else h)
+            if stops is not None:
+                stops.after(step, states[-1])
         if hc is not None:
             h = lanes.sum(0)  # lanes are summed before the coda
         return h, states
@@ -550,16 +559,20 @@ class LoopedVllmModel(nn.Module):
         token_recurrences: torch.Tensor | None = None,
         token_kv_budgets: torch.Tensor | None = None,
         token_exit_thresholds: torch.Tensor | None = None,
+        token_gate_exit: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The hidden states of the batch's tokens, each run at its request's depth: ``token_recurrences``
-        (r), ``token_kv_budgets`` (min(k, r)) and, for the threshold readout, ``token_exit_thresholds``,
-        per token (``worker.depth_kwargs``; None, as in vLLM's dummy runs and in a step whose requests
+        (r), ``token_kv_budgets`` (min(k, r)) and, for the threshold readout, ``token_exit_thresholds``
+        and ``token_gate_exit`` (the gate stops the token: ``batch_depth.GateStops``), per token
+        (``worker.depth_kwargs``; None, as in vLLM's dummy runs and in a step whose requests
         all run the served default: every token at the default r and budget and the config's threshold)."""
         plan = self.plan
         depth = None
         if token_recurrences is not None and get_forward_context().attn_metadata is not None:
             num_tokens = positions.shape[0]
-            depth = BatchDepth(token_recurrences, token_kv_budgets, plan, num_tokens)
+            depth = BatchDepth(token_recurrences, token_kv_budgets, plan, num_tokens, token_gate_exit)
+            if token_gate_exit is not None:
+                depth.stop_with_gate(self.exit_gate, token_exit_thresholds, self.config.min_recurrences)
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         multiplier = self.config.embedding_multiplier
         if multiplier != 1.0:
@@ -623,6 +636,7 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         token_recurrences: torch.Tensor | None = None,
         token_kv_budgets: torch.Tensor | None = None,
         token_exit_thresholds: torch.Tensor | None = None,
+        token_gate_exit: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``LoopedVllmModel.forward``: each token at its request's depth (per-token tensors from the
         runner, ``worker.depth_kwargs``). Without them (every request at the served default) the model
@@ -631,7 +645,7 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         if token_recurrences is None:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         return self.model.forward(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
-                                  token_kv_budgets, token_exit_thresholds)  # fmt: skip
+                                  token_kv_budgets, token_exit_thresholds, token_gate_exit)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The head's logits, cropped to the vocabulary, then the soft-cap as ``generate()`` runs it

@@ -7,7 +7,9 @@ per-token depth of the step's batch there, read from each request's ``SamplingPa
 
 - ``token_recurrences``: int32, each token's r;
 - ``token_kv_budgets``: int32, each token's effective KV budget min(k, r);
-- ``token_exit_thresholds``: float32, each token's exit threshold (a gated model's threshold readout only).
+- ``token_exit_thresholds``: float32, each token's exit threshold (a gated model's threshold readout only);
+- ``token_gate_exit``: bool, whether the gate stops each token (``exit_criterion="gate"``; same model), only
+  when a request of the step asks for it.
 
 Tokens are in the batch's order (a request's scheduled tokens are contiguous, as the attention
 metadata's ``query_start_loc`` has them). A step whose requests all run the served default depth
@@ -42,6 +44,8 @@ def depth_kwargs(depths: list[RequestDepth], num_tokens: np.ndarray, gated: bool
     if gated:
         thresholds = np.repeat([d.exit_threshold for d in depths], num_tokens).astype(np.float32)
         out["token_exit_thresholds"] = torch.from_numpy(thresholds)
+        if any(d.gate_exit for d in depths):
+            out["token_gate_exit"] = torch.from_numpy(np.repeat([d.gate_exit for d in depths], num_tokens))
     return out
 
 
