@@ -434,6 +434,44 @@ def test_the_depth_mix_benchmark_runs_and_prints_its_table(capsys) -> None:
     assert out.strip().splitlines()[-1].startswith("| 2 | ")
 
 
+def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not_served_at_the_default(
+    tmp_path,
+) -> None:
+    """On a platform whose runner cannot hand the model each request's depth (a GPU, for now) every
+    request runs the default: one that names another depth is refused in one line, never served at
+    the default in silence. ``engine_args`` and the model's check build the same guard per platform."""
+    from types import SimpleNamespace
+
+    from looped_hf.serving import plugin
+    from looped_hf.serving.engine import engine_args, engine_setting_problems, guard_processor
+
+    config = serving_config(num_recurrences=3, kv_budget=2, max_num_recurrences=6)
+    served = ServedDepth.from_config(config, per_request=False)
+    assert served.resolve(None) == served.resolve({"num_recurrences": 3, "kv_budget": 2}) == RequestDepth(3, 2, None)
+    for field, value in (("num_recurrences", 2), ("kv_budget", 1)):
+        with pytest.raises(DepthError, match="runs every request at its default depth") as err:
+            served.resolve({field: value}, where="vllm_xargs.")
+        assert err.value.field == f"vllm_xargs.{field}" and f"{field}={value!r}" in str(err.value)
+        assert "num_recurrences=3, kv_budget=2" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(DepthError, match="must be an integer from 1 to 6"):  # the bounds come first
+        served.resolve({"num_recurrences": 7})
+    assert ServedDepth.from_config(config).resolve({"num_recurrences": 2}) == RequestDepth(2, 2, None)
+
+    folder = tmp_path / "looped"
+    config.save_pretrained(folder)
+    gpu, cpu = (engine_args(folder, device=device)["logits_processors"] for device in ("cuda", "cpu"))
+    assert gpu[0].endswith("_default_only") and not cpu[0].endswith("_default_only")
+    assert plugin._served_from_name(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config, logits_processors=gpu),
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=False),
+        parallel_config=SimpleNamespace(worker_cls="auto"),
+    )
+    assert engine_setting_problems(vllm_config, on_cpu=False) == []
+    assert [guard_processor(served)] == gpu
+
+
 def test_the_admission_guards_name_carries_the_servers_depths_and_loads_by_name() -> None:
     """vLLM loads the guard as ``module:Name`` (a dot in the name would be an attribute path)."""
     from looped_hf.serving import plugin
@@ -442,6 +480,7 @@ def test_the_admission_guards_name_carries_the_servers_depths_and_loads_by_name(
         ServedDepth(3, 8, 2, None, False),
         ServedDepth(4, 4, None, 1.0, False),
         ServedDepth(2, 2, None, 1e-05, True),
+        ServedDepth(4, 8, None, 0.5, False, False),
     ):
         name = plugin.guard_name(served)
         assert "." not in name and plugin._served_from_name(name) == served

@@ -15,6 +15,11 @@ out is the server's. The server's bounds (``ServedDepth``) come from the served 
 - exit_criterion: ``"gate"`` (or absent), for the same model: the gate stops each token at its
   threshold step and the token runs no later recurrence, as ``generate(exit_criterion="gate")``.
 
+Per-request depth runs where vLLM's runner hands each request's depth to the model: on CPU, through
+``worker.LoopedCPUWorker``. Elsewhere (a GPU, until the Model Runner V2 path of docs/serving.md is
+built) every request runs the default depth, so a request that names another is refused, not served
+at the default in silence (``ServedDepth.per_request``).
+
 ``ServedDepth.resolve`` is the one rule: the engine's admission check (``plugin``'s logits-processor
 guard), the HTTP middleware's 400 and the model runner (``worker``) all call it. Nothing here imports
 vLLM or torch.
@@ -66,11 +71,14 @@ class ServedDepth:
     kv_budget: int | None  # the server's budget: a request's default and ceiling (None: every slot, no budgets)
     exit_threshold: float | None  # the threshold readout's default (None: no gate with that readout)
     locked: bool  # hyperconnection: the trained r only
+    per_request: bool = True  # False: the platform runs every request at the default (no depth worker)
 
     @classmethod
-    def from_config(cls, config: Any) -> ServedDepth:
+    def from_config(cls, config: Any, per_request: bool = True) -> ServedDepth:
         """The served config's depths (``config.max_num_recurrences``, when set by ``hf_overrides``, is
-        the ceiling; else the served r). Raises ``ValueError`` naming a ceiling the model refuses."""
+        the ceiling; else the served r). ``per_request``: whether the platform runs each request's own
+        depth (vLLM's CPU runner with the looped worker). Raises ``ValueError`` naming a ceiling the
+        model refuses."""
         r = config.resolve_num_recurrences()
         ceiling = getattr(config, MAX_KEY, None)
         if ceiling is None:
@@ -83,7 +91,7 @@ class ServedDepth:
         threshold = None
         if getattr(config, "exit_gate", False) and config.exit_gate_output == "threshold":
             threshold = float(config.exit_gate_threshold)
-        return cls(r, ceiling, config.kv_budget, threshold, bool(config.is_recurrence_locked))
+        return cls(r, ceiling, config.kv_budget, threshold, bool(config.is_recurrence_locked), per_request)
 
     @property
     def single_depth(self) -> bool:
@@ -176,7 +184,27 @@ class ServedDepth:
         if criterion is not None and (self.exit_threshold is None or criterion != "gate"):
             raise bad("exit_criterion")
         threshold = None if threshold is None else float(threshold)
-        return RequestDepth(r, min(k, r), threshold, criterion is not None)
+        depth = RequestDepth(r, min(k, r), threshold, criterion is not None)
+        if not self.per_request and args:
+            self._check_default(depth, args, where)
+        return depth
+
+    def _check_default(self, depth: RequestDepth, args: Mapping[str, Any], where: str) -> None:
+        """On a platform without per-request depth, a request may only name the default depth."""
+        default = self.default
+        ours = {"num_recurrences": depth.num_recurrences, "kv_budget": depth.kv_budget,
+                "exit_threshold": depth.exit_threshold, "exit_criterion": depth.gate_exit}  # fmt: skip
+        theirs = {"num_recurrences": default.num_recurrences, "kv_budget": default.kv_budget,
+                  "exit_threshold": default.exit_threshold, "exit_criterion": default.gate_exit}  # fmt: skip
+        for key in REQUEST_KEYS:
+            if args.get(key) is not None and ours[key] != theirs[key]:
+                raise DepthError(
+                    f"{where}{key}",
+                    f"{where}{key}={args[key]!r}: this server runs every request at its default depth "
+                    f"(num_recurrences={default.num_recurrences}, kv_budget={default.kv_budget}"
+                    + (f", exit_threshold={default.exit_threshold}" if default.exit_threshold is not None else "")
+                    + "): per-request depth runs on vLLM's CPU runner only (GPU: docs/serving.md, 'On GPU')",
+                )
 
 
 __all__ = ["MAX_KEY", "REQUEST_KEYS", "DepthError", "RequestDepth", "ServedDepth"]

@@ -98,7 +98,7 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
     config = _served_config(model, overrides)
     cpu = device == "cpu" if device is not None else on_cpu()
     check_servable(config, device="cpu" if cpu else None)
-    served = ServedDepth.from_config(config)
+    served = ServedDepth.from_config(config, per_request=cpu)
     args: dict[str, Any] = {}
     if not served.single_depth:
         args["enable_prefix_caching"] = False
@@ -159,7 +159,7 @@ def engine_setting_problems(vllm_config: Any, on_cpu: bool) -> list[str]:
     """Each setting of ``engine_args`` that the engine of ``vllm_config`` lacks and that its requests'
     depths need, one line each naming the setting, why and its flag (empty: none). The vLLM model
     calls this when it is built (``on_cpu``: vLLM's platform is the CPU)."""
-    served = ServedDepth.from_config(vllm_config.model_config.hf_config)
+    served = ServedDepth.from_config(vllm_config.model_config.hf_config, per_request=on_cpu)
     problems = []
     if vllm_config.cache_config.enable_prefix_caching and not served.single_depth:
         problems.append(

@@ -45,7 +45,7 @@ from typing import Any
 from . import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS
 from .depth import REQUEST_KEYS, DepthError, ServedDepth
 
-_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)")
+_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)(_default_only)?")
 
 
 def guard_name(served: ServedDepth) -> str:
@@ -57,13 +57,17 @@ def guard_name(served: ServedDepth) -> str:
         else repr(served.exit_threshold).replace(".", "p").replace("-", "m")
     )
     lock = "locked" if served.locked else "free"
-    return f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}_t{threshold}_{lock}"
+    only = "" if served.per_request else "_default_only"  # a platform without per-request depth
+    return (
+        f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}"
+        f"_t{threshold}_{lock}{only}"
+    )
 
 
 def _served_from_name(name: str) -> ServedDepth:
-    r, ceiling, k, threshold, lock = _GUARD_NAME.fullmatch(name).groups()
+    r, ceiling, k, threshold, lock, only = _GUARD_NAME.fullmatch(name).groups()
     threshold = None if threshold == "none" else float(threshold.replace("p", ".").replace("m", "-"))
-    return ServedDepth(int(r), int(ceiling), int(k) or None, threshold, lock == "locked")
+    return ServedDepth(int(r), int(ceiling), int(k) or None, threshold, lock == "locked", only is None)
 
 
 # Fields whose keys are the user's data, not options: a JSON schema may well have a property named
@@ -141,7 +145,9 @@ class RequestGuard:
         config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
         if config is None or not hasattr(config, "num_recurrences"):
             return None
-        return ServedDepth.from_config(config)
+        from vllm.platforms import current_platform
+
+        return ServedDepth.from_config(config, per_request=current_platform.is_cpu())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         served = self._served(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
