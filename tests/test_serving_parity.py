@@ -270,13 +270,14 @@ def test_a_plain_engine_without_engine_args_is_refused_before_any_weight_is_read
 def test_engine_args_names_only_what_the_served_depths_need(workdir) -> None:
     """A server of one depth (a hyperconnection model at its trained r) keeps prefix caching, chunked
     prefill and vLLM's worker; one of several depths turns prefix caching off and takes the depth
-    worker; a budget also turns chunked prefill off. Every one has the guard; on CPU the norm kernels."""
+    worker; a budget also turns chunked prefill off. Every one has the guard (on a GPU, one that admits
+    only the default depth: no runner there hands the model per-request depth); on CPU the norm kernels."""
     locked = engine_args(serving_config(input_injection="hyperconnection"), device="cpu")
     assert set(locked) == {"logits_processors", "ir_op_priority"}
     assert locked["ir_op_priority"]["rms_norm"] == [CPU_NORM_PROVIDER, "native"]
     several = engine_args(serving_config(), device="cuda", max_num_recurrences=4)
     assert several == {"enable_prefix_caching": False,
-                       "logits_processors": ["looped_hf.serving.plugin:DepthGuard_r3_max4_k0_tnone_free"],
+                       "logits_processors": ["looped_hf.serving.plugin:DepthGuard_r3_max4_k0_tnone_free_default_only"],
                        "hf_overrides": {"max_num_recurrences": 4}}  # fmt: skip
     budget = engine_args(serving_config(), device="cpu", num_recurrences=4, kv_budget=2)
     assert budget["enable_chunked_prefill"] is False and budget["worker_cls"].endswith("LoopedCPUWorker")
