@@ -419,8 +419,9 @@ def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
     from serving_helpers import serving_config
 
     hf_config = serving_config(num_recurrences=2, kv_budget=1)
+    device = SimpleNamespace(device_type="cpu")  # vLLM's DeviceConfig: per-request depth runs on CPU
     app = SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(
-        hf_config=hf_config))))  # fmt: skip
+        hf_config=hf_config), device_config=device)))  # fmt: skip
 
     def call(body: dict) -> tuple[int, bytes]:
         raw = json.dumps(body).encode()
@@ -448,6 +449,13 @@ def test_the_request_guard_answers_400_before_vllm_reads_the_body() -> None:
     # vLLM got the whole body, its top-level depth moved into vllm_xargs (where vLLM hands it to the engine).
     assert json.loads(b"".join(m["body"] for m in seen)) == {"prompt": "x", "vllm_xargs": {"kv_budget": 1,
                                                                                           "num_recurrences": 2}}
+    # On a GPU (no runner hands the model per-request depth yet) only the default depth is admitted.
+    device.device_type = "cuda"
+    status, body = call({"prompt": "x", "num_recurrences": 1})
+    assert status == 400 and "num_recurrences=1: this server runs every request at its default depth" in (
+        json.loads(body)["error"]["message"]
+    )
+    assert call({"prompt": "x", "num_recurrences": 2})[0] == 200
 
 
 # --- a real server ----------------------------------------------------------------------------

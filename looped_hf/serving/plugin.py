@@ -145,9 +145,9 @@ class RequestGuard:
         config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
         if config is None or not hasattr(config, "num_recurrences"):
             return None
-        from vllm.platforms import current_platform
-
-        return ServedDepth.from_config(config, per_request=current_platform.is_cpu())
+        # Per-request depth runs on vLLM's CPU runner only; elsewhere requests are held to the default.
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+        return ServedDepth.from_config(config, per_request=device == "cpu")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         served = self._served(scope) if scope["type"] == "http" and scope.get("method") == "POST" else None
