@@ -35,6 +35,8 @@ from typing import Any
 
 #: The fields a request sets, in ``extra_args`` / ``vllm_xargs`` or at the top of an OpenAI body.
 REQUEST_KEYS = ("num_recurrences", "kv_budget", "exit_threshold", "exit_criterion")
+#: A request key whose ``RequestDepth`` field has another name (the rest share theirs).
+_DEPTH_FIELD = {"exit_criterion": "gate_exit"}
 #: The ``hf_overrides`` key that carries ``looped-hf serve --max-num-recurrences`` to the engine.
 MAX_KEY = "max_num_recurrences"
 
@@ -192,12 +194,9 @@ class ServedDepth:
     def _check_default(self, depth: RequestDepth, args: Mapping[str, Any], where: str) -> None:
         """On a platform without per-request depth, a request may only name the default depth."""
         default = self.default
-        ours = {"num_recurrences": depth.num_recurrences, "kv_budget": depth.kv_budget,
-                "exit_threshold": depth.exit_threshold, "exit_criterion": depth.gate_exit}  # fmt: skip
-        theirs = {"num_recurrences": default.num_recurrences, "kv_budget": default.kv_budget,
-                  "exit_threshold": default.exit_threshold, "exit_criterion": default.gate_exit}  # fmt: skip
         for key in REQUEST_KEYS:
-            if args.get(key) is not None and ours[key] != theirs[key]:
+            field = _DEPTH_FIELD.get(key, key)  # the RequestDepth field a request key resolves to
+            if args.get(key) is not None and getattr(depth, field) != getattr(default, field):
                 raise DepthError(
                     f"{where}{key}",
                     f"{where}{key}={args[key]!r}: this server runs every request at its default depth "
