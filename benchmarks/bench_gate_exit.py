@@ -19,6 +19,7 @@ token running all r recurrences:
 Counts, not timings: no spread to report.
 
     python benchmarks/bench_gate_exit.py --engine           # in the serving environment (vLLM)
+    python benchmarks/bench_gate_exit.py --engine --width 512 --r 8 --thresholds 0.5 0.9
 
 ``--engine`` serves the converted fixture with ``vllm.LLM`` (float32, CPU, eager) and sends the
 same 32 requests (prompts of 1 to 70 tokens, 8 greedy tokens each) at r and threshold twice,
@@ -26,6 +27,12 @@ interleaved ``--repeats`` times after one warm-up: with the threshold readout (e
 and with ``exit_criterion="gate"``. It reports the block rows the engine ran (tokens x recurrences
 through the loop, counted on the block's recurrence; a partly stopped prefill's stopped tokens count
 as run) and the wall time of the gate side over the readout's (median, min .. max).
+
+``--width W`` replaces the fixture by the same design at hidden size ``W`` (heads of 64, MLP 3W, the
+fixture's 2 recurrent layers, seeded random weights), where the loop, not the engine's per-step work,
+is most of a step. Its exit gate's weights are redrawn with standard deviation ``1.5 / sqrt(W)``, so
+that the gate's logits differ between tokens (about 1.5 apart) as a trained gate's do; at the
+initializer's 0.02 every token would stop at the same step.
 """
 
 from __future__ import annotations
@@ -76,6 +83,21 @@ def measure(model, r: int, threshold: float, new_tokens: int) -> tuple[int, int,
     finally:
         hook.remove()
     return tokens, readout, stopped, ran
+
+
+def widened(fixture: str, width: int, out: Path) -> None:
+    """Save the converted fixture's design at hidden size ``width`` (``--width``) into ``out``."""
+    from looped_hf import LoopedConfig, LoopedForCausalLM
+
+    config = LoopedConfig.from_pretrained(fixture)
+    config.hidden_size, config.intermediate_size = width, 3 * width
+    config.num_attention_heads = config.num_key_value_heads = width // 64
+    config.head_dim = 64
+    torch.manual_seed(0)
+    model = LoopedForCausalLM(config)
+    with torch.no_grad():
+        model.model.exit_gate.weight.normal_(0.0, 1.5 / width**0.5)
+    model.save_pretrained(out)
 
 
 def engine_table(folder: str, rs: list[int], thresholds: list[float], repeats: int) -> None:
@@ -136,7 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--engine", action="store_true", help="serve with vllm.LLM (the serving environment)")
     parser.add_argument("--repeats", type=int, default=3, help="--engine: interleaved repeats")
+    parser.add_argument("--width", type=int, default=None, help="the fixture's design at this hidden size")
     args = parser.parse_args(argv)
+    if args.width is not None and (args.checkpoint is not None or args.width < 64 or args.width % 64):
+        parser.error(f"--width {args.width}: a multiple of 64, and only with the fixture (no checkpoint)")
     sys.path.insert(0, str(ROOT))
     from looped_hf import LoopedForCausalLM
     from looped_hf.convert import main as convert
@@ -147,8 +172,14 @@ def main(argv: list[str] | None = None) -> None:
         if folder is None:
             folder = str(Path(tmp) / "ouro")
             assert convert(["ouro", str(ROOT / "tests/fixtures/zoo/ouro-tiny"), "--out", folder]) == 0
+            if args.width is not None:
+                widened(folder, args.width, Path(tmp) / "wide")
+                folder = str(Path(tmp) / "wide")
         print("python benchmarks/bench_gate_exit.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-        print(f"{args.checkpoint or 'tests/fixtures/zoo/ouro-tiny (converted)'}, float32, CPU")
+        fixture = "tests/fixtures/zoo/ouro-tiny (converted)" + (
+            f" at width {args.width}" if args.width else ""
+        )
+        print(f"{args.checkpoint or fixture}, float32, CPU")
         if args.engine:
             sys.path.insert(0, str(ROOT / "tests"))
             from test_serving_zoo import save_tokenizer  # vLLM loads a tokenizer with the checkpoint

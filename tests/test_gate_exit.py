@@ -8,6 +8,9 @@ forwards and token-by-token decoding through a cache.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import TINY_VOCAB, tiny_looped_model
@@ -248,3 +251,32 @@ def test_a_gate_exit_it_cannot_honour_is_refused_in_one_line(build, message: str
     with pytest.raises(ValueError, match=message) as err, torch.no_grad():
         build()
     assert "\n" not in str(err.value)
+
+
+def _bench_gate_exit():
+    spec = importlib.util.spec_from_file_location(
+        "bench_gate_exit", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gate_exit.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gate_exit_benchmark_counts_recurrences_on_a_widened_fixture(capsys) -> None:
+    """Its smoke run (the engine side needs vLLM; docs/serving.md shows one): the ratios are fractions
+    of every token running all r, and the gate never runs more than generate() did."""
+    bench = _bench_gate_exit()
+    bench.main(["--width", "128", "--r", "2", "--thresholds", "0.5", "--new-tokens", "1"])
+    out = capsys.readouterr().out
+    assert "at width 128" in out
+    r, threshold, tokens, readout, gate, ran = out.strip().splitlines()[-1].strip("| ").split(" | ")
+    # every prompt token and the one fed-back token of each prompt
+    assert (r, threshold, int(tokens)) == ("2", "0.5", sum(bench.PROMPT_LENGTHS) + len(bench.PROMPT_LENGTHS))
+    assert 0 < float(readout) <= 1 and 0 < float(gate) <= float(ran) <= 1
+
+
+@pytest.mark.parametrize("argv", [["--width", "100"], ["some/checkpoint", "--width", "128"]])
+def test_the_gate_exit_benchmark_refuses_a_width_it_cannot_build(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _bench_gate_exit().main(argv)
+    assert exit_.value.code == 2 and "--width" in capsys.readouterr().err
