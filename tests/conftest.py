@@ -72,6 +72,18 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled code, recompile budget or graph count left over from an earlier test in this
+    process (tests count the graphs they compile), and no compiled code left behind for a later one."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # reset() keeps the counters: an earlier test's graphs would count here
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~120 KB of the embedded classics as a JSONL file (one document per line)."""

@@ -17,15 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 gpu_check = load_benchmark("gpu_check")
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """No compiled code or recompile budget left over from an earlier test in this process (the
-    check counts the graphs it compiles), and none left behind for a later one."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow
 def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops(
     tmp_path, capsys, fresh_dynamo

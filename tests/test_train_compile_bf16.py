@@ -56,16 +56,6 @@ def _dynamo_counters() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-@pytest.fixture
-def fresh_dynamo():
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()  # reset() keeps the counters: an earlier test's graphs would count here
-    yield
-    torch._dynamo.reset()
-
-
 def _compile_recipe(tiny_recipe: dict, tmp_path, **fields) -> dict:
     # drop_last: an epoch's partial last batch would be a new shape (a second graph, legitimately).
     return {**tiny_recipe, "max_steps": 10, "logging_steps": 1, "num_recurrences": 3, "dataloader_drop_last": True,
