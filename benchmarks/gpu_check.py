@@ -332,8 +332,11 @@ def logits_agreement(rec: dict[str, Any], s: Sizes, device: torch.device) -> Non
 
 
 def _train_row(name: str, model: torch.nn.Module, flops_per_token: float, s: Sizes, device: torch.device,
-               peak: float | None, compile_backend: str | None) -> dict[str, Any]:  # fmt: skip
-    """Tokens/s, MFU and peak memory of ``timed_steps`` training steps after ``warmup_steps``."""
+               peak: float | None, compile_backend: str | None,
+               kernels: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Tokens/s, MFU and peak memory of ``timed_steps`` training steps after ``warmup_steps``;
+    ``kernels``: and the top kernels of one more, profiled step (reading the profile of a step
+    takes ~2 s on a CPU, so a caller that only needs the timing skips it)."""
     torch.manual_seed(0)
     model = model.to(device).train()
     # The backend a training run gets (apply_attention_backend: FA3 / FA2 where installed, else SDPA),
@@ -367,13 +370,14 @@ def _train_row(name: str, model: torch.nn.Module, flops_per_token: float, s: Siz
     _sync(device)
     seconds = time.perf_counter() - t0
     tokens_per_s = s.batch * s.seq_len * s.timed_steps / seconds
-    # Where the step's time goes: the top kernels of one more step under the profiler (untimed).
-    bench = _bench_vs_study()
-    prof = bench._profiler(device)
-    with prof:
-        step()
-        _sync(device)
-    kernels = bench.top_kernels(prof, device, TOP_KERNELS)
+    top: list[dict[str, Any]] | None = None
+    if kernels:  # where the step's time goes: the top kernels of one more step under the profiler (untimed)
+        bench = _bench_vs_study()
+        prof = bench._profiler(device)
+        with prof:
+            step()
+            _sync(device)
+        top = bench.top_kernels(prof, device, TOP_KERNELS)
     last = float(losses[-1])
     if not math.isfinite(last):
         raise FloatingPointError(f"{name}: non-finite training loss {last}")
@@ -383,7 +387,7 @@ def _train_row(name: str, model: torch.nn.Module, flops_per_token: float, s: Siz
         "tokens_per_s": tokens_per_s, "step_ms": 1e3 * seconds / s.timed_steps, "warmup_s": warmup_s,
         "mfu": flops_per_token * tokens_per_s / peak if peak else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "last_loss": last, "kernels": kernels,
+        "last_loss": last, "kernels": top,
     }  # fmt: skip
 
 
@@ -457,7 +461,9 @@ def trainer_overhead(rec: dict[str, Any], s: Sizes, device: torch.device, work: 
     eager), interleaved ``repeats`` times; ms/step added and its share of the bare step."""
     rows = rec.setdefault("rows", [])
     for i in range(repeats):
-        bare = _train_row("loop4", LoopedForCausalLM(loop4_config(s)), 0.0, s, device, None, None)
+        bare = _train_row(
+            "loop4", LoopedForCausalLM(loop4_config(s)), 0.0, s, device, None, None, kernels=False
+        )
         vanilla = _trainer_row(s, device, work, looped=False)
         looped = _trainer_row(s, device, work, looped=True)
         rows.append({"repeat": i, "bare_step_ms": bare["step_ms"], "trainer_step_ms": vanilla["step_ms"],

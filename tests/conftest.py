@@ -72,6 +72,18 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled code, recompile budget or graph count left over from an earlier test in this
+    process (tests count the graphs they compile), and no compiled code left behind for a later one."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # reset() keeps the counters: an earlier test's graphs would count here
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~120 KB of the embedded classics as a JSONL file (one document per line)."""
@@ -100,6 +112,11 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def tiny_recipe(small_corpus: Path, data_cache: Path, tmp_path: Path) -> dict:
     """A flat recipe for a model that trains in about a second on CPU (bytes tokenizer)."""
+    return tiny_recipe_in(small_corpus, data_cache, tmp_path / "run")
+
+
+def tiny_recipe_in(small_corpus: Path, data_cache: Path, output_dir: Path) -> dict:
+    """``tiny_recipe`` with its run in ``output_dir``, for a fixture of a wider scope than a test."""
     return {
         "hidden_size": 32,
         "head_dim": 16,
@@ -112,7 +129,7 @@ def tiny_recipe(small_corpus: Path, data_cache: Path, tmp_path: Path) -> dict:
         "seq_len": 32,
         "eval_blocks": 8,
         "data_cache_dir": str(data_cache),
-        "output_dir": str(tmp_path / "run"),
+        "output_dir": str(output_dir),
         "per_device_train_batch_size": 4,
         "per_device_eval_batch_size": 8,
         "max_steps": 6,

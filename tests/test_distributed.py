@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import textwrap
 
 import pytest
 import yaml
 from conftest import PYTHON, REPO, subprocess_env
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
+from looped_hf.arguments import parse_recipe
+from looped_hf.train import train
 
 ACCELERATE = REPO / "recipes" / "accelerate"
 # fp32 on CPU: 1 process and 2 processes add the same numbers in another order (~1e-7 relative).
@@ -48,15 +49,22 @@ def test_shipped_accelerate_configs_load_and_wrap_the_models_layers():
         assert len(layers) == 1
 
 
-def _train(tiny_recipe: dict, tmp_path, name: str, batch: int, launcher: list[str]) -> tuple[list, list, dict]:
+def _train(
+    tiny_recipe: dict, tmp_path, name: str, batch: int, launcher: list[str] | None
+) -> tuple[list, list, dict]:
+    """4 steps of ``looped_hf.train`` under ``launcher`` (``None``: in this process, as one process);
+    the logged losses and gradient norms, and the run record."""
     recipe = {**tiny_recipe, "output_dir": str(tmp_path / name), "per_device_train_batch_size": batch,
               "max_steps": 4, "logging_steps": 1, "save_strategy": "steps", "save_steps": 4,
               "torch_num_threads": 1}  # fmt: skip
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    proc = subprocess.run([*launcher, "-m", "looped_hf.train", str(path)], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if launcher is None:
+        assert train(*parse_recipe(recipe))["status"] == "ok"
+    else:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        proc = subprocess.run([*launcher, "-m", "looped_hf.train", str(path)], cwd=REPO, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = json.loads((tmp_path / name / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
     logs = [entry for entry in state["log_history"] if "loss" in entry]
     record = json.loads((tmp_path / name / "run_record.json").read_text())
@@ -64,11 +72,13 @@ def _train(tiny_recipe: dict, tmp_path, name: str, batch: int, launcher: list[st
 
 
 @pytest.mark.slow
-def test_ddp_on_two_processes_logs_the_losses_of_one_process_with_the_same_global_batch(tiny_recipe, tmp_path):
+def test_ddp_on_two_processes_logs_the_losses_of_one_process_with_the_same_global_batch(
+    tiny_recipe, tmp_path, one_torch_thread
+):
     launch = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / "ddp.yaml"),
               "--num_processes", "2", "--main_process_port", str(_free_port())]  # fmt: skip
     loss2, grad2, rec2 = _train(tiny_recipe, tmp_path, "two", 4, launch)
-    loss1, grad1, rec1 = _train(tiny_recipe, tmp_path, "one", 8, [PYTHON])
+    loss1, grad1, rec1 = _train(tiny_recipe, tmp_path, "one", 8, None)  # one process: this one
     assert rec2["num_processes"] == 2 and rec1["num_processes"] == 1  # two processes really ran
     assert len(loss1) == len(loss2) == 4
     assert loss2 == pytest.approx(loss1, rel=REL_TOL)
@@ -76,61 +86,6 @@ def test_ddp_on_two_processes_logs_the_losses_of_one_process_with_the_same_globa
     assert loss1[-1] < loss1[0]  # it trained
     assert rec2["tokens"] == rec1["tokens"] and rec2["train_flops"] == rec1["train_flops"]
     assert rec2["loss"] == pytest.approx(rec1["loss"], rel=REL_TOL)  # held-out loss, reduced across processes
-
-
-# FSDP2 through accelerate needs a GPU-class distributed type: accelerate 1.16 turns a CPU launch
-# into MULTI_CPU and drops the FSDP plugin silently (it trains as DDP). So this runs the layer
-# wrapping fsdp2.yaml asks for (one fully_shard unit per LoopedDecoderLayer, then the root) with
-# torch's fully_shard directly, on a CPU device mesh over gloo.
-_FSDP2_SCRIPT = """
-import json, os, sys
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from looped_hf import LoopedConfig, LoopedForCausalLM
-from looped_hf.optim import MuonH
-
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-config = LoopedConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_prelude_layers=1,
-                      num_recurrent_layers=2, num_coda_layers=1, num_recurrences=3, use_cache=False)
-model = LoopedForCausalLM(config)
-ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-if world > 1:
-    mesh = init_device_mesh("cpu", (world,))
-    for module in model.modules():
-        if type(module).__name__ in model._no_split_modules:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-if sys.argv[1] == "muonh":  # the paper recipes' optimizer: MuonH on the matrices, AdamW on the rest
-    matrices = [p for p in model.parameters() if p.ndim == 2 and p.shape[0] != 64]
-    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
-    # fp32 orthogonalisation: the default bf16 one rounds differently for gathered shards (~1e-3).
-    opts = [MuonH(matrices, lr=1e-2, ortho_dtype=torch.float32), torch.optim.AdamW(rest, lr=1e-2)]
-else:
-    opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
-rows = ids[rank * 4 // world:(rank + 1) * 4 // world]
-losses = []
-for step in range(4):
-    loss = model(input_ids=rows, labels=rows).loss
-    loss.backward()
-    for opt in opts:
-        opt.step()
-        opt.zero_grad()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    losses.append(float(total) / world)
-params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().abs().sum().item()
-          for n, p in model.named_parameters()}
-if rank == 0:
-    print(json.dumps({"losses": losses, "params": params}), flush=True)
-dist.barrier()
-dist.destroy_process_group()
-# gloo's worker threads can abort the interpreter's own teardown ("terminate called without an
-# active exception", SIGABRT; seen once in ~10 runs); the results are out, so leave without it.
-os._exit(0)
-"""
 
 
 def _torchrun(script, n: int, *args: str) -> dict:
@@ -143,10 +98,14 @@ def _torchrun(script, n: int, *args: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muonh"])
-def test_fsdp2_sharding_each_layer_trains_the_shared_block_as_one_process_does(tmp_path, optimizer):
-    script = tmp_path / "fsdp2.py"
-    script.write_text(textwrap.dedent(_FSDP2_SCRIPT))
-    sharded, single = _torchrun(script, 2, optimizer), _torchrun(script, 1, optimizer)
+def test_fsdp2_sharding_each_layer_trains_the_shared_block_as_one_process_does(optimizer, one_torch_thread):
+    # FSDP2 through accelerate needs a GPU-class distributed type (accelerate turns a CPU launch into
+    # DDP), so tests/fsdp2_train.py shards with torch's fully_shard directly. The one-process run is
+    # the same function here, unsharded: a process of its own would only re-import torch.
+    import fsdp2_train
+
+    sharded = _torchrun(REPO / "tests" / "fsdp2_train.py", 2, optimizer)
+    single = fsdp2_train.run(optimizer)
     assert sharded["losses"] == pytest.approx(single["losses"], rel=REL_TOL)
     assert sharded["losses"][-1] < sharded["losses"][0]
     # The block runs 3 times per forward: its gradient (reduce-scattered once per step) must hold all 3 uses.

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, load_benchmark, subprocess_env
+from conftest import load_benchmark
 
 from looped_hf import LoopedForCausalLM
 
@@ -19,13 +18,16 @@ gpu_check = load_benchmark("gpu_check")
 
 
 @pytest.mark.slow
-def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops(tmp_path):
+def test_tiny_check_runs_every_section_and_reports_mfu_from_the_models_own_flops(
+    tmp_path, capsys, fresh_dynamo
+):
+    # In this process, as the other tests here call it: a subprocess would only add ~10 s of imports.
     out = tmp_path / "gc"
     peak = 1e12
-    proc = subprocess.run([PYTHON, "benchmarks/gpu_check.py", "--out", str(out), "--tiny", "--peak-flops", str(peak)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[micro_sweep] start" in proc.stdout  # progress is printed as it goes
+    rc = gpu_check.main(["--out", str(out), "--tiny", "--peak-flops", str(peak)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed[-3000:]
+    assert "[micro_sweep] start" in printed  # progress is printed as it goes
     result = json.loads((out / "gpu_check.json").read_text())
     sections = result["sections"]
     assert list(sections) == ["environment", "logits", "train_eager", "trainer_overhead", "decode", "micro_sweep",

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import tiny_recipe_in
 
 from looped_hf import LoopedForCausalLM
 from looped_hf.arguments import parse_recipe
@@ -30,11 +31,19 @@ from looped_hf.train import train
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture
-def run_dir(tiny_recipe):
-    record = train(*parse_recipe(tiny_recipe))
+@pytest.fixture(scope="module")
+def trained_run(small_corpus: Path, data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny recipe trained once for the module (a second or so per training)."""
+    recipe = tiny_recipe_in(small_corpus, data_cache, tmp_path_factory.mktemp("test_time") / "run")
+    record = train(*parse_recipe(recipe))
     assert record["status"] == "ok"
-    return record["run_dir"]
+    return Path(record["run_dir"])
+
+
+@pytest.fixture
+def run_dir(trained_run: Path, tmp_path: Path) -> str:
+    """A test's own copy of the module's trained run: the tests write curves and cards into it."""
+    return str(shutil.copytree(trained_run, tmp_path / "trained"))
 
 
 def test_cli_writes_the_curve_and_the_trained_r_reproduces_the_recorded_loss(run_dir, capsys, tmp_path):
