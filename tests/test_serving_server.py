@@ -181,9 +181,13 @@ def test_missing_vllm_names_the_install_command(folder, capsys, monkeypatch) -> 
     assert "vllm: not installed" in err and "make serve-setup" in err
 
 
-def test_the_cli_does_not_import_vllm() -> None:
-    # torch is imported (import looped_hf registers the Auto classes); vLLM waits for `serve` to run.
-    code = "import sys, looped_hf.cli, looped_hf.serving.cli; print(sorted({'vllm'} & set(sys.modules)))"
+def test_the_cli_and_looped_hf_serving_do_not_import_vllm() -> None:
+    """One fresh process for both: torch is imported (import looped_hf registers the Auto classes);
+    vLLM waits for ``serve`` to run, and is imported only by the plugin and the vLLM model."""
+    code = (
+        "import sys, looped_hf, looped_hf.serving, looped_hf.cli, looped_hf.serving.cli; "
+        "print(sorted({'vllm'} & set(sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
