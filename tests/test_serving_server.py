@@ -592,14 +592,16 @@ def test_train_publish_serve_and_query_at_mixed_depths_with_the_openai_client_an
     - refusals: 400s naming the field and its range (a depth above the ceiling at the top level and
       in vllm_xargs, a budget of 0, a string, an exit threshold this model has no gate for), and the
       server keeps serving;
-    -> lm-eval's local-completions -> stop. Every greedy token equals ``generate()``'s at the request's
-    own r and kv_budget (logprobs within 1e-3). (The offline ``vllm.LLM`` equals generate() in
-    test_serving_parity, so the server is compared with generate() alone.)"""
+    -> lm-eval's local-completions on a local task -> stop. Every greedy token equals ``generate()``'s
+    at the request's own r and kv_budget (the mix's logprobs within 1e-3). (The offline ``vllm.LLM``
+    equals generate() in test_serving_parity, so the server is compared with generate() alone.)"""
     import asyncio
 
+    import lm_eval
     import openai
     import torch
     from conftest import subprocess_env
+    from lm_eval.tasks import TaskManager
     from serving_helpers import greedy_references_via, reference_python, vllm_env
     from test_eval_lm_eval import _local_task
     from test_serving_depth import as_generate, depth_mix, mix_prompts
@@ -664,18 +666,18 @@ def test_train_publish_serve_and_query_at_mixed_depths_with_the_openai_client_an
         after = client.completions.create(model=model, prompt=mix[7], max_tokens=NEW_TOKENS, temperature=0,
                                           extra_body={**greedy, **depths[7]})  # fmt: skip
 
+        # lm-eval's local-completions client, through its Python API in this process (an interpreter
+        # start-up fewer), on the local task alone (indexing lm-eval's own thousands of tasks took seconds).
         tasks = tmp_path / "tasks"
         tasks.mkdir()
         _local_task(tasks)
-        lm_eval = subprocess.run(
-            [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "looped_toy_qa",
-             "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path / "lm_eval"),
-             "--model_args", f"model={model},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
-                             f"tokenizer={model},num_concurrent=1,max_retries=1"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        evaluated = lm_eval.simple_evaluate(
+            model="local-completions", tasks=["looped_toy_qa"], limit=4,
+            model_args=f"model={model},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+                       f"tokenizer={model},num_concurrent=1,max_retries=1",
+            task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         )  # fmt: skip
-        assert lm_eval.returncode == 0, lm_eval.stderr[-4000:]
-        assert "looped_toy_qa" in lm_eval.stdout and "acc" in lm_eval.stdout, lm_eval.stdout[-2000:]
+        assert 0 <= evaluated["results"]["looped_toy_qa"]["acc,none"] <= 1, evaluated["results"]
     assert proc.returncode is not None  # stopped
     assert "[serve] VLLM_CPU_KVCACHE_SPACE=1 (GiB) for vLLM's KV cache" in log.read_text()
     assert [ids for ids, _ in served[:4]] == token_prompts
