@@ -82,9 +82,13 @@ serve-setup:
 
 # Fails (rather than skipping every vLLM test) when vLLM is missing. Reads the versions from the
 # installed metadata: importing vLLM here would cost 5 s that the tests pay again.
+# One test file per worker at a time (--dist loadfile), in collection order (the files of the tests
+# marked slow first, then the serving files, the short model files last): a serving module's fixtures
+# (checkpoints, converted folders, its generate() references) are built once, where --dist load split
+# a module's consecutive tests over both workers, each building them (15 s for test_serving_retrofit).
 test-serve:
 	$(PYTHON) -c "import importlib.metadata as m; d = m.packages_distributions().get('vllm') or exit('vllm: not installed here (make serve-setup)'); print(d[0], m.version(d[0]), 'transformers', m.version('transformers'))"
-	$(PYTHON) -m pytest $(SERVE_TESTS) -n $(TEST_WORKERS) --durations=10
+	$(PYTHON) -m pytest $(SERVE_TESTS) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 lint:
 	ruff check .

@@ -126,27 +126,122 @@ def transformers_runs_looped_forward() -> bool:
 
 REFERENCE_PYTHON_ENV = "LOOPED_HF_REFERENCE_PYTHON"
 
+# The reference interpreter's loop: it says whether its transformers runs the looped forward (one JSON
+# line), then answers each line of jobs on stdin with one line of results. Whatever the libraries print
+# goes to stderr (fd 1 is pointed there), so stdout carries the answers alone.
+_REFERENCE_LOOP = """
+import json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.path.insert(0, sys.argv[1])
+from transformers.modeling_outputs import BaseModelOutputWithPast
+import looped_hf
+ready = "cache" in BaseModelOutputWithPast.__dataclass_fields__
+answers.write(json.dumps({"ready": ready}) + "\\n")
+answers.flush()
+if ready:
+    from serving_helpers import greedy_references
+    for line in sys.stdin:
+        try:
+            answer = {"done": greedy_references(json.loads(line))}
+        except Exception:
+            answer = {"error": traceback.format_exc()}
+        answers.write(json.dumps(answer) + "\\n")
+        answers.flush()
+"""
 
-# Once per process: each candidate is probed in a subprocess that imports transformers and looped_hf, and
-# every serving module (and test_serving_depth's every test) asks.
+
+class ReferenceInterpreter:
+    """Another Python whose transformers runs the looped forward, started once per test process and
+    kept: every serving module's ``generate()`` references go to it, so torch, transformers and
+    looped_hf are imported once per pytest worker instead of once per module (seconds each on 2 busy
+    cores). It runs this checkout's looped_hf on one thread, as the pytest worker that waits for it:
+    a second OpenMP thread on 2 cores shared with the other worker made these few tiny generate()
+    calls ten times slower (3 s -> 31 s for 8 of them)."""
+
+    def __init__(self, python: str) -> None:
+        import subprocess
+        import tempfile
+
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's looped_hf
+        env["OMP_NUM_THREADS"] = "1"
+        self.python = python
+        self._log = tempfile.TemporaryFile()  # stderr: a pipe nobody reads would fill and block the child
+        self._proc = subprocess.Popen([python, "-c", _REFERENCE_LOOP, str(Path(__file__).parent)], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      text=True)  # fmt: skip
+        self.ready = bool(self._answer().get("ready"))
+
+    def _answer(self) -> dict:
+        import json
+
+        line = self._proc.stdout.readline()
+        if not line:
+            self._log.seek(0)
+            log = self._log.read().decode("utf-8", "replace")
+            raise RuntimeError(f"the generate() reference interpreter {self.python} exited:\n{log[-3000:]}")
+        return json.loads(line)
+
+    def run(self, jobs: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
+        """``greedy_references(jobs)`` in this interpreter (paths as strings)."""
+        import json
+
+        self._proc.stdin.write(
+            json.dumps([{**job, "checkpoint": str(job["checkpoint"])} for job in jobs]) + "\n"
+        )
+        self._proc.stdin.flush()
+        answer = self._answer()
+        if "error" in answer:
+            raise RuntimeError(
+                f"the generate() reference failed in {self.python}:\n{answer['error'][-3000:]}"
+            )
+        return [[(tokens, logprobs) for tokens, logprobs in job] for job in answer["done"]]
+
+    def close(self) -> None:
+        """End the interpreter (its stdin closed ends its loop)."""
+        import subprocess
+
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
+
+
+@functools.cache
+def reference_interpreter(python: str) -> ReferenceInterpreter:
+    """The one ``ReferenceInterpreter`` of ``python`` in this process, closed when the process ends."""
+    import atexit
+
+    interpreter = ReferenceInterpreter(python)
+    atexit.register(interpreter.close)
+    return interpreter
+
+
+# Once per process: every serving module (and test_serving_depth's every test) asks.
 @functools.cache
 def reference_python() -> str | None:
     """The interpreter that computes ``generate()``'s reference: this one when its transformers runs
     the looped forward, else ``$LOOPED_HF_REFERENCE_PYTHON``, else a ``python3`` on PATH that differs
-    from this one and has looped_hf with such a transformers; ``None`` if there is none."""
+    from this one and has such a transformers and looped_hf's dependencies; ``None`` if there is none.
+    A candidate is asked by starting its ``reference_interpreter``, which then serves the references."""
     import shutil
-    import subprocess
     import sys
 
     if transformers_runs_looped_forward():
         return sys.executable
     candidates = [os.environ.get(REFERENCE_PYTHON_ENV), shutil.which("python3"), shutil.which("python")]
-    probe = "from transformers.modeling_outputs import BaseModelOutputWithPast as B; import looped_hf; " \
-            "assert 'cache' in B.__dataclass_fields__"  # fmt: skip
     for python in candidates:
         if python and Path(python).resolve() != Path(sys.executable).resolve():
-            if subprocess.run([python, "-c", probe], capture_output=True).returncode == 0:
-                return python
+            try:
+                if reference_interpreter(python).ready:
+                    return python
+            except RuntimeError:  # it could not import transformers or looped_hf
+                continue
     return None
 
 
@@ -156,26 +251,10 @@ def greedy_references(jobs: list[dict]) -> list[list[tuple[list[int], list[float
 
 
 def greedy_references_via(python: str, jobs: list[dict]) -> list[list[tuple[list[int], list[float]]]]:
-    """``greedy_references(jobs)`` run by ``python``: in-process when it is this interpreter, else in
-    one subprocess for all jobs (paths as strings), importing this checkout's looped_hf."""
-    import json
-    import subprocess
+    """``greedy_references(jobs)`` run by ``python``: in-process when it is this interpreter, else by
+    its ``reference_interpreter`` (started once per process), importing this checkout's looped_hf."""
     import sys
 
     if Path(python).resolve() == Path(sys.executable).resolve():
         return greedy_references(jobs)
-    script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from serving_helpers import greedy_references; "
-        "print(json.dumps(greedy_references(json.loads(sys.stdin.read()))))"
-    )
-    payload = json.dumps([{**job, "checkpoint": str(job["checkpoint"])} for job in jobs])
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # this checkout's looped_hf
-    # One thread, as the pytest worker that waits for it: a second OpenMP thread on 2 cores shared with
-    # the other worker made these few tiny generate() calls ten times slower (3 s -> 31 s for 8 of them).
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([python, "-c", script, str(Path(__file__).parent)], input=payload, capture_output=True,
-                          text=True, env=env, check=False)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"the generate() reference failed in {python}:\n{done.stderr[-3000:]}")
-    return [[(tokens, logprobs) for tokens, logprobs in job] for job in json.loads(done.stdout.strip().splitlines()[-1])]
+    return reference_interpreter(python).run(jobs)

@@ -1,14 +1,16 @@
 """Per-request depth when serving: each request runs at its own r, kv_budget and exit threshold.
 
-One ``vllm.LLM`` engine per model (the study's shape and the converted Ouro fixture) and one OpenAI
-server (the study's shape, the ``openai`` client, some requests streaming) each serve 32 requests at
-r = 1, 2, 4, 8 interleaved with KV budgets 1 .. 8 together in one continuously batched run (prompts
-of 1 to 70 tokens; on the study's engine more requests than ``max_num_seqs``, so requests join and
-leave the batch at different depths), and every request's greedy tokens equal ``generate()``'s at
-its own r and kv_budget, with each chosen token's log-probability within 1e-3 in float32. The
-``generate()`` references of all three run in one interpreter, one model load per depth. The engine keeps one ``Attention`` per KV slot of the deepest request (``ServedDepth.plan``).
-A gated (Ouro) model takes ``exit_threshold`` per request. Requests the server cannot honour are
-refused at admission with the field and its range, and the engine keeps serving.
+One ``vllm.LLM`` engine per model (the study's shape and the converted Ouro fixture) serves 32
+requests at r = 1, 2, 4, 8 interleaved with KV budgets 1 .. 8 together in one continuously batched
+run (prompts of 1 to 70 tokens; on the study's engine more requests than ``max_num_seqs``, so
+requests join and leave the batch at different depths), and every request's greedy tokens equal
+``generate()``'s at its own r and kv_budget, with each chosen token's log-probability within 1e-3 in
+float32. The ``generate()`` references of both run in one interpreter, one model load per depth. The
+engine keeps one ``Attention`` per KV slot of the deepest request (``ServedDepth.plan``). A gated
+(Ouro) model takes ``exit_threshold`` per request. The same mix (``depth_mix``, ``mix_prompts``)
+goes through the OpenAI server with the ``openai`` client, some requests streaming, beside one that
+hangs up, with the refusals (400s naming the field and its range) in the one real server test
+(``test_serving_server``: train -> publish -> serve -> clients).
 
 ``ServedDepth.resolve`` (the rule) and the HTTP body mapping (``plugin.map_body``) are tested here
 without an engine.
@@ -17,7 +19,6 @@ without an engine.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,6 @@ from serving_helpers import (
     reference_python,
     save_serving_checkpoint,
     serving_config,
-    vllm_env,
     vllm_workdir,
 )
 from test_serving_parity import (
@@ -81,10 +81,9 @@ def mix_prompts(seed: int, vocab: int) -> list[list[int]]:
 # The study's shape served up to r 8 with a budget of 8, so a request may ask any budget 1 .. 8.
 SERVER = {"max_num_recurrences": DEEPEST, "kv_budget": DEEPEST}
 OURO_THRESHOLDS = (0.3, 0.5, 0.9)
-# Each model's requests (the study's on vllm.LLM and on the OpenAI server, the converted Ouro on vllm.LLM).
+# Each engine's requests (the study's shape and the converted Ouro, on vllm.LLM).
 MIXES = {
     "study": (mix_prompts(3, SERVING_VOCAB), depth_mix()),
-    "server": (mix_prompts(0, 256), depth_mix()),
     "ouro": (mix_prompts(5, 256), depth_mix(thresholds=OURO_THRESHOLDS, gate_exit=True)),
 }
 
@@ -105,27 +104,23 @@ def workdir():
 
 @pytest.fixture(scope="module")
 def folders(workdir) -> dict[str, Path]:
-    """The served checkpoints: the study's shape, the same with a byte tokenizer (for the server),
-    and the converted Ouro fixture (threshold readout at 1.0, trained r 4)."""
+    """The served checkpoints: the study's shape and the converted Ouro fixture (threshold readout at
+    1.0, trained r 4)."""
     from conftest import fixture_path
     from test_serving_zoo import save_tokenizer
 
     from looped_hf.convert import main
-    from looped_hf.data import load_tokenizer
 
-    tok = load_tokenizer("bytes")
-    server = save_serving_checkpoint(workdir / "server", seed=3, vocab_size=len(tok))
-    tok.save_pretrained(server)
     ouro = workdir / "ouro"
     assert main(["ouro", str(fixture_path("zoo", "ouro-tiny")), "--out", str(ouro)]) == 0
     save_tokenizer(ouro)
-    return {"study": save_serving_checkpoint(workdir / "study", seed=0), "server": server, "ouro": ouro}
+    return {"study": save_serving_checkpoint(workdir / "study", seed=0), "ouro": ouro}
 
 
 @pytest.fixture(scope="module")
 def references(folders) -> dict[str, list]:
     """generate()'s (tokens, logprobs) for every request of ``MIXES``, each at its own depth (batch 1):
-    one interpreter for all three models, one job (one model load) per model and depth."""
+    one interpreter for both models, one job (one model load) per model and depth."""
     python = reference_python()
     if python is None:
         pytest.skip("no interpreter for the generate() reference (set LOOPED_HF_REFERENCE_PYTHON)")
@@ -324,100 +319,6 @@ def test_top_level_depth_fields_move_into_vllm_xargs_and_bad_ones_are_refused_by
     for text, (field, message) in cases.items():
         _, (got_field, why) = map_body(json.loads(text), served)
         assert got_field == field and message in why
-
-
-@needs_vllm
-def test_the_openai_server_serves_32_mixed_depths_streaming_refuses_bad_ones_and_survives_a_disconnect(
-    folders, references, tmp_path
-) -> None:
-    """One ``looped-hf serve`` server: 32 concurrent requests at r = 1, 2, 4, 8 and budgets (top-level fields
-    and vllm_xargs, a third streaming) each equal generate() at their depth; a request that hangs up
-    after its first chunks leaves the others whole; refusals are 400s naming the field and its range,
-    and the server keeps serving."""
-    import asyncio
-    import contextlib
-    import os
-    import shutil
-    import sys
-
-    import openai
-    from test_serving_server import _free_port, _running, _wait_healthy
-
-    folder = folders["server"]
-    prompts, depths = MIXES["server"]
-    reference = references["server"]
-    port = _free_port()
-    vllm_root = Path(tempfile.mkdtemp(prefix="lvd-"))
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, **vllm_env(vllm_root), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
-    command = [sys.executable, "-m", "looped_hf", "serve", str(folder), "--max-num-recurrences", str(DEEPEST),
-               "--kv-budget", str(DEEPEST), "--port", str(port), "--", "--dtype", "float32", "--enforce-eager",
-               "--block-size", "32", "--max-model-len", "256", "--max-num-seqs", str(NUM_REQUESTS + 1)]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(shutil.rmtree, vllm_root, ignore_errors=True)
-        proc = cleanup.enter_context(_running(command, env, tmp_path / "server.log"))
-        _wait_healthy(url, proc, tmp_path / "server.log", timeout_s=480)
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-        async def one(i: int) -> tuple[list[int], list[float]]:
-            # Even requests name their depth at the top of the body (looped-hf serve moves it), odd ones in vllm_xargs.
-            extra = {"ignore_eos": True, "return_token_ids": True}
-            extra |= depths[i] if i % 2 == 0 else {"vllm_xargs": depths[i]}
-            kwargs = dict(model=str(folder), prompt=prompts[i], max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
-                          extra_body=extra)  # fmt: skip
-            if i % 3:
-                done = await client.completions.create(**kwargs)
-                return list(done.choices[0].token_ids), list(done.choices[0].logprobs.token_logprobs)
-            tokens, logprobs = [], []
-            async for chunk in await client.completions.create(stream=True, **kwargs):
-                for choice in chunk.choices:
-                    tokens += choice.token_ids or []
-                    logprobs += choice.logprobs.token_logprobs if choice.logprobs else []
-            return tokens, logprobs
-
-        async def hang_up() -> int:
-            stream = await client.completions.create(model=str(folder), prompt=prompts[3], max_tokens=64, stream=True,
-                                                     temperature=0, extra_body={"num_recurrences": DEEPEST})  # fmt: skip
-            chunks = 0
-            async for _ in stream:
-                chunks += 1
-                if chunks == 2:
-                    await stream.close()  # the client goes away mid-stream
-                    break
-            return chunks
-
-        async def everyone():
-            return await asyncio.gather(hang_up(), *(one(i) for i in range(NUM_REQUESTS)))
-
-        chunks, *served = asyncio.run(everyone())
-        assert chunks == 2
-        for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(served, reference)):
-            assert tokens == ref_tokens, (i, depths[i])
-            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-3, (i, depths[i])
-
-        sync = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        refused = {
-            "num_recurrences": ({"num_recurrences": 9}, "num_recurrences=9: must be an integer from 1 to 8"),
-            "vllm_xargs.kv_budget": (
-                {"vllm_xargs": {"kv_budget": 0}},
-                "kv_budget=0: must be an integer from 1 to 8",
-            ),
-            "num_recurrences ": ({"num_recurrences": "2"}, "num_recurrences='2': must be an integer"),
-            "exit_threshold": (
-                {"exit_threshold": 0.5},
-                "this model has no exit gate with the threshold readout",
-            ),
-        }
-        for field, (extra, message) in refused.items():
-            with pytest.raises(openai.BadRequestError) as err:
-                sync.completions.create(model=str(folder), prompt=prompts[0], max_tokens=2, extra_body=extra)
-            assert message in str(err.value), field
-        # Still serving, at a depth after the refusals.
-        after = sync.completions.create(model=str(folder), prompt=prompts[7], max_tokens=NEW_TOKENS, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True, **depths[7]})  # fmt: skip
-        assert list(after.choices[0].token_ids) == reference[7][0]
 
 
 @needs_vllm
