@@ -10,7 +10,7 @@ tokens are r = 1's, served through another slot plan). The RRT share with a rank
 (``--share stepwise --blocks 2 --lora-rank 4``: model type ``looped_loop_lora``, its deltas applied
 by the same vLLM model class, ``serving/loop_lora_vllm.py``) is served so too, at its 3 loops; what
 it cannot serve (a depth past its loops, a KV budget) is refused in one line. Run with the serving venv:
-``.venv-serve/bin/python -m pytest tests/test_serving_retrofit.py`` (``make serve-setup`` builds it)..
+``.venv-serve/bin/python -m pytest tests/test_serving_retrofit.py`` (``make serve-setup`` builds it).
 """
 
 from __future__ import annotations
