@@ -8,12 +8,9 @@ forwards and token-by-token decoding through a cache.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_looped_model
+from conftest import TINY_VOCAB, load_benchmark, tiny_looped_model
 from transformers import DynamicCache
 
 from looped_hf import LoopedConfig, LoopedForCausalLM, LoopedForSequenceClassification
@@ -253,19 +250,10 @@ def test_a_gate_exit_it_cannot_honour_is_refused_in_one_line(build, message: str
     assert "\n" not in str(err.value)
 
 
-def _bench_gate_exit():
-    spec = importlib.util.spec_from_file_location(
-        "bench_gate_exit", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gate_exit.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_gate_exit_benchmark_counts_recurrences_on_a_widened_fixture(capsys) -> None:
     """Its smoke run (the engine side needs vLLM; docs/serving.md shows one): the ratios are fractions
     of every token running all r, and the gate never runs more than generate() did."""
-    bench = _bench_gate_exit()
+    bench = load_benchmark("bench_gate_exit")
     bench.main(["--width", "128", "--r", "2", "--thresholds", "0.5", "--new-tokens", "1"])
     out = capsys.readouterr().out
     assert "at width 128" in out
@@ -278,5 +266,5 @@ def test_the_gate_exit_benchmark_counts_recurrences_on_a_widened_fixture(capsys)
 @pytest.mark.parametrize("argv", [["--width", "100"], ["some/checkpoint", "--width", "128"]])
 def test_the_gate_exit_benchmark_refuses_a_width_it_cannot_build(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
-        _bench_gate_exit().main(argv)
+        load_benchmark("bench_gate_exit").main(argv)
     assert exit_.value.code == 2 and "--width" in capsys.readouterr().err
