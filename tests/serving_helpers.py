@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,13 @@ def vllm_workdir(prefix: str) -> Iterator[Path]:
             mp.setenv(key, value)
         mp.delenv(KV_SPACE_ENV)
         yield root
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a test's server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def apply_env(env: dict[str, str]) -> None:

@@ -73,51 +73,64 @@ def test_python_m_looped_hf_fit_runs_without_torch(results: Path) -> None:
     assert "R^2" in out.stdout
 
 
-def test_the_numeric_core_imports_neither_torch_nor_transformers_itself() -> None:
+# One fresh process for the checks that start with a bare ``import looped_hf`` (each process loads
+# torch and transformers: seconds of CPU), each check's output on lines of its own.
+BARE_IMPORT = (
+    "import sys\n"
+    "finders = list(sys.meta_path)\n"
+    "import looped_hf\n"
+    "print('AT IMPORT', 'looped_hf.modeling_looped' in sys.modules)\n"
+    # The registration imported torch and transformers; the scaling modules must not need them: nothing
+    # under looped_hf.scaling may be the first to import either.
+    "before = set(sys.modules)\n"
+    "import looped_hf.scaling, looped_hf.scaling.cli, looped_hf.scaling.fit\n"
+    "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'transformers'))\n"
+    "print('NEW', new, 'looped_hf.scaling.fit' in sys.modules, 'torch' in before)\n"
+    "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+    "print('REGISTERED', 'looped' in CONFIG_MAPPING, [f for f in sys.meta_path if f not in finders\n"
+    "      and type(f).__module__.startswith('looped_hf')])\n"
+    "from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification\n"
+    "kw = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128, vocab_size=64)\n"
+    "cfg = AutoConfig.for_model('looped', **kw)\n"
+    "model = AutoModelForCausalLM.from_config(cfg)\n"
+    "model.save_pretrained(sys.argv[1] + '/ckpt')\n"
+    "back = AutoModelForCausalLM.from_pretrained(sys.argv[1] + '/ckpt')\n"
+    "print('CAUSAL', type(cfg).__name__, type(model).__name__, type(back).__name__, sorted(cfg.auto_map))\n"
+    "print('SAME CLASSES', looped_hf.LoopedConfig is type(cfg), looped_hf.LoopedForCausalLM is type(back))\n"
+    "head = AutoModelForSequenceClassification.from_config(AutoConfig.for_model('looped', num_labels=3, **kw))\n"
+    "head.save_pretrained(sys.argv[1] + '/head')\n"
+    "back = AutoModelForSequenceClassification.from_pretrained(sys.argv[1] + '/head')\n"
+    "print('HEAD', type(back).__name__, back.config.auto_map['AutoModelForSequenceClassification'])\n"
+)
+
+
+@pytest.fixture(scope="module")
+def bare_import(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
+    """``BARE_IMPORT``'s lines by their first word, and its folder."""
+    folder = tmp_path_factory.mktemp("bare_import")
+    out = _run(["-c", BARE_IMPORT, str(folder)]).stdout.strip().splitlines()
+    labels = ("AT IMPORT", "NEW", "REGISTERED", "CAUSAL", "SAME CLASSES", "HEAD")
+    return {label: line for line in out for label in labels if line.startswith(label + " ")}, folder
+
+
+def test_the_numeric_core_imports_neither_torch_nor_transformers_itself(bare_import) -> None:
     # With both installed, the registration imports them (the package's __init__); the scaling
-    # modules must not need them: -X importtime lists each import with its importer's nesting, so
-    # nothing under looped_hf.scaling may be the first to import torch or transformers.
-    code = (
-        "import looped_hf, sys\n"
-        "before = set(sys.modules)\n"
-        "import looped_hf.scaling, looped_hf.scaling.cli, looped_hf.scaling.fit\n"
-        "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'transformers'))\n"
-        "print('NEW', new, 'looped_hf.scaling.fit' in sys.modules, 'torch' in before)\n"
-    )
-    assert _run(["-c", code]).stdout.strip().splitlines()[-1] == "NEW [] True True"
+    # modules must not need them.
+    assert bare_import[0]["NEW"] == "NEW [] True True"
     blocked = WITHOUT_TORCH + "import looped_hf.scaling.cli, looped_hf.scaling.compare\nprint('OK')\n"
     assert _run(["-c", blocked]).stdout.strip().splitlines()[-1] == "OK"
 
 
-def test_bare_import_registers_the_auto_classes_with_no_import_hook(tmp_path: Path) -> None:
-    code = (
-        "import sys\n"
-        "finders = list(sys.meta_path)\n"
-        "import looped_hf\n"
-        "print('AT IMPORT', 'looped_hf.modeling_looped' in sys.modules)\n"
-        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
-        "print('REGISTERED', 'looped' in CONFIG_MAPPING, [f for f in sys.meta_path if f not in finders\n"
-        "      and type(f).__module__.startswith('looped_hf')])\n"
-        "from transformers import AutoConfig, AutoModelForCausalLM\n"
-        "cfg = AutoConfig.for_model('looped', hidden_size=64, num_attention_heads=2, num_key_value_heads=2,\n"
-        "                           intermediate_size=128, vocab_size=64)\n"
-        "model = AutoModelForCausalLM.from_config(cfg)\n"
-        "model.save_pretrained(sys.argv[1])\n"
-        "back = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "print(type(cfg).__name__, type(model).__name__, type(back).__name__, sorted(cfg.auto_map))\n"
-        "print(looped_hf.LoopedConfig is type(cfg), looped_hf.LoopedForCausalLM is type(back))\n"
-    )
-    out = _run(["-c", code, str(tmp_path / "ckpt")]).stdout.strip().splitlines()
+def test_bare_import_registers_the_auto_classes_with_no_import_hook(bare_import) -> None:
+    lines, folder = bare_import
     # Registered by the import itself, before the program touched transformers.
-    assert [line for line in out if line.startswith(("AT IMPORT", "REGISTERED"))] == [
-        "AT IMPORT True",
-        "REGISTERED True []",
-    ]
+    assert (lines["AT IMPORT"], lines["REGISTERED"]) == ("AT IMPORT True", "REGISTERED True []")
     assert (
-        out[-2] == "LoopedConfig LoopedForCausalLM LoopedForCausalLM ['AutoConfig', 'AutoModelForCausalLM']"
+        lines["CAUSAL"]
+        == "CAUSAL LoopedConfig LoopedForCausalLM LoopedForCausalLM ['AutoConfig', 'AutoModelForCausalLM']"
     )
-    assert out[-1] == "True True"
-    assert (tmp_path / "ckpt" / "modeling_looped.py").is_file()  # shipped as remote code
+    assert lines["SAME CLASSES"] == "SAME CLASSES True True"
+    assert (folder / "ckpt" / "modeling_looped.py").is_file()  # shipped as remote code
 
 
 def test_the_package_installs_nothing_into_the_import_system() -> None:
@@ -184,19 +197,11 @@ def test_a_deferred_registration_runs_on_a_model_names_first_use(tmp_path: Path)
     assert (tmp_path / "ckpt" / "modeling_looped.py").is_file()  # shipped as remote code
 
 
-def test_heads_are_registered_for_auto_and_remote_code(tmp_path: Path) -> None:
-    code = (
-        "import sys, looped_hf\n"
-        "from transformers import AutoConfig, AutoModelForSequenceClassification\n"
-        "cfg = AutoConfig.for_model('looped', hidden_size=64, num_attention_heads=2, num_key_value_heads=2,\n"
-        "                           intermediate_size=128, vocab_size=64, num_labels=3)\n"
-        "model = AutoModelForSequenceClassification.from_config(cfg)\n"
-        "model.save_pretrained(sys.argv[1])\n"
-        "back = AutoModelForSequenceClassification.from_pretrained(sys.argv[1])\n"
-        "print(type(back).__name__, back.config.auto_map['AutoModelForSequenceClassification'])\n"
+def test_heads_are_registered_for_auto_and_remote_code(bare_import) -> None:
+    assert (
+        bare_import[0]["HEAD"]
+        == "HEAD LoopedForSequenceClassification modeling_looped.LoopedForSequenceClassification"
     )
-    out = _run(["-c", code, str(tmp_path / "head")]).stdout.strip().splitlines()
-    assert out[-1] == "LoopedForSequenceClassification modeling_looped.LoopedForSequenceClassification"
 
 
 def test_importing_transformers_first_still_registers() -> None:

@@ -10,7 +10,7 @@ engine keeps one ``Attention`` per KV slot of the deepest request (``ServedDepth
 (Ouro) model takes ``exit_threshold`` per request. The same mix (``depth_mix``, ``mix_prompts``)
 goes through the OpenAI server with the ``openai`` client, some requests streaming, beside one that
 hangs up, with the refusals (400s naming the field and its range) in the one real server test
-(``test_serving_server``: train -> publish -> serve -> clients).
+(``test_serving_walk``: train -> publish -> serve -> clients).
 
 ``ServedDepth.resolve`` (the rule) and the HTTP body mapping (``plugin.map_body``) are tested here
 without an engine.
