@@ -85,7 +85,7 @@ def vllm_env(root: Path) -> dict[str, str]:
 
 
 #: The KV cache of each engine a test builds in its own process (``make_llm``), in bytes: the largest
-#: test (32 requests of 256 tokens at r = 8) needs a few MiB. vLLM zeroes the whole cache when it
+#: tests (32 requests at up to 8 recurrences) need under 40 MiB. vLLM zeroes the whole cache when it
 #: builds an engine, and a GiB of zeros costs half a second.
 IN_PROCESS_KV_BYTES = 256 << 20
 
