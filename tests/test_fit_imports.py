@@ -106,7 +106,7 @@ BARE_IMPORT = (
 
 @pytest.fixture(scope="module")
 def bare_import(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
-    """``BARE_IMPORT``'s lines by their first word, and its folder."""
+    """``BARE_IMPORT``'s output lines by their label, and the folder it saved into."""
     folder = tmp_path_factory.mktemp("bare_import")
     out = _run(["-c", BARE_IMPORT, str(folder)]).stdout.strip().splitlines()
     labels = ("AT IMPORT", "NEW", "REGISTERED", "CAUSAL", "SAME CLASSES", "HEAD")
@@ -114,8 +114,6 @@ def bare_import(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str
 
 
 def test_the_numeric_core_imports_neither_torch_nor_transformers_itself(bare_import) -> None:
-    # With both installed, the registration imports them (the package's __init__); the scaling
-    # modules must not need them.
     assert bare_import[0]["NEW"] == "NEW [] True True"
     blocked = WITHOUT_TORCH + "import looped_hf.scaling.cli, looped_hf.scaling.compare\nprint('OK')\n"
     assert _run(["-c", blocked]).stdout.strip().splitlines()[-1] == "OK"

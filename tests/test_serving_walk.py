@@ -6,7 +6,6 @@ request's depth and ``/v1/chat/completions`` applies the tokenizer's chat templa
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -21,10 +20,8 @@ from pathlib import Path
 
 import pytest
 from serving_helpers import free_port
+from test_serving_parity import needs_vllm
 
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here (make serve-setup, docs/serving.md)"
-)
 # A chat template for the byte tokenizer, which ships none.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
