@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 from serving_helpers import free_port
+from test_serving_parity import needs_vllm
 
 from looped_hf.serving import cli as serve_cli
 
 REPO = Path(__file__).resolve().parents[1]
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here (make serve-setup, docs/serving.md)")
 
 
 # A safetensors file with no tensors: an 8-byte header length, then the header "{}".
