@@ -246,7 +246,8 @@ def _one_line_errors(cls: type) -> type:
         try:
             strict_validate(self)
         except StrictDataclassError as err:
-            # The ``validate_*`` rules raise "LoopedConfig.field=value: why" themselves (``_bad``).
+            # The ``validate_*`` rules raise "LoopedConfig.field=value: why" themselves (``_bad``, in
+            # the class's own name: a subclass's refusals name the subclass).
             raise LoopedConfigError(str(err.__cause__ or err)) from None
 
     cls.__setattr__, cls.validate = __setattr__, validate
@@ -534,7 +535,7 @@ class LoopedConfig(PreTrainedConfig):
     # --- validation: the rules that tie fields together (``@strict`` runs every ``validate_*``
     # after ``__init__``, and ``validate()`` before ``save_pretrained``) ----------------------
     def _bad(self, field: str, why: str) -> ValueError:
-        return ValueError(f"LoopedConfig.{field}={getattr(self, field)!r}: {why}")
+        return ValueError(f"{type(self).__name__}.{field}={getattr(self, field)!r}: {why}")
 
     def validate_architecture(self) -> None:
         """Layers exist; heads split the width; RoPE rotates pairs."""
@@ -606,7 +607,7 @@ class LoopedConfig(PreTrainedConfig):
         try:
             rule = self.exit_settings()
         except ValueError as err:
-            raise ValueError(f"LoopedConfig.{err}") from None
+            raise ValueError(f"{type(self).__name__}.{err}") from None
         if rule is not None and rule[2] > r:
             raise self._bad("min_recurrences", f"exceeds num_recurrences={r}, the cap on recurrences per token")
         if self.recurrence_norm_weight == "final" and not self.recurrence_norm:

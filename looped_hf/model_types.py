@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .fileio import check_model_type
+from .fileio import CheckpointError, check_model_type
 
 
 def looped_classes() -> dict[str, tuple[type, type]]:
@@ -64,12 +64,58 @@ def load_config(source: str | os.PathLike, **kwargs: Any) -> Any:
 
 def load_causal_lm(source: str | os.PathLike, **kwargs: Any) -> Any:
     """The causal LM of a checkpoint folder or Hub id, of its model type's class (``kwargs`` go to
-    ``from_pretrained``: ``dtype``, ``config``, ...)."""
-    return classes_for(_raw_config(source), f"{source}/config.json")[1].from_pretrained(str(source), **kwargs)
+    ``from_pretrained``: ``dtype``, ``config``, ...). A local folder's weights are checked against
+    the model its config builds first (`check_weights`)."""
+    config_class, model_class = classes_for(_raw_config(source), f"{source}/config.json")
+    if os.path.isdir(source):
+        config = kwargs.pop("config", None) or config_class.from_pretrained(str(source))
+        check_weights(source, model_class, config)
+        kwargs["config"] = config
+    return model_class.from_pretrained(str(source), **kwargs)
+
+
+def _first(names: list[str]) -> str:
+    return f"{names[0]!r}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''}"
+
+
+def check_weights(folder: str | os.PathLike, model_class: type, config: Any) -> None:
+    """Refuse, in one ``CheckpointError`` line, a folder whose safetensors do not hold exactly the
+    weights that ``model_class(config)`` has, each in its shape (read from the headers and the
+    model built on the meta device: nothing is allocated or read).
+
+    transformers' ``from_pretrained`` would load such a folder with a report and go on: a weight
+    the files lack is initialised at random, one the model lacks is dropped (config.json edited to
+    fewer layers), and only a shape mismatch raises. Each of these makes eval, test-time and
+    publish score a model that is not the one saved. A tied weight (``lm_head`` of a model with
+    ``tie_word_embeddings``) may be absent, as transformers saves it. The files are read through
+    `weight_files.WeightFiles`, the converters' reader too, which refuses a sharded folder whose
+    index and shards disagree."""
+    import torch
+
+    from .weight_files import WeightFiles
+
+    files = WeightFiles(folder).entries
+    with torch.device("meta"):
+        model = model_class(config)
+    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    where = f"checkpoint {str(folder)!r}: the weights are not the model its config.json builds"
+    missing = [name for name in want if name not in files and name not in tied]
+    if missing:
+        raise CheckpointError(f"{where}: {_first(missing)} is in no weight file")
+    extra = [name for name in files if name not in want]
+    if extra:
+        raise CheckpointError(f"{where}: {_first(extra)} is not a weight of that model")
+    for name, shape in want.items():  # in the model's order: the first layer's weight is named first
+        if name in files and files[name][2] != shape:
+            path, _, stored = files[name]
+            raise CheckpointError(f"{where}: {name!r} has shape {list(stored)} in {path.name}, the config "
+                                  f"makes {list(shape)}")  # fmt: skip
 
 
 __all__ = [
     "causal_lm_class",
+    "check_weights",
     "classes_for",
     "config_from_dict",
     "load_causal_lm",

@@ -673,3 +673,106 @@ def test_eval_exit_thresholds_that_cannot_work_are_refused_before_any_forward(
     _refused_in_one_line(["eval", str(finished_run), "--bundle", "builtin", "--device", "cpu", "--out", str(out),
                           *flags], capsys, message)  # fmt: skip
     assert not out.exists()  # not even the builtin bundle
+
+
+# --------------------------------------------------------------------------------------------
+# Weights that are not the model their config.json builds (eval, test-time, publish): refused
+# from the headers before loading, where transformers would load with a report and go on
+# --------------------------------------------------------------------------------------------
+def _edit_weights(change):
+    """An edit of model.safetensors: ``change(state_dict)`` in place, then written back."""
+
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    return edit
+
+
+LAYER = "model.recurrent_layers.0"
+MISMATCHED_WEIGHTS = {  # case: (command, edit, message)
+    "a shape the config changed": ("eval", _set_json("config.json", intermediate_size=192),
+                                   "has shape [128, 32] in model.safetensors, the config makes [192, 32]"),
+    "a weight no file holds": ("test-time", _edit_weights(lambda t: t.pop(f"{LAYER}.mlp.down_proj.weight")),
+                               f"'{LAYER}.mlp.down_proj.weight' is in no weight file"),
+    "a weight the model lacks": ("publish", _edit_weights(lambda t: t.update(extra=t[f"{LAYER}.input_layernorm.weight"].clone())),
+                                 "'extra' is not a weight of that model"),
+    "layers the config dropped": ("eval", _set_json("config.json", num_coda_layers=0),
+                                  "'model.coda_layers.0.input_layernorm.weight' (and 7 more) is not a weight of that model"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MISMATCHED_WEIGHTS))
+def test_weights_that_are_not_the_configs_model_are_refused_before_loading(finished_run, tmp_path, capsys, case):
+    command, edit, message = MISMATCHED_WEIGHTS[case]
+    run = _run_copy(finished_run, tmp_path)
+    edit(run)
+    before = _snapshot(run)
+    argv = {"eval": ["eval", str(run), "--bundle", "builtin", "--device", "cpu", "--out", str(tmp_path / "ev")],
+            "test-time": ["test-time", str(run)], "publish": ["publish", str(run)]}[command]  # fmt: skip
+    line = _refused_in_one_line(argv, capsys, f"looped-hf {command}: ", "the weights are not the model its "
+                                "config.json builds: ", message)  # fmt: skip
+    assert "LOAD REPORT" not in capsys.readouterr().err and str(run) in line
+    assert _snapshot(run) == before and not (tmp_path / "ev").exists()
+
+
+@pytest.fixture(scope="module")
+def loop_lora_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A per-loop LoRA retrofit (model_type looped_loop_lora): 2 shared layers, 3 loops, rank 4."""
+    from test_retrofit import retrofit, tiny_parent
+
+    base = tmp_path_factory.mktemp("loop_lora")
+    retrofit(tiny_parent(base / "parent", "llama"), "--share", "lower", "--blocks", "2", "--lora-rank", "4",
+             "--out", base / "rrt")  # fmt: skip
+    return base / "rrt"
+
+
+HOSTILE_LOOP_LORA = {  # config.json change: what the one line says
+    "heads": ({"num_attention_heads": 3}, "LoopLoRAConfig.num_attention_heads=3: does not divide hidden_size=64"),
+    "rank text": ({"loop_lora_rank": "four"}, "LoopLoRAConfig.loop_lora_rank='four': must be an integer >= 1"),
+    "rank 0": ({"loop_lora_rank": 0}, "LoopLoRAConfig.loop_lora_rank=0: must be an integer >= 1"),
+    "rank bool": ({"loop_lora_rank": True}, "LoopLoRAConfig.loop_lora_rank=True: must be an integer >= 1"),
+    "rank not saved": ({"loop_lora_rank": 8}, "'loop_lora.steps.0.0.q_proj.A' has shape [4, 64] in model.safetensors, "
+                                              "the config makes [8, 64]"),
+    "targets text": ({"loop_lora_targets": "self_attn.q_proj"},
+                     "LoopLoRAConfig.loop_lora_targets='self_attn.q_proj': must be a list of distinct names from"),
+    "targets unknown": ({"loop_lora_targets": ["self_attn.q_proj", "mlp.zz_proj"]},
+                        "loop_lora_targets=['self_attn.q_proj', 'mlp.zz_proj']: must be a list of distinct names"),
+    "targets twice": ({"loop_lora_targets": ["mlp.up_proj", "mlp.up_proj"]}, "must be a list of distinct names"),
+    "loops above the ceiling": ({"max_recurrences": 10**6},  # built 10^6 loops of deltas: a hang
+                                "LoopLoRAConfig.max_recurrences=1000000: exceeds MAX_NUM_RECURRENCES=4096"),
+    "loops below r": ({"max_recurrences": 1}, "LoopLoRAConfig.max_recurrences=1: must be None"),
+    "loops not saved": ({"max_recurrences": 4, "num_recurrences": 4},
+                        "'loop_lora.steps.3.0.q_proj.A' (and 31 more) is in no weight file"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_LOOP_LORA))
+def test_a_hostile_per_loop_lora_config_is_refused_in_one_line(loop_lora_folder, tmp_path, capsys, case):
+    change, message = HOSTILE_LOOP_LORA[case]
+    folder = tmp_path / "rrt"
+    shutil.copytree(loop_lora_folder, folder)
+    _set_json("config.json", **change)(folder)
+    out = tmp_path / "ev"
+    _refused_in_one_line(["eval", str(folder), "--bundle", "builtin", "--device", "cpu", "--out", str(out)], capsys,
+                         "looped-hf eval: ", message)  # fmt: skip
+    assert not out.exists()
+
+
+def test_a_per_loop_lora_config_is_checked_when_built_as_a_looped_one_is():
+    from looped_hf import LoopedConfig
+    from looped_hf.configuration_looped import LoopedConfigError
+    from looped_hf.retrofit.loop_lora import LoopLoRAConfig
+
+    for cls in (LoopedConfig, LoopLoRAConfig):  # the subclass used to skip every validate_* rule at construction
+        with pytest.raises(LoopedConfigError, match=rf"^{cls.__name__}.num_attention_heads=3: does not divide"):
+            cls(hidden_size=64, num_attention_heads=3)
+        with pytest.raises(LoopedConfigError, match=rf"^{cls.__name__}.num_recurrences=0: must be an integer >= 1$"):
+            cls(num_recurrences=0)
+    config = LoopLoRAConfig(loop_lora_rank=4, loop_lora_targets=["mlp.up_proj"])
+    config.loop_lora_rank = -1  # not a field: checked by validate(), which save_pretrained runs
+    with pytest.raises(LoopedConfigError, match=r"^LoopLoRAConfig.loop_lora_rank=-1: must be an integer >= 1$"):
+        config.validate()

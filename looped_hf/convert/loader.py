@@ -18,18 +18,13 @@ It reads a folder the way transformers' ``from_pretrained`` does, and refuses, w
 ``ConversionError`` line naming the file and the value, what transformers would misread or what
 would make the conversion silently wrong:
 
-* ``model.safetensors`` wins over ``model.safetensors.index.json``, as in transformers. In a
-  sharded folder each key is read from the shard that the index's ``weight_map`` names. Refused:
-  an index that is not a JSON object or has no ``weight_map`` object of name -> shard; a shard
-  name that leaves the folder (absolute, ``..``, a symlink out; the Hub cache's
-  ``snapshots/<rev>/`` -> ``blobs/`` links are the one exception); a shard the index names that is
-  missing; a key the index names that its shard lacks; a key stored in two shards, or in a shard
-  the index does not name it for (the old readers merged shards in file order, so a duplicate
-  silently won).
-* A weight file that is empty, truncated, not safetensors or holds no tensor is refused from its
-  header (8-byte length + JSON, checked against the file's size) before any tensor is read.
-* A folder with only ``pytorch_model.bin`` (pickle) is refused: unpickling runs code stored in
-  the file. Convert it to safetensors first.
+* the weight files, as `looped_hf.weight_files.WeightFiles` reads them (shared with eval, test-time
+  and publish): in a sharded folder each key from the shard that the index's ``weight_map`` names;
+  a shard name that leaves the folder, a missing shard, a key stored twice or missing from its
+  shard, a file that is empty, truncated or not safetensors, and a folder with only a pickled
+  ``pytorch_model.bin`` are refused there, before any tensor is read (the old readers merged
+  shards in file order, so a duplicate silently won). A dtype outside ``_SAFETENSORS_DTYPES`` is
+  refused here.
 * ``config.json`` and ``generation_config.json`` must be JSON objects; token ids must be integers
   inside the vocabulary (or lists of them); tie flags must be booleans; ``rope_scaling`` (or a transformers-5
   ``rope_parameters``) must name a RoPE type transformers knows and carry that type's keys
@@ -63,13 +58,11 @@ import torch
 
 from .. import fileio
 from ..configuration_looped import MAX_NUM_RECURRENCES
-from ..fileio import CheckpointError, check_safetensors, first_line, sha256_file
+from ..fileio import CheckpointError, first_line, sha256_file
+from ..weight_files import WeightFiles
 from .common import ConversionError
 
 PathLike = str | os.PathLike
-SINGLE_WEIGHTS = "model.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
-PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: Files a tokenizer may consist of: checked, and copied when the source has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")  # fmt: skip
@@ -267,61 +260,6 @@ def config_rope_parameters(cfg: Mapping[str, Any], where: str = "config.json", t
 # --------------------------------------------------------------------------------------------
 # The checkpoint folder
 # --------------------------------------------------------------------------------------------
-def _allowed_roots(folder: Path) -> tuple[Path, ...]:
-    """Where the weight files of ``folder`` may really live: the folder, and for a Hub cache
-    snapshot (``<repo>/snapshots/<rev>``, whose files link to ``<repo>/blobs``) that blobs folder."""
-    real = folder.resolve()
-    roots = (real,)
-    if real.parent.name == "snapshots":
-        roots += (real.parent.parent / "blobs",)
-    return roots
-
-
-def _inside(folder: Path, name: str, what: str) -> Path:
-    """``folder / name`` for a file name taken from the checkpoint, refused where it leaves the folder."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise ConversionError(
-            f"{folder / SHARD_INDEX}: {what} {name!r}: not a file name inside the checkpoint folder"
-        )
-    path = folder / name
-    real = path.resolve()
-    if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
-        raise ConversionError(
-            f"{path}: {what} {name!r} leads out of the checkpoint folder (to {real}); refused"
-        )
-    return path
-
-
-def _header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor in the safetensors file ``path``, from its header only;
-    a file that is empty, truncated, not safetensors or holds no tensor is refused by name."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise ConversionError(f"{path}: missing (the checkpoint names it)")
-    try:
-        check_safetensors(path)  # the header length and JSON, against the file's size: cheap and precise
-        entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        with safe_open(path, framework="pt") as handle:  # validates every offset, reads no tensor
-            for name in handle.keys():
-                view = handle.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
-                if dtype is None:
-                    raise ConversionError(
-                        f"{path}: tensor {name!r} has dtype {view.get_dtype()}, which is not converted"
-                    )
-                entries[name] = (dtype, tuple(view.get_shape()))
-    except ConversionError:
-        raise
-    except CheckpointError as err:
-        raise ConversionError(str(err)) from None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ConversionError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
-    if not entries:
-        raise ConversionError(f"{path}: holds no tensor")
-    return entries
-
-
 class Checkpoint:
     """A transformers-style checkpoint folder (config.json + safetensors, single or sharded), opened
     and checked; tensors are read on demand (see the module docstring for what is refused).
@@ -343,52 +281,21 @@ class Checkpoint:
         if model_types is not None and self.config.get("model_type") not in model_types:
             raise ConversionError(f"{config_path}: model_type={self.config.get('model_type')!r}: this converter "
                                   f"reads {' or '.join(map(repr, model_types))}")  # fmt: skip
+        try:
+            files = WeightFiles(self.folder)
+        except CheckpointError as err:
+            raise ConversionError(str(err)) from None
         #: tensor name -> the file it is read from.
         self._file_of: dict[str, Path] = {}
         #: tensor name -> (dtype, shape), from the headers.
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        single, index = self.folder / SINGLE_WEIGHTS, self.folder / SHARD_INDEX
-        if single.is_file() or single.is_symlink():
-            self._add_file(_inside(self.folder, SINGLE_WEIGHTS, "weight file"), None)
-        elif index.is_file():
-            self._read_index(index)
-        elif any((self.folder / name).exists() for name in PICKLE_WEIGHTS):
-            raise ConversionError(f"{self.folder}: only a pickled pytorch_model.bin checkpoint, refused (unpickling "
-                                  "runs code stored in the file); convert it to model.safetensors first")  # fmt: skip
-        else:
-            raise ConversionError(f"{self.folder}: no {SINGLE_WEIGHTS} (or {SHARD_INDEX})")
+        for name, (path, dtype_name, shape) in files.entries.items():
+            dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+            if dtype is None:
+                raise ConversionError(f"{path}: tensor {name!r} has dtype {dtype_name}, which is not converted")
+            self._file_of[name], self._entries[name] = path, (dtype, shape)
         #: The weight files read, in the order first named.
-        self.files: tuple[Path, ...] = tuple(dict.fromkeys(self._file_of.values()))
-
-    def _add_file(self, path: Path, wanted: set[str] | None) -> None:
-        """Index the tensors of ``path``; in a sharded folder only ``wanted`` (the keys the index
-        names for it) may be there, and each of them must be."""
-        header = _header(path)
-        for name, entry in header.items():
-            if name in self._file_of:
-                raise ConversionError(
-                    f"{path}: tensor {name!r} is stored twice (also in {self._file_of[name].name})"
-                )
-            if wanted is not None and name not in wanted:
-                raise ConversionError(f"{path}: holds tensor {name!r}, which the index's weight_map does not name "
-                                      "for this shard (a key stored twice, or a stale shard)")  # fmt: skip
-            self._file_of[name], self._entries[name] = path, entry
-        missing = sorted((wanted or set()) - set(header))
-        if missing:
-            raise ConversionError(f"{path}: lacks {missing[0]!r}, which the index's weight_map names in it"
-                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")  # fmt: skip
-
-    def _read_index(self, index: Path) -> None:
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConversionError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
-        by_shard: dict[str, set[str]] = {}
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str):
-                raise ConversionError(f"{index}: weight_map[{name!r}]={shard!r}: expected a shard file name")
-            by_shard.setdefault(shard, set()).add(name)
-        for shard, names in by_shard.items():
-            self._add_file(_inside(self.folder, shard, "shard"), names)
+        self.files: tuple[Path, ...] = files.files
 
     # ---- the tensors --------------------------------------------------------------------------
     def keys(self) -> list[str]:

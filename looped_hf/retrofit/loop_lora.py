@@ -34,14 +34,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
 from torch import nn
 
 try:  # in a saved folder: this file sits beside the looped model's own remote code
-    from .configuration_looped import LoopedConfig
+    from .configuration_looped import LoopedConfig, _one_line_errors
     from .decoder_layers_looped import LoopedRMSNorm
     from .modeling_looped import LoopedForCausalLM
 except ImportError:  # inside the looped_hf package
-    from looped_hf.configuration_looped import LoopedConfig
+    from looped_hf.configuration_looped import LoopedConfig, _one_line_errors
     from looped_hf.decoder_layers_looped import LoopedRMSNorm
     from looped_hf.modeling_looped import LoopedForCausalLM
 
@@ -50,12 +51,31 @@ LOOP_LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
+@_one_line_errors
+@strict
 class LoopLoRAConfig(LoopedConfig):
     """``LoopedConfig`` plus ``loop_lora_rank`` (N) and ``loop_lora_targets`` (the projections), under
-    its own model type so that only the class that applies the deltas loads it."""
+    its own model type so that only the class that applies the deltas loads it.
+
+    Decorated as ``LoopedConfig`` is: ``@strict`` runs every ``validate_*`` rule (``LoopedConfig``'s
+    and ``validate_loop_lora``) when a config is built, as a transformers config subclass must
+    re-apply it to be checked at construction, and the refusals are one line."""
 
     model_type = "looped_loop_lora"
     _auto_class = None  # its remote code is written by LoopLoRAForCausalLM.save_pretrained, not transformers
+
+    def validate_loop_lora(self) -> None:
+        """``loop_lora_rank`` an integer >= 1 and ``loop_lora_targets`` a list of distinct names from
+        ``LOOP_LORA_TARGETS`` (each None in a config that has no deltas yet; the model refuses it)."""
+        rank, targets = getattr(self, "loop_lora_rank", None), getattr(self, "loop_lora_targets", None)
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"LoopLoRAConfig.loop_lora_rank={rank!r}: must be an integer >= 1")
+        if targets is None:
+            return
+        if (not isinstance(targets, (list, tuple)) or not targets or len(set(map(str, targets))) != len(targets)
+                or any(target not in LOOP_LORA_TARGETS for target in targets)):  # fmt: skip
+            raise ValueError(f"LoopLoRAConfig.loop_lora_targets={targets!r}: must be a list of distinct names from "
+                             f"{list(LOOP_LORA_TARGETS)}")  # fmt: skip
 
     def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
         """``LoopedConfig.resolve_num_recurrences``, with an r past the loops that have a LoRA
