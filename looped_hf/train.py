@@ -540,12 +540,14 @@ def trainable_adapter(model: torch.nn.Module) -> list[str]:
 def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.nn.Module:
     """The model the run trains: new (initialised by the seed), or ``init_from``'s weights in
     float32; then `what_trains`."""
-    from looped_hf.model_types import causal_lm_class
+    from looped_hf.model_types import causal_lm_class, check_weights
 
     if training_args.init_from is None:
         model = causal_lm_class(config)(config)
     else:
         try:
+            if Path(training_args.init_from).is_dir():  # a weight the recipe's config adds or drops, too
+                check_weights(training_args.init_from, causal_lm_class(config), config)
             model = causal_lm_class(config).from_pretrained(
                 training_args.init_from, config=config, dtype=torch.float32
             )

@@ -401,3 +401,14 @@ def test_a_loop_lora_retrofit_takes_eval_test_time_training_and_publish(
         "loop_lora.LoopLoRAForCausalLM"
     )
     assert (published / "loop_lora.py").is_file() and "me/rrt" in (published / "README.md").read_text()
+
+
+def test_a_recipe_that_adds_weights_to_its_init_from_folder_is_refused_before_training(
+    tiny_recipe, looped_folder, tmp_path
+):
+    # transformers would draw the second coda layer at random, with a report, and train on.
+    recipe = _recipe(tiny_recipe, looped_folder, num_coda_layers=2, max_steps=1, output_dir=str(tmp_path / "run"))
+    with pytest.raises(RecipeError, match=r"init_from=.*the weights are not the model its config\.json builds: "
+                                          r"'model\.coda_layers\.1\.[\w.]+' \(and \d+ more\) is in no weight file"):  # fmt: skip
+        train(*parse_recipe(recipe))
+    assert not (tmp_path / "run" / "model.safetensors").exists()
