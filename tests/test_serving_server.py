@@ -33,17 +33,22 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _config_folder(path: Path, **overrides) -> Path:
-    """A looped config, the byte tokenizer and a well-formed but empty weights file: enough for
-    every check ``looped-hf serve`` makes before it starts vLLM."""
-    from looped_hf import LoopedConfig
+def _config_folder(path: Path, *, weights: bool = True, **overrides) -> Path:
+    """A looped model and the byte tokenizer, saved: enough for every check ``looped-hf serve`` makes
+    before it starts vLLM. ``weights=False``: a well-formed but empty weights file instead, for a
+    folder refused before its weights are checked."""
+    from looped_hf import LoopedConfig, LoopedForCausalLM
     from looped_hf.data import load_tokenizer
 
     kwargs = dict(vocab_size=258, hidden_size=64, num_attention_heads=2, num_prelude_layers=1,
                   num_recurrent_layers=1, num_coda_layers=1, num_recurrences=3)  # fmt: skip
-    LoopedConfig(**{**kwargs, **overrides}).save_pretrained(path)
+    config = LoopedConfig(**{**kwargs, **overrides})
+    if weights:
+        LoopedForCausalLM(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+        (path / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     load_tokenizer("bytes").save_pretrained(path)
-    (path / "model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     return path
 
 
@@ -139,6 +144,8 @@ def test_a_run_directory_serves_its_publish_folder_when_there_is_one(tmp_path, c
         (["{head576}"], ["head_dim=576"]),
         (["{hyper}", "-r", "4"], ["num_recurrences=4", "hyperconnection"]),
         (["{no_tokenizer}"], ["no tokenizer"]),
+        (["{edited}"], ["the weights are not the model its config.json builds",
+                        "has shape [256, 64] in model.safetensors, the config makes [192, 64]"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, folder, capsys, monkeypatch, argv, needles) -> None:
@@ -147,12 +154,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, folder, capsys, monkeypatch,
     paths["llama"] = tmp_path / "llama"
     paths["llama"].mkdir()
     (paths["llama"] / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    paths["truncated"] = _config_folder(tmp_path / "truncated")
+    paths["truncated"] = _config_folder(tmp_path / "truncated", weights=False)
     (paths["truncated"] / "model.safetensors").write_bytes(EMPTY_SAFETENSORS[:5])
-    paths["noise"] = _config_folder(tmp_path / "noise", state_init="noise")
-    paths["head576"] = _config_folder(tmp_path / "head576", hidden_size=576, num_attention_heads=1)
-    paths["hyper"] = _config_folder(tmp_path / "hyper", input_injection="hyperconnection")
-    paths["no_tokenizer"] = _config_folder(tmp_path / "no_tok")
+    paths["noise"] = _config_folder(tmp_path / "noise", weights=False, state_init="noise")
+    paths["head576"] = _config_folder(tmp_path / "head576", weights=False, hidden_size=576, num_attention_heads=1)
+    paths["hyper"] = _config_folder(tmp_path / "hyper", weights=False, input_injection="hyperconnection")
+    paths["no_tokenizer"] = _config_folder(tmp_path / "no_tok", weights=False)
+    paths["edited"] = tmp_path / "edited"  # saved, then config.json edited: the MLP's width no longer fits
+    shutil.copytree(folder, paths["edited"])
+    edited = json.loads((paths["edited"] / "config.json").read_text())
+    (paths["edited"] / "config.json").write_text(json.dumps({**edited, "intermediate_size": 192}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (paths["no_tokenizer"] / name).unlink()
     code, out, err = _serve([a.format(**paths) for a in argv], capsys)
