@@ -143,12 +143,13 @@ def read_looped_config(folder: Path) -> Any:
         raise ServeError(f"{folder / 'config.json'}: {err}") from None
 
 
-def check_served_weights(folder: Path, config: Any) -> None:
-    """The folder's weight files hold exactly the model its config builds (``model_types.check_weights``,
-    as eval's): refused in one line here, the last check before vLLM starts, instead of by vLLM's
-    loader after the engine has started."""
+def check_served_weights(folder: Path) -> None:
+    """The folder's weight files hold exactly the model its own config.json builds (before the flags'
+    overrides; ``model_types.check_weights``, as eval's): refused in one line here, the last check
+    before vLLM starts, instead of by vLLM's loader after the engine has started."""
     from looped_hf.model_types import causal_lm_class, check_weights
 
+    config = read_looped_config(folder)
     try:
         check_weights(folder, causal_lm_class(config), config)
     except CheckpointError as err:
@@ -339,7 +340,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, s
         raise ServeError(f"CKPT={str(folder)!r} cannot be served by vLLM: " + "; ".join(problems))
     settings = engine_args(config, device="cpu" if on_cpu else "cuda", **overrides)
     command = server_command(folder, settings, host=args.host, port=args.port, vllm_args=vllm_args)
-    check_served_weights(folder, config)
+    check_served_weights(folder)
     env: dict[str, str] = {}
     notes: list[str] = []
     if on_cpu and not os.environ.get(KV_SPACE_ENV):
