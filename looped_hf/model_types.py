@@ -69,18 +69,14 @@ def load_causal_lm(source: str | os.PathLike, **kwargs: Any) -> Any:
     config_class, model_class = classes_for(_raw_config(source), f"{source}/config.json")
     if os.path.isdir(source):
         config = kwargs.pop("config", None) or config_class.from_pretrained(str(source))
-        check_weights(source, model_class, config)
+        check_weights(source, config)
         kwargs["config"] = config
     return model_class.from_pretrained(str(source), **kwargs)
 
 
-def _first(names: list[str]) -> str:
-    return f"{names[0]!r}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''}"
-
-
-def check_weights(folder: str | os.PathLike, model_class: type, config: Any) -> None:
+def check_weights(folder: str | os.PathLike, config: Any) -> None:
     """Refuse, in one ``CheckpointError`` line, a folder whose safetensors do not hold exactly the
-    weights that ``model_class(config)`` has, each in its shape (read from the headers and the
+    weights that the causal LM of ``config`` (`causal_lm_class`) has, each in its shape (read from the headers and the
     model built on the meta device: nothing is allocated or read).
 
     transformers' ``from_pretrained`` would load such a folder with a report and go on: a weight
@@ -92,20 +88,20 @@ def check_weights(folder: str | os.PathLike, model_class: type, config: Any) -> 
     index and shards disagree."""
     import torch
 
-    from .weight_files import WeightFiles
+    from .weight_files import WeightFiles, first_of
 
     files = WeightFiles(folder).entries
     with torch.device("meta"):
-        model = model_class(config)
+        model = causal_lm_class(config)(config)
     want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     where = f"checkpoint {str(folder)!r}: the weights are not the model its config.json builds"
     missing = [name for name in want if name not in files and name not in tied]
     if missing:
-        raise CheckpointError(f"{where}: {_first(missing)} is in no weight file")
+        raise CheckpointError(f"{where}: {first_of(missing)} is in no weight file")
     extra = [name for name in files if name not in want]
     if extra:
-        raise CheckpointError(f"{where}: {_first(extra)} is not a weight of that model")
+        raise CheckpointError(f"{where}: {first_of(extra)} is not a weight of that model")
     for name, shape in want.items():  # in the model's order: the first layer's weight is named first
         if name in files and files[name][2] != shape:
             path, _, stored = files[name]

@@ -547,7 +547,7 @@ def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.
     else:
         try:
             if Path(training_args.init_from).is_dir():  # a weight the recipe's config adds or drops, too
-                check_weights(training_args.init_from, causal_lm_class(config), config)
+                check_weights(training_args.init_from, config)
             model = causal_lm_class(config).from_pretrained(
                 training_args.init_from, config=config, dtype=torch.float32
             )

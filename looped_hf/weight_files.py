@@ -35,6 +35,11 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 Entry = tuple[Path, str, tuple[int, ...]]
 
 
+def first_of(names: list[str]) -> str:
+    """``'a'``, or ``'a' (and 2 more)``: the first of several tensor names, for a one-line refusal."""
+    return f"{names[0]!r}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''}"
+
+
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:
     """Where the weight files of ``folder`` may really live: the folder, and for a Hub cache
     snapshot (``<repo>/snapshots/<rev>``, whose files link to ``<repo>/blobs``) that blobs folder."""
@@ -119,8 +124,9 @@ class WeightFiles:
             self.entries[name] = (path, dtype, shape)
         missing = sorted((wanted or set()) - set(header))
         if missing:
-            raise CheckpointError(f"{path}: lacks {missing[0]!r}, which the index's weight_map names in it"
-                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: lacks {first_of(missing)}, which the index's weight_map names in it"
+            )
 
     def _read_index(self, index: Path) -> None:
         weight_map = read_json_object(index).get("weight_map")

@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         exit_flags = (args.exit_criterion, args.exit_threshold, args.min_recurrences)
         if local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
             check_checkpoint_dir(args.checkpoint)
-            from looped_hf.model_types import causal_lm_class, check_weights, load_config
+            from looped_hf.model_types import check_weights, load_config
 
             config = load_config(args.checkpoint)
-            check_weights(args.checkpoint, causal_lm_class(config), config)
+            check_weights(args.checkpoint, config)
             check_exit_flags(config, *exit_flags)
             check_recurrences(config, args.recurrences or default_recurrences(config), args.kv_budget)
         out = check_output_path(Path(args.out) if args.out else (

@@ -147,11 +147,11 @@ def check_served_weights(folder: Path) -> None:
     """The folder's weight files hold exactly the model its own config.json builds (before the flags'
     overrides; ``model_types.check_weights``, as eval's): refused in one line here, the last check
     before vLLM starts, instead of by vLLM's loader after the engine has started."""
-    from looped_hf.model_types import causal_lm_class, check_weights
+    from looped_hf.model_types import check_weights
 
     config = read_looped_config(folder)
     try:
-        check_weights(folder, causal_lm_class(config), config)
+        check_weights(folder, config)
     except CheckpointError as err:
         raise ServeError(str(err)) from None
 
