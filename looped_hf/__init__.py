@@ -111,12 +111,28 @@ def register() -> None:
     ):
         auto.register(LoopedConfig, model, exist_ok=True)
         model.register_for_auto_class(auto.__name__)
-    # The per-loop LoRA retrofit (model_types.py), local only: its save_pretrained writes its own
-    # remote code and auto_map (retrofit/loop_lora.py), so its classes are not marked for remote code.
-    from .retrofit.loop_lora import LoopLoRAConfig, LoopLoRAForCausalLM
+    # The per-loop LoRA model type (model_types.py: a ``--lora-rank`` retrofit's), its LM and heads, the
+    # same way: loop_lora_looped.py is remote code beside modeling_looped.py.
+    from .loop_lora_looped import (
+        LoopLoRAConfig,
+        LoopLoRAForCausalLM,
+        LoopLoRAForQuestionAnswering,
+        LoopLoRAForSequenceClassification,
+        LoopLoRAForTokenClassification,
+        LoopLoRAModel,
+    )
 
     AutoConfig.register(LoopLoRAConfig.model_type, LoopLoRAConfig, exist_ok=True)
-    AutoModelForCausalLM.register(LoopLoRAConfig, LoopLoRAForCausalLM, exist_ok=True)
+    LoopLoRAConfig.register_for_auto_class()
+    for auto, model in (
+        (AutoModel, LoopLoRAModel),
+        (AutoModelForCausalLM, LoopLoRAForCausalLM),
+        (AutoModelForSequenceClassification, LoopLoRAForSequenceClassification),
+        (AutoModelForTokenClassification, LoopLoRAForTokenClassification),
+        (AutoModelForQuestionAnswering, LoopLoRAForQuestionAnswering),
+    ):
+        auto.register(LoopLoRAConfig, model, exist_ok=True)
+        model.register_for_auto_class(auto.__name__)
     globals().update(
         {name: getattr(sys.modules[f"{__name__}.{module}"], name) for name, module in _MODEL_NAMES.items()}
     )

@@ -56,9 +56,9 @@ def num_scaling_params(model: nn.Module) -> dict[str, int]:
     groups = {name: sum(p.numel() for p in params) for name, params in parameter_groups(base).items()}
     tied = model.lm_head.weight is base.embed_tokens.weight
     groups["lm_head"] = 0 if tied else model.lm_head.weight.numel()
-    # A retrofit's per-loop LoRA (retrofit/loop_lora.py, ``model.loop_lora``): loop t runs only its
-    # own deltas, so they are neither run-once nor run r times: a group apart.
-    lora = getattr(model, "loop_lora", None)
+    # A retrofit's per-loop LoRA (loop_lora_looped.py, the trunk's ``loop_lora``): loop t runs only
+    # its own deltas, so they are neither run-once nor run r times: a group apart.
+    lora = getattr(base, "loop_lora", None)
     if lora is not None:
         groups["loop_lora"] = sum(p.numel() for p in lora.parameters())
     groups["total"] = sum(groups.values())
@@ -97,7 +97,7 @@ def _flops_terms(
     # padded rows (they are computed, then cropped), as the study's estimate_flops does.
     n_head = config.padded_vocab_size * config.hidden_size * head_passes(config, r, training)
     n_rec = params["recurrent"]
-    lora = getattr(model, "loop_lora", None)
+    lora = getattr(model.model, "loop_lora", None)
     if lora is not None:
         # Each recurrence also runs its own LoRA matrices: 2 * rank * (in + out) per token and
         # projection forward, the same for every loop, so one loop's matrices join N_rec. Its norm
@@ -193,7 +193,7 @@ def _counts_frozen(model: nn.Module) -> bool:
     if all(p.requires_grad for p in model.parameters()):
         return False
     base = model.model
-    unmodelled = (base.hyperconnection, getattr(base, "exit_gate", None), getattr(model, "loop_lora", None))
+    unmodelled = (base.hyperconnection, getattr(base, "exit_gate", None), getattr(base, "loop_lora", None))
     return all(part is None for part in unmodelled)
 
 

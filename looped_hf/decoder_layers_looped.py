@@ -41,6 +41,19 @@ class LoopedRMSNorm(nn.Module):
         return self.weight * normed.to(input_dtype)
 
 
+def with_delta(module: nn.Module, x: torch.Tensor, deltas: nn.ModuleDict | None, key: str) -> torch.Tensor:
+    """``module(x)``, plus ``deltas[key](x)`` where the call carries a per-loop delta for it: a shared
+    block layer of a per-loop LoRA model (``loop_lora_looped.py``) is handed loop t's deltas as an
+    argument of each application (``loop_deltas``), so the loop step is part of the computation
+    that activation checkpointing replays, not state beside it. The projection keys are
+    ``{name}_delta`` (so peft's usual ``q_proj`` ... targets match the shared projections only),
+    the norm keys the norm's own name (the delta of an RMSNorm scale: the norm is linear in it)."""
+    out = module(x)
+    if deltas is None or key not in deltas:
+        return out
+    return out + deltas[key](x)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
@@ -91,10 +104,13 @@ class LoopedMLP(nn.Module):
                 proj.looped_study_init = ("uniform", d**-0.5)
         self.down_proj.looped_study_init = ("uniform", f**-0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, loop_deltas: nn.ModuleDict | None = None) -> torch.Tensor:
+        d = loop_deltas
+        up = with_delta(self.up_proj, x, d, "up_proj_delta")
         if self.gated:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+            return with_delta(self.down_proj, self.act_fn(with_delta(self.gate_proj, x, d, "gate_proj_delta")) * up,
+                              d, "down_proj_delta")  # fmt: skip
+        return with_delta(self.down_proj, F.relu(up).square(), d, "down_proj_delta")
 
 
 class LoopedAttention(nn.Module):
@@ -140,16 +156,25 @@ class LoopedAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: Cache | None,
         cache_index: int,
+        loop_deltas: nn.ModuleDict | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, key_states = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        d = loop_deltas
+        query_states = with_delta(self.q_proj, hidden_states, d, "q_proj_delta")
+        key_states = with_delta(self.k_proj, hidden_states, d, "k_proj_delta")
         if self.qk_norm == "learnable_projection_before_rope":
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+            query_states, key_states = (
+                with_delta(self.q_norm, query_states, d, "q_norm"),
+                with_delta(self.k_norm, key_states, d, "k_norm"),
+            )
         query_states, key_states = query_states.view(hidden_shape), key_states.view(hidden_shape)
         if self.qk_norm == "learnable_before_rope":
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+            query_states, key_states = (
+                with_delta(self.q_norm, query_states, d, "q_norm"),
+                with_delta(self.k_norm, key_states, d, "k_norm"),
+            )
         # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
         # only then turn into attention's (batch, heads, seq, head_dim) view: the same values bit for
         # bit (elementwise ops and a norm over head_dim), without norming a strided view.
@@ -161,7 +186,9 @@ class LoopedAttention(nn.Module):
             key_states = F.rms_norm(key_states, (self.head_dim,), eps=self.qk_norm_eps)
         query_states = query_states.transpose(1, 2)
         key_states = key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = (
+            with_delta(self.v_proj, hidden_states, d, "v_proj_delta").view(hidden_shape).transpose(1, 2)
+        )
         if cache is not None:
             # A shared layer has one cache slot per application, not per module.
             key_states, value_states = cache.update(key_states, value_states, cache_index)
@@ -179,7 +206,9 @@ class LoopedAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        attn_output = with_delta(
+            self.o_proj, attn_output.reshape(*input_shape, -1).contiguous(), d, "o_proj_delta"
+        )
         return attn_output, attn_weights
 
 
@@ -210,19 +239,26 @@ class LoopedDecoderLayer(CheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         cache_index: int = 0,
+        loop_deltas: nn.ModuleDict | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``loop_deltas``: loop t's per-loop deltas of this shared block layer (a per-loop LoRA
+        model's, ``with_delta``), handed in by the loop for each application; ``None`` elsewhere."""
+        d = loop_deltas
         residual = hidden_states
         attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states),
+            with_delta(self.input_layernorm, hidden_states, d, "input_layernorm"),
             position_embeddings,
             attention_mask,
             cache,
             cache_index,
+            d,
             **kwargs,
         )
         hidden_states = residual + attn
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + self.mlp(
+            with_delta(self.post_attention_layernorm, hidden_states, d, "post_attention_layernorm"), d
+        )
         return hidden_states, attn_weights
 
 
@@ -234,19 +270,24 @@ class LoopedSandwichDecoderLayer(LoopedDecoderLayer):
                   "post_feedforward_residual_layernorm")  # fmt: skip
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
-                **kwargs):  # fmt: skip
+                loop_deltas=None, **kwargs):  # fmt: skip
+        d = loop_deltas
         attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states),
+            with_delta(self.input_layernorm, hidden_states, d, "input_layernorm"),
             position_embeddings,
             attention_mask,
             cache,
             cache_index,
+            d,
             **kwargs,
         )
-        hidden_states = self.post_attention_residual_layernorm(attn + hidden_states)
-        hidden_states = self.post_feedforward_residual_layernorm(
-            self.mlp(self.pre_feedforward_layernorm(hidden_states)) + hidden_states
+        hidden_states = with_delta(self.post_attention_residual_layernorm, attn + hidden_states, d,
+                                   "post_attention_residual_layernorm")  # fmt: skip
+        out = self.mlp(
+            with_delta(self.pre_feedforward_layernorm, hidden_states, d, "pre_feedforward_layernorm"), d
         )
+        hidden_states = with_delta(self.post_feedforward_residual_layernorm, out + hidden_states, d,
+                                   "post_feedforward_residual_layernorm")  # fmt: skip
         return hidden_states, attn_weights
 
 
@@ -257,12 +298,16 @@ class LoopedSublayerOutputNormDecoderLayer(LoopedDecoderLayer):
     norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
-                **kwargs):  # fmt: skip
+                loop_deltas=None, **kwargs):  # fmt: skip
+        d = loop_deltas
         attn, attn_weights = self.self_attn(
-            hidden_states, position_embeddings, attention_mask, cache, cache_index, **kwargs
+            hidden_states, position_embeddings, attention_mask, cache, cache_index, d, **kwargs
         )
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        hidden_states = hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        hidden_states = hidden_states + with_delta(
+            self.post_attention_layernorm, attn, d, "post_attention_layernorm"
+        )
+        hidden_states = hidden_states + with_delta(self.post_feedforward_layernorm, self.mlp(hidden_states, d), d,
+                                                   "post_feedforward_layernorm")  # fmt: skip
         return hidden_states, attn_weights
 
 
@@ -274,18 +319,25 @@ class LoopedPreAndOutputNormDecoderLayer(LoopedDecoderLayer):
                   "post_feedforward_layernorm")  # fmt: skip
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, cache_index=0,
-                **kwargs):  # fmt: skip
+                loop_deltas=None, **kwargs):  # fmt: skip
+        d = loop_deltas
         attn, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states),
+            with_delta(self.input_layernorm, hidden_states, d, "input_layernorm"),
             position_embeddings,
             attention_mask,
             cache,
             cache_index,
+            d,
             **kwargs,
         )
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        hidden_states = hidden_states + self.post_feedforward_layernorm(
-            self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        hidden_states = hidden_states + with_delta(
+            self.post_attention_layernorm, attn, d, "post_attention_layernorm"
+        )
+        out = self.mlp(
+            with_delta(self.pre_feedforward_layernorm, hidden_states, d, "pre_feedforward_layernorm"), d
+        )
+        hidden_states = hidden_states + with_delta(
+            self.post_feedforward_layernorm, out, d, "post_feedforward_layernorm"
         )
         return hidden_states, attn_weights
 
@@ -309,4 +361,5 @@ __all__ = [
     "LoopedSandwichDecoderLayer",
     "LoopedSublayerOutputNormDecoderLayer",
     "apply_rotary_pos_emb",
+    "with_delta",
 ]

@@ -397,7 +397,7 @@ def check_safetensors(path: str | os.PathLike) -> None:
 
 
 #: The ``model_type`` of every checkpoint looped_hf writes and reads: ``LoopedConfig``'s and the per-loop
-#: LoRA retrofit's (``retrofit/loop_lora.py``). The classes of each are ``looped_hf.model_types``'s.
+#: LoRA retrofit's (``loop_lora_looped.py``). The classes of each are ``looped_hf.model_types``'s.
 LOOPED_MODEL_TYPES = ("looped", "looped_loop_lora")
 
 

@@ -3,7 +3,7 @@
 
 * ``looped``: ``LoopedConfig`` / ``LoopedForCausalLM``;
 * ``looped_loop_lora``: the per-loop LoRA retrofit's ``LoopLoRAConfig`` / ``LoopLoRAForCausalLM``
-  (``retrofit/loop_lora.py``: the RRT share with ``--lora-rank``).
+  (``loop_lora_looped.py``, written by the RRT share with ``--lora-rank``).
 
 ``looped_hf.register()`` registers the per-loop LoRA pair with transformers' Auto classes too (so
 its folder loads without ``trust_remote_code`` where looped_hf is installed, and still with it where
@@ -24,8 +24,8 @@ def looped_classes() -> dict[str, tuple[type, type]]:
     """``model_type`` -> (config class, causal-LM class), for every type in ``fileio.LOOPED_MODEL_TYPES``
     (in its order)."""
     from .configuration_looped import LoopedConfig
+    from .loop_lora_looped import LoopLoRAConfig, LoopLoRAForCausalLM
     from .modeling_looped import LoopedForCausalLM
-    from .retrofit.loop_lora import LoopLoRAConfig, LoopLoRAForCausalLM
 
     return {
         LoopedConfig.model_type: (LoopedConfig, LoopedForCausalLM),

@@ -25,6 +25,7 @@ transformers and those modules.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -95,6 +96,9 @@ except ImportError:  # transformers < 5.20 (vLLM's pinned range) slices inline, 
             return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, keep, :]
+
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (Llama's, with the study's switches)
@@ -220,7 +224,10 @@ class LoopedPreTrainedModel(PreTrainedModel):
         remote code. Both schemes start the injection at [I | 0] and hyperconnections cyclic."""
         study = self.config.init_scheme == "study"
         role = getattr(module, "looped_study_init", None)
-        if role == "injection":
+        if role == "zeros":  # a per-loop LoRA delta (loop_lora_looped.py): zero until a retrofit writes it
+            for param in module.parameters(recurse=False):
+                init.zeros_(param)
+        elif role == "injection":
             # u = W [e; h] with W = [I | 0]: every recurrence reads e at init (the study). 0.1.0
             # checkpoints concatenated [h; e]; they are loaded, never initialised, so one form.
             d = module.weight.shape[0]
@@ -396,12 +403,20 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
 
     def __init__(self, config: LoopedConfig) -> None:
         super().__init__(config)
-        self.model = LoopedModel(config)
+        self.model = self.trunk_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         if not config.tie_word_embeddings:
             self.lm_head.looped_study_init = ("normal", 0.001)  # the study: small logits at init
         self.post_init()
+        gate = self.model.exit_gate
+        if gate is not None and config.exit_gate_entropy_beta is None and config.exit_gate_output != "weighted":
+            # No loss term reads the gate (the last recurrence's or a gathered step's logits), so it
+            # would be a parameter that never trains: frozen, and said once.
+            gate.requires_grad_(False)
+            logger.info(f"exit_gate frozen: no loss term trains it (exit_gate_output={config.exit_gate_output!r}, "
+                        "exit_gate_entropy_beta=None); set exit_gate_entropy_beta (Ouro's loss) or "
+                        "exit_gate_output='weighted' to train it")  # fmt: skip
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -582,6 +597,10 @@ class LoopedForCausalLM(LoopedPreTrainedModel, LoopedGenerationMixin):
 # ---------------------------------------------------------------------------------------------
 
 
+# The trunk every model class here builds (``trunk_class``): the per-loop LoRA classes
+# (loop_lora_looped.py) are these classes on their own trunk.
+LoopedPreTrainedModel.trunk_class = LoopedModel
+
 # The generic heads build their trunk with ``AutoModel.from_config``, which cannot resolve the looped
 # trunk as remote code without looped_hf installed; so each builds ``LoopedModel`` itself, without
 # a gated config's exit gate: they read the last recurrence's final state, so a gate would be a
@@ -594,7 +613,7 @@ class LoopedForSequenceClassification(GenericForSequenceClassification, LoopedPr
     def __init__(self, config: LoopedConfig) -> None:
         LoopedPreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
-        self.model = LoopedModel(config, exit_gate=False)  # no gate readout here: no gate
+        self.model = self.trunk_class(config, exit_gate=False)  # no gate readout here: no gate
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
 
@@ -605,7 +624,7 @@ class LoopedForTokenClassification(GenericForTokenClassification, LoopedPreTrain
     def __init__(self, config: LoopedConfig) -> None:
         LoopedPreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
-        self.model = LoopedModel(config, exit_gate=False)  # no gate readout here: no gate
+        self.model = self.trunk_class(config, exit_gate=False)  # no gate readout here: no gate
         # The generic head's dropout: classifier_dropout, else hidden_dropout, else 0.1.
         dropout = getattr(config, "classifier_dropout", None)
         if dropout is None:
@@ -620,7 +639,7 @@ class LoopedForQuestionAnswering(GenericForQuestionAnswering, LoopedPreTrainedMo
 
     def __init__(self, config: LoopedConfig) -> None:
         LoopedPreTrainedModel.__init__(self, config)
-        self.model = LoopedModel(config, exit_gate=False)  # no gate readout here: no gate
+        self.model = self.trunk_class(config, exit_gate=False)  # no gate readout here: no gate
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 

@@ -241,6 +241,8 @@ class LoopedRecurrentBlock:
         self.cache = layer_kwargs.get("cache")
         self.num_new_tokens = num_new_tokens
         self.legacy = self.config.looped_format == 1
+        # A per-loop LoRA model's deltas (``loop_lora_looped.LoopLoRA``: ``steps[t][j]``), else None.
+        self.loop_lora = getattr(model, "loop_lora", None)
 
     def initial_state(self, e: torch.Tensor) -> torch.Tensor:
         state_init = self.config.state_init
@@ -289,13 +291,23 @@ class LoopedRecurrentBlock:
             return h + e
         return h
 
+    def loop_deltas(self, step: int, j: int) -> nn.ModuleDict | None:
+        """Loop ``step``'s deltas of block layer j (a per-loop LoRA model), else None: handed to the
+        layer as an argument of its application, so the step is part of what activation
+        checkpointing replays (the HF and the vLLM model alike)."""
+        return self.loop_lora.steps[step][j] if self.loop_lora is not None else None
+
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
-        """Block layer j at recurrence ``step``, in its planned slot. The study writes a slot at
-        every recurrence, so the slot ends up holding its last writer's KV, while each writer's own
-        tokens attend to their fresh KV. Same here: an overwritten writer writes, attends, then
-        crops its tokens back out."""
+        """Block layer j at recurrence ``step``, in its planned slot, with loop ``step``'s deltas
+        (``loop_deltas``). The study writes a slot at every recurrence, so the slot ends up holding
+        its last writer's KV, while each writer's own tokens attend to their fresh KV. Same here: an
+        overwritten writer writes, attends, then crops its tokens back out."""
         slot = self.plan.block(step, j)
-        x = layer(x, cache_index=slot, **self.layer_kwargs)[0]
+        deltas = self.loop_deltas(step, j)
+        if deltas is None:
+            x = layer(x, cache_index=slot, **self.layer_kwargs)[0]
+        else:
+            x = layer(x, cache_index=slot, loop_deltas=deltas, **self.layer_kwargs)[0]
         if self.cache is not None and self.plan.overwritten(step):
             crop_slot(self.cache.layers[slot], self.num_new_tokens)
         return x

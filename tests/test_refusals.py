@@ -735,18 +735,23 @@ HOSTILE_LOOP_LORA = {  # config.json change: what the one line says
     "rank text": ({"loop_lora_rank": "four"}, "LoopLoRAConfig.loop_lora_rank='four': must be an integer >= 1"),
     "rank 0": ({"loop_lora_rank": 0}, "LoopLoRAConfig.loop_lora_rank=0: must be an integer >= 1"),
     "rank bool": ({"loop_lora_rank": True}, "LoopLoRAConfig.loop_lora_rank=True: must be an integer >= 1"),
-    "rank not saved": ({"loop_lora_rank": 8}, "'loop_lora.steps.0.0.q_proj.A' has shape [4, 64] in model.safetensors, "
+    "rank not saved": ({"loop_lora_rank": 8}, "'model.loop_lora.steps.0.0.q_proj_delta.A' has shape [4, 64] in "
+                                              "model.safetensors, "
                                               "the config makes [8, 64]"),
     "targets text": ({"loop_lora_targets": "self_attn.q_proj"},
                      "LoopLoRAConfig.loop_lora_targets='self_attn.q_proj': must be a list of distinct names from"),
     "targets unknown": ({"loop_lora_targets": ["self_attn.q_proj", "mlp.zz_proj"]},
                         "loop_lora_targets=['self_attn.q_proj', 'mlp.zz_proj']: must be a list of distinct names"),
     "targets twice": ({"loop_lora_targets": ["mlp.up_proj", "mlp.up_proj"]}, "must be a list of distinct names"),
-    "loops above the ceiling": ({"max_recurrences": 10**6},  # built 10^6 loops of deltas: a hang
-                                "LoopLoRAConfig.max_recurrences=1000000: exceeds MAX_NUM_RECURRENCES=4096"),
-    "loops below r": ({"max_recurrences": 1}, "LoopLoRAConfig.max_recurrences=1: must be None"),
-    "loops not saved": ({"max_recurrences": 4, "num_recurrences": 4},
-                        "'loop_lora.steps.3.0.q_proj.A' (and 31 more) is in no weight file"),
+    "ceiling above the ceiling": ({"max_recurrences": 10**6},
+                                  "LoopLoRAConfig.max_recurrences=1000000: exceeds MAX_NUM_RECURRENCES=4096"),
+    "ceiling above the loops": ({"max_recurrences": 4}, "LoopLoRAConfig.max_recurrences=4: must be <= loop_lora_loops=3"),
+    "loops above the ceiling": ({"loop_lora_loops": 10**6},  # built 10^6 loops of deltas: a hang
+                                "LoopLoRAConfig.loop_lora_loops=1000000: must be an integer in [num_recurrences=3, 4096]"),
+    "loops below r": ({"loop_lora_loops": 1}, "LoopLoRAConfig.loop_lora_loops=1: must be an integer in"),
+    "loops text": ({"loop_lora_loops": "3"}, "LoopLoRAConfig.loop_lora_loops='3': must be an integer in"),
+    "loops not saved": ({"loop_lora_loops": 4, "max_recurrences": 4, "num_recurrences": 4},
+                        "'model.loop_lora.steps.3.0.q_proj_delta.A' (and 31 more) is in no weight file"),
 }  # fmt: skip
 
 
@@ -765,7 +770,7 @@ def test_a_hostile_per_loop_lora_config_is_refused_in_one_line(loop_lora_folder,
 def test_a_per_loop_lora_config_is_checked_when_built_as_a_looped_one_is():
     from looped_hf import LoopedConfig
     from looped_hf.configuration_looped import LoopedConfigError
-    from looped_hf.retrofit.loop_lora import LoopLoRAConfig
+    from looped_hf.loop_lora_looped import LoopLoRAConfig
 
     for cls in (LoopedConfig, LoopLoRAConfig):  # the subclass used to skip every validate_* rule at construction
         with pytest.raises(LoopedConfigError, match=rf"^{cls.__name__}.num_attention_heads=3: does not divide"):

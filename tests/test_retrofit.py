@@ -147,7 +147,7 @@ def test_low_rank_loop_lora_is_not_the_parent_and_shares_keep_their_sources(tmp_
     parent = tiny_parent(tmp_path / "parent", "qwen2")
     retrofit(parent, "--share", "average", "--blocks", "2", "--lora-rank", "4", "--out", tmp_path / "low")
     reference, looped = load_pair(parent, tmp_path / "low", trust_remote_code=True)
-    assert looped.loop_lora.steps[0][0]["q_proj"].A.shape == (4, 64)
+    assert looped.model.loop_lora.steps[0][0]["q_proj_delta"].A.shape == (4, 64)
     # Loop 1's block layer 0 stands for parent layer 2: its q delta is the best rank-4 part of the
     # residual, what is left its other singular values; its bias delta is the whole residual.
     theirs, ours = load_file(parent / "model.safetensors"), load_file(tmp_path / "low" / "model.safetensors")
@@ -155,7 +155,7 @@ def test_low_rank_loop_lora_is_not_the_parent_and_shares_keep_their_sources(tmp_
         theirs["model.layers.2.self_attn.q_proj.weight"]
         - ours["model.recurrent_layers.0.self_attn.q_proj.weight"]
     )
-    pair = looped.loop_lora.steps[1][0]["q_proj"]
+    pair = looped.model.loop_lora.steps[1][0]["q_proj_delta"]
     with torch.no_grad():
         left = torch.linalg.matrix_norm(residual - pair.B @ pair.A)
         torch.testing.assert_close(left, torch.linalg.svdvals(residual)[4:].norm(), rtol=1e-4, atol=0)
@@ -167,11 +167,9 @@ def test_low_rank_loop_lora_is_not_the_parent_and_shares_keep_their_sources(tmp_
     ids = prompts()
     with torch.no_grad():
         assert (looped(ids).logits - reference(ids).logits).abs().max() > 1e-2
-    # A call past the loops that have a LoRA, or with shared KV slots, is refused by name.
+    # A call past the loops that have a LoRA is refused by name.
     with pytest.raises(ValueError, match="num_recurrences=4"):
         looped(ids, num_recurrences=4)
-    with pytest.raises(ValueError, match="kv_budget=1"):
-        looped(ids, kv_budget=1)
 
 
 def test_loop_lora_parameters_and_flops_match_a_hand_count(tmp_path):
@@ -188,7 +186,7 @@ def test_loop_lora_parameters_and_flops_match_a_hand_count(tmp_path):
     inference = looped.inference_flops_per_token(32)
     looped.config.backprop_recurrences = 1
     truncated = looped.training_flops_per_token(32)
-    looped.loop_lora = None  # the same model without its deltas: what the accounting adds is theirs
+    looped.model.loop_lora = None  # the same model without its deltas: what the accounting adds is theirs
     looped.config.backprop_recurrences = None
     # 2 * rank * (in + out) FLOPs per token and projection forward, x3 with backward, every loop run.
     assert with_lora[1] - looped.training_flops_per_token(32, 1) == 6 * matrices

@@ -9,7 +9,7 @@ looped model, write a Hub-ready folder with ``retrofit.json`` and a card naming 
   initial state (``--state-init``);
 * Relaxed Recursive Transformers (Bae et al. 2024): ``--share stepwise|average|lower --blocks K``,
   optionally ``--lora-rank N`` (a LoRA per loop position from the SVD of the residual,
-  ``loop_lora.py``).
+  ``lora_init.py``; the model type is ``looped_hf/loop_lora_looped.py``).
 
 The layer choices are small functions in ``plan.py``; each parent family is one module
 (``llama.py``: Llama, Mistral; ``qwen.py``: Qwen2, Qwen3; ``olmo2.py``), mapped by the config's
@@ -21,9 +21,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Public names -> their submodule, loaded on first access: ``looped_hf.register()`` imports
-# ``loop_lora`` (its classes are registered with the Auto API), which must not pull in the
-# converters and the publisher behind ``core`` at every ``import looped_hf``.
+# Public names -> their submodule, loaded on first access: a command package, imported only by the
+# command that runs it (the converters and the publisher behind ``core`` are heavy).
 _LAZY = {
     "ConversionError": "..convert.common",
     "main": ".cli",

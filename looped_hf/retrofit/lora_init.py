@@ -2,8 +2,8 @@
 the residual (the Mixture-of-Recursions code's ``relaxation/lora/svd_init.py``: A = V_N^T,
 B = U_N S_N of ``W_parent - W_shared``) and the full delta of every norm scale and projection bias
 (``v_parent - v_shared``: full rank is the parent whatever its per-layer vectors), written as a
-folder that loads with ``trust_remote_code=True`` (``loop_lora.py`` shipped beside the looped
-model's own remote code)."""
+folder that loads with ``trust_remote_code=True`` (``loop_lora_looped.py`` shipped beside the
+looped model's own remote code)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 
 from ..convert.common import ConversionError, check_target
 from ..convert.loader import Checkpoint
+from ..loop_lora_looped import LOOP_LORA_TARGETS, LoopLoRAForCausalLM, LoRAPair, delta_paths, norm_keys
 from ..publish import PathLike
 from .core import build_retrofit, default_out, parent_family, write_retrofit
-from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM, LoRAPair, norm_keys
 from .parent import open_parent
 from .plan import LayerPlan
 
@@ -37,8 +37,7 @@ def init_loop_lora(
     scale delta ``w_parent - w_shared``. ``zero_init``: the family's tensors the parent lacks (zero in
     every layer, so their delta is zero)."""
     layers = model.model.recurrent_layers
-    paths = {target.rsplit(".", 1)[-1]: target for target in model.config.loop_lora_targets}
-    paths.update(norm_keys(layers[0]))
+    paths = delta_paths(layers[0], model.config.loop_lora_targets)
 
     def residual(source: int, j: int, name: str) -> torch.Tensor:
         shared = layers[j].get_parameter(name)
@@ -48,7 +47,7 @@ def init_loop_lora(
 
     for t, row in enumerate(plan.unrolled):
         for j, source in enumerate(row):
-            for key, delta in model.loop_lora.steps[t][j].items():
+            for key, delta in model.model.loop_lora.steps[t][j].items():
                 path = paths[key]
                 if isinstance(delta, LoRAPair):
                     a, b = svd_delta(residual(source, j, f"{path}.weight"), delta.A.shape[0])
@@ -88,16 +87,17 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
     ):
         raise ConversionError(f"--lora-rank={rank}: must be in [1, the width hidden_size={width}] (a delta of a "
                               "projection has rank at most its smaller side)")  # fmt: skip
+    # One loop with a LoRA per parent layer group; the r ceiling is those loops (max_recurrences).
     extra = {"loop_lora_rank": rank, "loop_lora_targets": list(LOOP_LORA_TARGETS),
-             "max_recurrences": plan.num_recurrences}  # fmt: skip
+             "loop_lora_loops": plan.num_recurrences, "max_recurrences": plan.num_recurrences}  # fmt: skip
     model, record = build_retrofit(parent, plan, extra_config=extra, model_class=LoopLoRAForCausalLM,
-                                   own=("loop_lora.",))  # fmt: skip
+                                   own=("model.loop_lora.",))  # fmt: skip
     init_loop_lora(model, parent, plan, family.zero_init)
     record["lora"] = {"rank": rank, "targets": list(LOOP_LORA_TARGETS), "init": "svd of W_parent - W_shared",
                       "vectors": vector_names(model),
                       "vectors_init": "v_parent - v_shared (full, per loop)",
-                      "code": "loop_lora.py (forward hooks keyed on the loop step)"}  # fmt: skip
-    # The model's save_pretrained ships loop_lora.py and the looped modules (LoopLoRAForCausalLM).
+                      "code": "loop_lora_looped.py (each loop's deltas handed to the shared layers)"}  # fmt: skip
+    # The model's save_pretrained ships loop_lora_looped.py beside the looped modules (auto_map).
     return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
 
 

@@ -235,7 +235,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from ..configuration_looped import LoopedConfig
-    from ..retrofit.loop_lora import LoopLoRAConfig
+    from ..loop_lora_looped import LoopLoRAConfig
     from .cpu_norm import register as register_cpu_norm
 
     for config in (LoopedConfig, LoopLoRAConfig):

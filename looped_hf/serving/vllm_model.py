@@ -114,7 +114,7 @@ from . import check_servable
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
-from .loop_lora_vllm import WEIGHT_PREFIX, attach_loop_lora, has_loop_lora
+from .loop_lora_vllm import WEIGHT_PREFIX, build_loop_lora, has_loop_lora, plus, plus_packed
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -206,13 +206,18 @@ class _LoopedAttention(nn.Module):
         padded = F.pad(x.view(x.shape[0], -1, self.head_dim), (0, self.attn_head_size - self.head_dim))
         return padded.view(x.shape[0], -1)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn: Attention) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn: Attention,
+                deltas: nn.ModuleDict | None = None) -> torch.Tensor:  # fmt: skip
+        """``deltas``: a per-loop LoRA model's deltas of this layer at this loop (``loop_lora_vllm``)."""
         qkv, _ = self.qkv_proj(hidden_states)
+        qkv = plus_packed(qkv, deltas, "qkv_proj", hidden_states, (self.q_size, self.kv_size, self.kv_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "learnable_before_rope":
-            q, k = self._heads(self.q_norm, q), self._heads(self.k_norm, k)
+            q, k = (self._heads_plus(self.q_norm, q, deltas, "q_norm"),
+                    self._heads_plus(self.k_norm, k, deltas, "k_norm"))  # fmt: skip
         elif self.qk_norm == "learnable_projection_before_rope":
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+            q, k = q.contiguous(), k.contiguous()
+            q, k = plus(self.q_norm(q), deltas, "q_norm", q), plus(self.k_norm(k), deltas, "k_norm", k)
         q, k = self.rotary_emb(positions, q, k)
         if self.qk_norm == "after_rope":
             q, k = self._after_rope_norm(q, k)
@@ -223,8 +228,16 @@ class _LoopedAttention(nn.Module):
             out = out.view(-1, self.num_heads, self.attn_head_size)[..., : self.head_dim].reshape(
                 out.shape[0], -1
             )
-        out, _ = self.o_proj(out)
-        return out
+        attended = out
+        out, _ = self.o_proj(attended)
+        return plus(out, deltas, "o_proj", attended)
+
+    def _heads_plus(self, norm: nn.Module, x: torch.Tensor, deltas: nn.ModuleDict | None, key: str) -> torch.Tensor:
+        """``_heads(norm, x)`` plus the per-loop delta of that norm, also per head."""
+        out = self._heads(norm, x)
+        if deltas is None or key not in deltas:
+            return out
+        return out + self._heads(deltas[key], x)
 
 
 class _LoopedMLP(nn.Module):
@@ -236,6 +249,7 @@ class _LoopedMLP(nn.Module):
         quant_config = vllm_config.quant_config
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gated = config.hidden_act != "relu2"
+        self.intermediate = f // get_tensor_model_parallel_world_size()  # this rank's width of gate / up
         if not self.gated:
             self.up_proj = ColumnParallelLinear(
                 d, f, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up_proj"
@@ -250,10 +264,17 @@ class _LoopedMLP(nn.Module):
             f, d, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, _ = self.gate_up_proj(x) if self.gated else self.up_proj(x)
-        x, _ = self.down_proj(self.act_fn(x))
-        return x
+    def forward(self, x: torch.Tensor, deltas: nn.ModuleDict | None = None) -> torch.Tensor:
+        """``deltas``: a per-loop LoRA model's deltas of this layer at this loop (``loop_lora_vllm``)."""
+        if self.gated:
+            up, _ = self.gate_up_proj(x)
+            up = plus_packed(up, deltas, "gate_up_proj", x, (self.intermediate, self.intermediate))
+        else:
+            up, _ = self.up_proj(x)
+            up = plus(up, deltas, "up_proj", x)
+        hidden = self.act_fn(up)
+        out, _ = self.down_proj(hidden)
+        return plus(out, deltas, "down_proj", hidden)
 
 
 class _DecoderLayer(nn.Module):
@@ -275,16 +296,31 @@ class _DecoderLayer(nn.Module):
         for name in DECODER_LAYERS[self.placement].norm_names:
             setattr(self, name, _norm(config))
 
+    def normed(self, name: str, x: torch.Tensor, deltas: nn.ModuleDict | None,
+               residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Norm ``name`` of ``x`` (with ``residual``: vLLM's fused add + norm, (norm(x + r), x + r)),
+        plus its per-loop delta (``deltas``, a per-loop LoRA model's; it reads the sum when fused).
+        Alone, the delta is taken first: the norm may not be read after a kernel wrote its input."""
+        norm = getattr(self, name)
+        if residual is None:
+            if deltas is None or name not in deltas:
+                return norm(x)
+            delta = deltas[name](x)
+            return norm(x) + delta
+        out, summed = norm(x, residual)
+        return plus(out, deltas, name, summed), summed
+
 
 class _PreNormLayer(_DecoderLayer):
     """Llama's, the study's: x = x + attn(n1 x); x = x + mlp(n2 x), n2 fused with the first add."""
 
     placement = "pre"
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        out = self.self_attn(positions, self.input_layernorm(h), attn)
-        out, residual = self.post_attention_layernorm(out, h)
-        return residual + self.mlp(out)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                deltas: nn.ModuleDict | None = None) -> torch.Tensor:  # fmt: skip
+        out = self.self_attn(positions, self.normed("input_layernorm", h, deltas), attn, deltas)
+        out, residual = self.normed("post_attention_layernorm", out, deltas, h)
+        return residual + self.mlp(out, deltas)
 
 
 class _SandwichLayer(_DecoderLayer):
@@ -292,11 +328,12 @@ class _SandwichLayer(_DecoderLayer):
 
     placement = "sandwich"
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        out = self.self_attn(positions, self.input_layernorm(h), attn)
-        h, _ = self.post_attention_residual_layernorm(out, h)
-        out = self.mlp(self.pre_feedforward_layernorm(h))
-        return self.post_feedforward_residual_layernorm(out, h)[0]
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                deltas: nn.ModuleDict | None = None) -> torch.Tensor:  # fmt: skip
+        out = self.self_attn(positions, self.normed("input_layernorm", h, deltas), attn, deltas)
+        h, _ = self.normed("post_attention_residual_layernorm", out, deltas, h)
+        out = self.mlp(self.normed("pre_feedforward_layernorm", h, deltas), deltas)
+        return self.normed("post_feedforward_residual_layernorm", out, deltas, h)[0]
 
 
 class _SublayerOutputNormLayer(_DecoderLayer):
@@ -305,9 +342,10 @@ class _SublayerOutputNormLayer(_DecoderLayer):
 
     placement = "sublayer_output"
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(positions, h, attn))
-        return h + self.post_feedforward_layernorm(self.mlp(h))
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                deltas: nn.ModuleDict | None = None) -> torch.Tensor:  # fmt: skip
+        h = h + self.normed("post_attention_layernorm", self.self_attn(positions, h, attn, deltas), deltas)
+        return h + self.normed("post_feedforward_layernorm", self.mlp(h, deltas), deltas)
 
 
 class _PreAndOutputNormLayer(_DecoderLayer):
@@ -315,10 +353,12 @@ class _PreAndOutputNormLayer(_DecoderLayer):
 
     placement = "pre_and_output"
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        out = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h), attn))
-        out, residual = self.pre_feedforward_layernorm(out, h)
-        return residual + self.post_feedforward_layernorm(self.mlp(out))
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                deltas: nn.ModuleDict | None = None) -> torch.Tensor:  # fmt: skip
+        attended = self.self_attn(positions, self.normed("input_layernorm", h, deltas), attn, deltas)
+        out = self.normed("post_attention_layernorm", attended, deltas)
+        out, residual = self.normed("pre_feedforward_layernorm", out, deltas, h)
+        return residual + self.normed("post_feedforward_layernorm", self.mlp(out, deltas), deltas)
 
 
 #: ``LoopedConfig.norm_placement`` -> this file's decoder layer (modeling_looped's ``DECODER_LAYERS``).
@@ -360,7 +400,6 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         super().__init__(model, model.default_plan, layer_kwargs={}, num_new_tokens=0)
         self.default_plan = model.default_plan
         self.kv_slots = model.kv_slots
-        self.loop_lora = model.loop_lora
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
         self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once loaded
@@ -482,9 +521,8 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         if j == 0 and self.keeps_inputs:
             x = x.clone()
-        if self.loop_lora is not None:  # a per-loop LoRA retrofit: loop `step`'s deltas (loop_lora_vllm)
-            self.loop_lora.step = step
-        return layer(x, self.positions, self.kv_slots[self.plan.block(step, j)].attn)
+        # A per-loop LoRA retrofit's deltas of loop `step`, handed to the layer (loop_lora_vllm).
+        return layer(x, self.positions, self.kv_slots[self.plan.block(step, j)].attn, self.loop_deltas(step, j))
 
 
 # torch.compile (when vLLM compiles: not with --enforce-eager) traces this forward once, with no depth
@@ -523,7 +561,7 @@ class LoopedVllmModel(nn.Module):
         self.recurrent_layers = stack("recurrent_layers", config.num_recurrent_layers)
         self.coda_layers = stack("coda_layers", config.num_coda_layers)
         # A per-loop LoRA retrofit's deltas on the shared block (loop_lora_vllm), else None.
-        self.loop_lora = attach_loop_lora(config, self.recurrent_layers) if has_loop_lora(config) else None
+        self.loop_lora = build_loop_lora(config, config.num_recurrent_layers) if has_loop_lora(config) else None
         # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
         # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
         build_loop_modules(self, config, norm)
@@ -680,7 +718,6 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
                     f"trained for num_recurrences={weight.shape[0]}, the only r it can run at"
                 )
             loop_lora = name.startswith(WEIGHT_PREFIX)  # per-loop LoRA tensors load by name (loop_lora_vllm)
-            name = f"model.{name}" if loop_lora else name
             module, _, leaf = name.rpartition(".")
             path, _, part = module.rpartition(".")
             if part in shards and not loop_lora:
