@@ -99,6 +99,9 @@ class LoopLoRAConfig(LoopedConfig):
                 or any(target not in LOOP_LORA_TARGETS for target in targets)):  # fmt: skip
             raise ValueError(f"LoopLoRAConfig.loop_lora_targets={targets!r}: must be a list of distinct names from "
                              f"{list(LOOP_LORA_TARGETS)}")  # fmt: skip
+        if "mlp.gate_proj" in targets and self.hidden_act == "relu2":
+            raise ValueError(f"LoopLoRAConfig.loop_lora_targets={targets!r}: names mlp.gate_proj, which "
+                             "hidden_act='relu2' (a non-gated MLP) does not have")  # fmt: skip
 
     def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
         """``LoopedConfig.resolve_num_recurrences``, with an r past the loops that have a LoRA

@@ -8,7 +8,7 @@
 The folder (default ``RUN_DIR/publish``) holds ``config.json`` (with ``auto_map``),
 ``model.safetensors``, ``configuration_looped.py``, ``modeling_looped.py`` and the files it
 imports, ``recurrent_block_looped.py``, ``decoder_layers_looped.py``, ``interface_looped.py``, ``generation_looped.py`` and
-``accounting_looped.py`` (the remote code),
+``accounting_looped.py`` (the remote code; a per-loop LoRA model's folder ``loop_lora_looped.py`` too),
 ``generation_config.json``, the tokenizer files and ``README.md`` (the model card). The model
 is re-saved through ``from_pretrained`` + ``save_pretrained`` so the code files are this
 version's and ``use_cache`` is on (the Trainer saves it off). The folder is built in a temporary
@@ -54,6 +54,8 @@ REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py"
                    "interface_looped.py", "generation_looped.py", "accounting_looped.py",
                    "recurrent_block_looped.py", "decoder_layers_looped.py", "generation_config.json",
                    "tokenizer_config.json", "README.md")  # fmt: skip
+#: Model type -> the remote code its folder has besides (the per-loop LoRA model's own file).
+REQUIRED_BY_MODEL_TYPE = {"looped_loop_lora": ("loop_lora_looped.py",)}
 # A Hub user access token: "hf_" + 30+ letters/digits. Checked before any upload.
 _TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -303,10 +305,12 @@ def _load_fit(fit: Any) -> Any:
 
 def _check_output(folder: Path) -> None:
     """The folder must hold every file a Hub user needs (guards against transformers changes)."""
-    missing = [name for name in REQUIRED_OUTPUT if not (folder / name).is_file()]
+    config = json.loads((folder / "config.json").read_text())
+    required = REQUIRED_OUTPUT + REQUIRED_BY_MODEL_TYPE.get(config.get("model_type"), ())
+    missing = [name for name in required if not (folder / name).is_file()]
     if missing:
         raise PublishError(f"the published folder lacks {missing}: transformers' save_pretrained changed?")
-    auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
+    auto_map = config.get("auto_map") or {}
     if "AutoModelForCausalLM" not in auto_map:
         raise PublishError(
             f"{folder / 'config.json'}: no auto_map.AutoModelForCausalLM, remote code would not load"

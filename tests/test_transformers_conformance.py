@@ -3,6 +3,11 @@
 Legacy and unknown keywords, tuples, full-graph compile with a static cache, hidden states and
 attentions through transformers' output capturing, the standard heads, tensor parallelism, LoRA
 on the injection adapter, tokenizer and recipe defaults, and the once-per-forward injection.
+
+The keyword, compile, output and head cases run on every model design (``DESIGNS``): the looped
+model, the per-loop LoRA model type (random deltas that differ by loop) and a retrofit's config
+(linear injection, the truncated-normal h_0: a random state, so two forwards compared here draw
+it from the same seed).
 """
 
 from __future__ import annotations
@@ -41,6 +46,72 @@ from looped_hf.interface_looped import CACHE_RENAMED
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread):
     """Tiny models: a second OpenMP thread only adds contention on a shared machine."""
+
+
+#: Model designs the conformance cases run on: the looped model, the per-loop LoRA model type, and a
+#: retrofit's config (``looped-hf retrofit``'s linear injection and truncated-normal h_0).
+DESIGNS = ("looped", "loop_lora", "retrofit_tn")
+RETROFIT_TN = dict(input_injection="linear", state_init="truncated_normal", state_init_std=(2 / (5 * 32)) ** 0.5)
+
+
+@pytest.fixture(params=DESIGNS)
+def model_design(request) -> str:
+    return request.param
+
+
+def design_config(design: str, config: LoopedConfig) -> LoopedConfig:
+    """``config`` as ``design`` has it: the per-loop LoRA type's with 6 loops (rank 3, every
+    projection), a retrofit's with its injection and h_0."""
+    if design == "looped":
+        return config
+    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    if design == "retrofit_tn":
+        return LoopedConfig(**{**fields, **RETROFIT_TN})
+    from looped_hf.loop_lora_looped import LOOP_LORA_TARGETS, LoopLoRAConfig
+
+    targets = [t for t in LOOP_LORA_TARGETS if t != "mlp.gate_proj" or config.hidden_act != "relu2"]
+    return LoopLoRAConfig(**fields, loop_lora_rank=3, loop_lora_targets=targets, loop_lora_loops=6)
+
+
+def design_model(design: str, **overrides):
+    """``tiny_model(**overrides)`` of ``design``: the per-loop LoRA one with random deltas, so a loop
+    that ran another's deltas would show."""
+    if design == "looped":
+        return tiny_model(**overrides)
+    if design == "retrofit_tn":  # a retrofit's injection and h_0 whatever the design (h_0 alone never reads e)
+        return tiny_model(**{**overrides, **RETROFIT_TN})
+    from looped_hf.loop_lora_looped import LoopLoRAForCausalLM
+
+    base = tiny_model(**overrides)
+    model = LoopLoRAForCausalLM(design_config(design, base.config)).eval()
+    model.load_state_dict(base.state_dict(), strict=False)
+    with torch.no_grad():
+        for p in model.model.loop_lora.parameters():
+            p.normal_(0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+    return model
+
+
+def seeded(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` from seed 0: a random h_0 (``retrofit_tn``) draws the same state in every
+    forward compared."""
+    torch.manual_seed(0)
+    return fn(*args, **kwargs)
+
+
+def _truncated_normal_compiles() -> bool:
+    """Whether the truncated-normal h_0 traces under ``fullgraph=True`` (branch h-gencfg makes it
+    compile-friendly; torch 2.13's ``trunc_normal_`` draws by rejection sampling, a data-dependent
+    branch)."""
+    model = tiny_model(**RETROFIT_TN)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, fullgraph=True, backend="eager")(prompts())
+        return True
+    except Exception:  # torch._dynamo's Unsupported, under its several names across versions
+        return False
+    finally:
+        torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,11 +160,12 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("keyword", sorted(REFUSED))
-def test_a_keyword_the_model_does_not_use_raises_naming_it(keyword):
-    model, ids = tiny_model(), prompts()
-    with pytest.raises(TypeError, match=rf"LoopedForCausalLM.forward\(\) got an unexpected keyword argument {keyword}="):
+def test_a_keyword_the_model_does_not_use_raises_naming_it(keyword, model_design):
+    model, ids = design_model(model_design), prompts()
+    lm, trunk = type(model).__name__, type(model.model).__name__
+    with pytest.raises(TypeError, match=rf"{lm}.forward\(\) got an unexpected keyword argument {keyword}="):
         model(ids, **{keyword: REFUSED[keyword]})
-    with pytest.raises(TypeError, match=rf"LoopedModel.forward\(\) got an unexpected keyword argument {keyword}="):
+    with pytest.raises(TypeError, match=rf"{trunk}.forward\(\) got an unexpected keyword argument {keyword}="):
         model.model(ids, **{keyword: REFUSED[keyword]})
 
 
@@ -103,10 +175,10 @@ def test_labels_on_the_base_model_raise():
         tiny_model().model(ids, labels=ids)
 
 
-def test_unknown_keywords_set_to_none_ask_for_nothing_and_are_accepted():
-    model, ids = tiny_model(), prompts()
-    out = model(ids, cache_position=None, token_type_ids=None, head_mask=None)
-    torch.testing.assert_close(out.logits, model(ids).logits, rtol=0, atol=0)
+def test_unknown_keywords_set_to_none_ask_for_nothing_and_are_accepted(model_design):
+    model, ids = design_model(model_design), prompts()
+    out = seeded(model, ids, cache_position=None, token_type_ids=None, head_mask=None)
+    torch.testing.assert_close(out.logits, seeded(model, ids).logits, rtol=0, atol=0)
 
 
 def test_num_items_in_batch_reaches_the_loss():
@@ -153,15 +225,15 @@ def test_packed_sequences_with_restarting_positions_attend_within_their_document
 # --------------------------------------------------------------------------------------------
 
 
-def test_return_dict_false_as_an_argument_gives_a_tuple():
-    model, ids = tiny_model(), prompts()
-    out = model(ids, labels=ids)
-    loss, logits, cache = model(ids, labels=ids, return_dict=False)
+def test_return_dict_false_as_an_argument_gives_a_tuple(model_design):
+    model, ids = design_model(model_design), prompts()
+    out = seeded(model, ids, labels=ids)
+    loss, logits, cache = seeded(model, ids, labels=ids, return_dict=False)
     torch.testing.assert_close(loss, out.loss)
     torch.testing.assert_close(logits, out.logits)
     assert len(cache.layers) == model.config.num_hidden_layers
-    hidden, _cache = model.model(ids, return_dict=False)
-    torch.testing.assert_close(hidden, model.model(ids).last_hidden_state)
+    hidden, _cache = seeded(model.model, ids, return_dict=False)
+    torch.testing.assert_close(hidden, seeded(model.model, ids).last_hidden_state)
 
 
 def test_return_dict_false_in_the_config_gives_a_tuple():
@@ -182,6 +254,7 @@ def test_return_dict_false_in_the_config_gives_a_tuple():
 
 
 def _prefill_and_decode(forward, config: LoopedConfig, ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    torch.manual_seed(0)  # a random h_0 draws the same states, eager and compiled
     cache = StaticCache(config=config, max_cache_len=ids.shape[1] + steps)
     batch, length = ids.shape
     logits = [forward(input_ids=ids, cache=cache, position_ids=torch.arange(length).expand(batch, -1)).logits]
@@ -191,9 +264,11 @@ def _prefill_and_decode(forward, config: LoopedConfig, ids: torch.Tensor, steps:
     return logits
 
 
-def test_forward_compiles_with_fullgraph_and_a_static_cache():
-    model, ids = tiny_model(), prompts()
+def test_forward_compiles_with_fullgraph_and_a_static_cache(model_design):
+    model, ids = design_model(model_design), prompts()
     assert type(model)._can_compile_fullgraph
+    if model_design == "retrofit_tn" and not _truncated_normal_compiles():
+        pytest.xfail("the truncated-normal h_0 does not trace under fullgraph=True on this branch (h-gencfg's fix)")
     with torch.no_grad():
         eager = _prefill_and_decode(model, model.config, ids)
         torch._dynamo.reset()
@@ -225,20 +300,22 @@ def test_the_cache_r_check_never_reads_the_cache_length_at_a_fixed_r(monkeypatch
     assert cache.looped_num_recurrences == 2
 
 
-def test_static_cache_generation_equals_dynamic_and_compiles_where_asked():
-    model, ids = tiny_model(), prompts()
-    dynamic = greedy(model, ids)
-    assert torch.equal(greedy(model, ids, cache_implementation="static"), dynamic)
+def test_static_cache_generation_equals_dynamic_and_compiles_where_asked(model_design):
+    model, ids = design_model(model_design), prompts()
+    if model_design == "retrofit_tn" and not _truncated_normal_compiles():
+        pytest.xfail("the truncated-normal h_0 does not trace under fullgraph=True on this branch (h-gencfg's fix)")
+    dynamic = seeded(greedy, model, ids)
+    assert torch.equal(seeded(greedy, model, ids, cache_implementation="static"), dynamic)
     # transformers compiles the decoding steps on GPU by itself; on CPU only when told to.
     config = CompileConfig(fullgraph=True, backend="eager", mode=None)
     config._compile_all_devices = True
     torch._dynamo.reset()
-    compiled = greedy(model, ids, cache_implementation="static", compile_config=config)
+    compiled = seeded(greedy, model, ids, cache_implementation="static", compile_config=config)
     torch._dynamo.reset()
     assert torch.equal(compiled, dynamic)
     # generate() reuses (and resets) its static cache: another r may run in it when it fits.
-    assert torch.equal(greedy(model, ids, cache_implementation="static", num_recurrences=2),
-                       greedy(model, ids, num_recurrences=2))  # fmt: skip
+    assert torch.equal(seeded(greedy, model, ids, cache_implementation="static", num_recurrences=2),
+                       seeded(greedy, model, ids, num_recurrences=2))  # fmt: skip
 
 
 def test_growing_past_a_static_cache_keeps_its_clear_error():
@@ -260,7 +337,7 @@ def test_growing_past_a_static_cache_keeps_its_clear_error():
 # --------------------------------------------------------------------------------------------
 
 
-def _applications(model: LoopedForCausalLM, ids: torch.Tensor, **kwargs) -> tuple[list, list]:
+def _applications(model: LoopedForCausalLM, ids: torch.Tensor, **kwargs) -> tuple[list, list]:  # seeded
     """Every layer application's (input, output), in execution order, by hooks."""
     inputs, outputs = [], []
     base = model.model
@@ -273,7 +350,7 @@ def _applications(model: LoopedForCausalLM, ids: torch.Tensor, **kwargs) -> tupl
     hooks = [layer.register_forward_hook(record) for layer in layers]
     try:
         with torch.no_grad():
-            model(ids, **kwargs)
+            seeded(model, ids, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
@@ -281,11 +358,11 @@ def _applications(model: LoopedForCausalLM, ids: torch.Tensor, **kwargs) -> tupl
 
 
 @pytest.mark.parametrize("r", [3, 5])
-def test_hidden_states_are_one_per_layer_application_in_execution_order(r):
-    model, ids = tiny_model(num_recurrences=3), prompts()
+def test_hidden_states_are_one_per_layer_application_in_execution_order(r, model_design):
+    model, ids = design_model(model_design, num_recurrences=3), prompts()
     inputs, outputs = _applications(model, ids, num_recurrences=r)
     with torch.no_grad():
-        out = model(ids, output_hidden_states=True, num_recurrences=r)
+        out = seeded(model, ids, output_hidden_states=True, num_recurrences=r)
     cfg = model.config
     assert len(out.hidden_states) == cfg.num_layer_applications(r) + 1 == len(outputs) + 1
     torch.testing.assert_close(out.hidden_states[0], inputs[0], rtol=0, atol=0)
@@ -315,8 +392,8 @@ def test_selecting_hidden_states_counts_negative_indices_at_the_calls_r():
             assert state is None
 
 
-def test_attentions_are_one_per_layer_application_with_eager_attention():
-    model, ids = tiny_model(), prompts()
+def test_attentions_are_one_per_layer_application_with_eager_attention(model_design):
+    model, ids = design_model(model_design), prompts()
     model.set_attn_implementation("eager")
     with torch.no_grad():
         out = model(ids, output_attentions=True, num_recurrences=4)
@@ -338,6 +415,22 @@ HEADS = {
 }
 
 
+def head_classes(model_design: str, kind: str) -> tuple[type, type]:
+    """(the head class of ``kind`` for ``model_design``, its Auto class)."""
+    head_cls, auto_cls = HEADS[kind]
+    if model_design == "loop_lora":
+        import looped_hf.loop_lora_looped as loop_lora
+
+        head_cls = getattr(loop_lora, head_cls.__name__.replace("Looped", "LoopLoRA"))
+    return head_cls, auto_cls
+
+
+def _unused_deltas(model, r: int) -> set[str]:
+    """The per-loop LoRA parameters of loops r and on: a call at r runs loops 0 .. r-1 only."""
+    return {name for name, _ in model.named_parameters()
+            if name.startswith("model.loop_lora.steps.") and int(name.split(".")[3]) >= r}  # fmt: skip
+
+
 def _head_inputs(kind: str, ids: torch.Tensor) -> dict:
     if kind == "sequence":
         return {"labels": torch.tensor([0, 2])}
@@ -357,17 +450,17 @@ HEAD_DESIGNS = {
 
 @pytest.mark.parametrize("design", sorted(HEAD_DESIGNS))
 @pytest.mark.parametrize("kind", sorted(HEADS))
-def test_head_forward_loss_and_save_load(kind, design, tmp_path):
-    head_cls, auto_cls = HEADS[kind]
+def test_head_forward_loss_and_save_load(kind, design, model_design, tmp_path):
+    head_cls, auto_cls = head_classes(model_design, kind)
     torch.manual_seed(0)
-    lm = tiny_model(**HEAD_DESIGNS[design])
+    lm = design_model(model_design, **HEAD_DESIGNS[design])
     lm.save_pretrained(tmp_path / "lm")
     # A causal-LM checkpoint loads into the head (the trunk's weights, a new head), as for Llama.
     model = auto_cls.from_pretrained(tmp_path / "lm", num_labels=3).eval()
     assert type(model) is head_cls
     torch.testing.assert_close(model.model.embed_tokens.weight, lm.model.embed_tokens.weight)
     ids = prompts()
-    out = model(ids, **_head_inputs(kind, ids))
+    out = seeded(model, ids, **_head_inputs(kind, ids))
     assert out.loss is not None and torch.isfinite(out.loss)
     if kind == "sequence":
         assert out.logits.shape == (2, 3)
@@ -379,36 +472,42 @@ def test_head_forward_loss_and_save_load(kind, design, tmp_path):
     # Every parameter trains (transformers' common training tests): a gated config's head has no
     # gate, which it would never read.
     untrained = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert untrained == []
+    assert set(untrained) == _unused_deltas(model, model.config.num_recurrences)
     assert model.model.exit_gate is None
     with pytest.raises(TypeError, match="token_type_ids"):  # the trunk refuses what it would ignore
         model(ids, token_type_ids=torch.zeros_like(ids))
     model.save_pretrained(tmp_path / kind)
     auto_map = json.loads((tmp_path / kind / "config.json").read_text())["auto_map"]
-    assert auto_map[auto_cls.__name__] == f"modeling_looped.{head_cls.__name__}"
+    assert auto_map[auto_cls.__name__] == f"{type(model).__module__.rsplit('.', 1)[-1]}.{head_cls.__name__}"
     again = auto_cls.from_pretrained(tmp_path / kind).eval()
     model.eval()
     with torch.no_grad():
-        for a, b in zip(model(ids, use_cache=False, return_dict=False), again(ids, use_cache=False, return_dict=False)):
+        for a, b in zip(seeded(model, ids, use_cache=False, return_dict=False),
+                        seeded(again, ids, use_cache=False, return_dict=False)):  # fmt: skip
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     # The trunk's r applies to the heads too.
     with torch.no_grad():
-        assert not torch.allclose(model(ids, return_dict=False)[0], model(ids, num_recurrences=6, return_dict=False)[0])
+        assert not torch.allclose(seeded(model, ids, return_dict=False)[0],
+                                  seeded(model, ids, num_recurrences=6, return_dict=False)[0])  # fmt: skip
 
 
 @pytest.mark.parametrize("design", sorted(HEAD_DESIGNS))
 @pytest.mark.parametrize("kind", sorted(HEADS))
-def test_every_parameter_of_a_head_trains_under_gradient_checkpointing(kind, design):
+def test_every_parameter_of_a_head_trains_under_gradient_checkpointing(kind, design, model_design):
     # transformers' test_training_gradient_checkpointing: with checkpointed layers, in train mode,
     # the loss reaches every parameter, and the gradients are those of the plain backward.
-    head_cls, _ = HEADS[kind]
+    head_cls, _ = head_classes(model_design, kind)
     torch.manual_seed(0)
-    model = head_cls(tiny_looped_config(num_labels=3, **HEAD_DESIGNS[design])).train()
+    model = head_cls(design_config(model_design, tiny_looped_config(num_labels=3, **HEAD_DESIGNS[design]))).train()
+    if model_design == "loop_lora":  # deltas that differ by loop
+        with torch.no_grad():
+            for p in model.model.loop_lora.parameters():
+                p.normal_(0, 0.2)
     ids = prompts()
     inputs = _head_inputs(kind, ids)
     if hasattr(model, "dropout"):
         model.dropout.p = 0.0  # the token head's dropout would draw differently in the two passes
-    model(ids, **inputs).loss.backward()
+    seeded(model, ids, **inputs).loss.backward()
     plain = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name (the old one warns)
@@ -416,8 +515,9 @@ def test_every_parameter_of_a_head_trains_under_gradient_checkpointing(kind, des
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.model.gradient_checkpointing
-    model(ids, use_cache=False, **inputs).loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    seeded(model, ids, use_cache=False, **inputs).loss.backward()
+    unused = _unused_deltas(model, model.config.num_recurrences)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad and name not in unused}
     assert [name for name, g in grads.items() if g is None] == []
     assert set(grads) == set(plain)
     for name, g in grads.items():

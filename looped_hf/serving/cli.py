@@ -38,9 +38,9 @@ from typing import Any
 from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir
 from looped_hf.publish import TOKENIZER_FILES, WEIGHTS_FILES
 
-from . import servable_problems
 from .engine import engine_args, engine_flags
 from .engine import on_cpu as _on_cpu
+from .servable import servable_problems
 
 #: The module that runs vLLM's OpenAI-compatible server (see the module docstring for why not `vllm`).
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -26,7 +26,7 @@ from torch import Tensor
 from vllm import ir
 from vllm.platforms import current_platform
 
-from . import CPU_NORM_PROVIDER
+from .servable import CPU_NORM_PROVIDER
 
 #: The row width the CPU kernels take a multiple of (vLLM's CPU ``vec_t``: 8 numbers for each dtype).
 KERNEL_WIDTH = 8

@@ -42,9 +42,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import CPU_NORM_OPS, CPU_NORM_PROVIDER, check_servable
 from .depth import MAX_KEY, ServedDepth
 from .plugin import guard_name
+from .servable import CPU_NORM_OPS, CPU_NORM_PROVIDER, check_servable
 
 #: The CPU worker that hands each request's depth to the model (``worker.LoopedCPUWorker``).
 WORKER_CLS = "looped_hf.serving.worker.LoopedCPUWorker"

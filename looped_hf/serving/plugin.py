@@ -42,8 +42,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from . import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS
 from .depth import REQUEST_KEYS, DepthError, ServedDepth
+from .servable import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS
 
 _GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)(_default_only)?")
 

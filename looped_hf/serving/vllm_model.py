@@ -110,11 +110,11 @@ from ..recurrent_block_looped import (
     exit_gate_probabilities,
     threshold_readout,
 )
-from . import check_servable
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
 from .loop_lora_vllm import WEIGHT_PREFIX, build_loop_lora, has_loop_lora, plus, plus_packed
+from .servable import check_servable
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
