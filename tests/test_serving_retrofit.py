@@ -8,8 +8,12 @@ tokens equal ``generate(do_sample=False)``'s and each chosen token's log-probabi
 with its own KV slots; the identity adapter makes each pass read the prelude's output, so the
 tokens are r = 1's, served through another slot plan). The RRT share with a rank-4 LoRA per loop
 (``--share stepwise --blocks 2 --lora-rank 4``: model type ``looped_loop_lora``, its deltas applied
-by the same vLLM model class, ``serving/loop_lora_vllm.py``) is served so too, at its 3 loops; what
-it cannot serve (a depth past its loops, a KV budget) is refused in one line. Run with the serving venv:
+by the same vLLM model class, ``serving/loop_lora_vllm.py``) is served so too, at its 3 loops, and with
+a KV budget of 1 (every loop shares one slot per block layer, each still runs its own deltas: the
+loop step is an argument of each layer application on both sides) and a peft adapter on the usual
+Llama targets through ``enable_lora`` (the deltas are added inside the layers' forward, beside vLLM's
+LoRA wrappers): greedy equals ``generate()`` of the model with the adapter merged. What it cannot
+serve (a depth past its loops) is refused in one line. Run with the serving venv:
 ``.venv-serve/bin/python -m pytest tests/test_serving_retrofit.py`` (``make serve-setup`` builds it).
 """
 
@@ -69,13 +73,31 @@ def loop_lora_folder(workdir, parent) -> Path:
 
 
 @pytest.fixture(scope="module")
+def adapter(workdir, loop_lora_folder) -> dict[str, Path]:
+    """A peft LoRA on the usual Llama targets of the loop-LoRA model (the shared block's projections,
+    not the per-loop deltas), random non-zero B; {"adapter": its folder, "merged": the model with it
+    merged, a loop-LoRA folder too}."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(loop_lora_folder)
+    torch.manual_seed(4)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    lora = peft.get_peft_model(model, config)
+    lora.save_pretrained(workdir / "adapter")
+    lora.merge_and_unload().save_pretrained(workdir / "merged")
+    return {"adapter": workdir / "adapter", "merged": workdir / "merged"}
+
+
+@pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(2)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
 
 
 @pytest.fixture(scope="module")
-def references(folder, loop_lora_folder, prompts) -> list:
+def references(folder, loop_lora_folder, adapter, prompts) -> list:
     python = reference_python()
     if python is None:
         pytest.skip("no interpreter whose transformers runs looped_hf's forward for the generate() reference "
@@ -83,6 +105,9 @@ def references(folder, loop_lora_folder, prompts) -> list:
     jobs = [dict(checkpoint=folder, prompts=prompts, n=8, kwargs=over) for over in ENGINES]
     jobs += [dict(checkpoint=loop_lora_folder, prompts=[p], n=8, kwargs={"num_recurrences": r})
              for p, r in zip(prompts, LOOP_LORA_DEPTHS)]  # fmt: skip
+    # The KV-budget engine's: the base and the adapter-merged loop-LoRA model at kv_budget=1.
+    jobs += [dict(checkpoint=checkpoint, prompts=prompts, n=8, kwargs={"kv_budget": 1})
+             for checkpoint in (loop_lora_folder, adapter["merged"])]  # fmt: skip
     return greedy_references_via(python, jobs)
 
 
@@ -113,6 +138,27 @@ def test_vllm_serves_a_loop_lora_retrofit_with_generates_tokens_and_logprobs(
     finally:
         close(llm)
     assert_served_as_generate(prompts, outputs, [job[0] for job in references[len(ENGINES) :]])
+
+
+@needs_vllm
+def test_vllm_serves_a_loop_lora_retrofit_with_a_kv_budget_and_a_peft_adapter_as_generate(
+    loop_lora_folder, adapter, prompts, references
+):
+    from vllm.lora.request import LoRARequest
+
+    llm = make_llm(loop_lora_folder, {"kv_budget": 1}, max_model_len=128, enable_lora=True, max_lora_rank=8,
+                   max_loras=1)  # fmt: skip
+    try:
+        vllm_config = llm.llm_engine.vllm_config
+        assert_one_attention_per_slot(vllm_config, KVSlotPlan.for_call(vllm_config.model_config.hf_config))
+        base = greedy(llm, prompts)
+        adapted = greedy(llm, prompts, lora_request=LoRARequest("adapter", 1, str(adapter["adapter"])))
+    finally:
+        close(llm)
+    budget_base, budget_merged = references[-2:]
+    assert [t for t, _ in budget_base] != [t for t, _ in budget_merged]  # the adapter changes the tokens
+    assert_served_as_generate(prompts, base, budget_base)
+    assert_served_as_generate(prompts, adapted, budget_merged)
 
 
 def test_serve_takes_a_loop_lora_retrofit_with_a_kv_budget_and_refuses_a_depth_past_its_loops(
