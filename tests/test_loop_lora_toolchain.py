@@ -255,3 +255,29 @@ def test_an_exit_gate_no_loss_trains_is_frozen_with_one_log_line(beta, caplog):
     model(tokens, labels=tokens).loss.backward()
     untrained = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert untrained == []
+
+
+def test_trl_sft_with_the_usual_lora_targets_trains_a_loop_lora_model_under_checkpointing(folders, tmp_path):
+    """TRL's SFT trainer with peft's usual Llama targets and gradient checkpointing on: the shared
+    projections get the adapter (the per-loop deltas are not targets), and the loss falls."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    model = _load(folders, "share_lora")
+    tokenizer = AutoTokenizer.from_pretrained(folders["share_lora"])
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    config = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=4,
+                           logging_steps=1, report_to="none", gradient_checkpointing=True, max_length=32,
+                           learning_rate=1e-2, save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+                           disable_tqdm=True)  # fmt: skip
+    trainer = trl.SFTTrainer(model=model, args=config, processing_class=tokenizer,
+                             train_dataset=Dataset.from_dict({"text": ["abcdefghij klmnop " * 3] * 16}),
+                             peft_config=peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                         target_modules=LLAMA_TARGETS))  # fmt: skip
+    trainer.train()
+    wrapped = [name for name, module in trainer.model.named_modules() if hasattr(module, "lora_A") and name.endswith("proj")]
+    assert len(wrapped) == len(LLAMA_TARGETS) and not [name for name in wrapped if "loop_lora" in name]
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 3 and losses[-1] < losses[0]
