@@ -74,8 +74,13 @@ class LoopLoRAConfig(LoopedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         # A folder written before ``loop_lora_loops`` existed: its loops were ``max_recurrences``.
-        if getattr(self, "loop_lora_rank", None) is not None and getattr(self, "loop_lora_loops", None) is None:
-            self.loop_lora_loops = self.max_recurrences if self.max_recurrences is not None else self.num_recurrences
+        if (
+            getattr(self, "loop_lora_rank", None) is not None
+            and getattr(self, "loop_lora_loops", None) is None
+        ):
+            self.loop_lora_loops = (
+                self.max_recurrences if self.max_recurrences is not None else self.num_recurrences
+            )
 
     def validate_loop_lora(self) -> None:
         """``loop_lora_rank`` an integer >= 1, ``loop_lora_targets`` a list of distinct names from
@@ -87,7 +92,11 @@ class LoopLoRAConfig(LoopedConfig):
             raise ValueError(f"LoopLoRAConfig.loop_lora_rank={rank!r}: must be an integer >= 1")
         loops = getattr(self, "loop_lora_loops", None)
         if loops is not None:
-            if isinstance(loops, bool) or not isinstance(loops, int) or not self.num_recurrences <= loops <= 4096:
+            if (
+                isinstance(loops, bool)
+                or not isinstance(loops, int)
+                or not self.num_recurrences <= loops <= 4096
+            ):
                 raise ValueError(f"LoopLoRAConfig.loop_lora_loops={loops!r}: must be an integer in "
                                  f"[num_recurrences={self.num_recurrences}, 4096] (the loops with a LoRA)")  # fmt: skip
             if self.max_recurrences is not None and self.max_recurrences > loops:
@@ -170,7 +179,9 @@ class LoopLoRA(nn.Module):
             for target in targets:
                 linear = layer.get_submodule(target)
                 n = min(rank, linear.in_features, linear.out_features)
-                out[delta_key(target)] = LoRAPair(linear.in_features, linear.out_features, n, linear.bias is not None)
+                out[delta_key(target)] = LoRAPair(
+                    linear.in_features, linear.out_features, n, linear.bias is not None
+                )
             for key, path in norm_keys(layer).items():
                 norm = layer.get_submodule(path)
                 out[key] = NormDelta(norm.weight.shape[0], eps=norm.variance_epsilon)
@@ -189,7 +200,9 @@ class LoopLoRAModel(LoopedModel):
     def __init__(self, config: LoopLoRAConfig, exit_gate: bool = True) -> None:
         for field in ("loop_lora_rank", "loop_lora_targets"):
             if getattr(config, field, None) is None:
-                raise ValueError(f"LoopLoRAConfig.{field}: missing (the per-loop LoRA needs its rank and targets)")
+                raise ValueError(
+                    f"LoopLoRAConfig.{field}: missing (the per-loop LoRA needs its rank and targets)"
+                )
         super().__init__(config, exit_gate=exit_gate)
         self.loop_lora = LoopLoRA(config, self.recurrent_layers)
         self.post_init()

@@ -325,7 +325,12 @@ def test_the_serving_package_has_no_circle_through_its_own_init():
     """The serving package's ``__init__`` imports ``engine`` (lazily), whose names came from the
     ``__init__`` (as did ``plugin``'s and ``cpu_norm``'s): a circle. The shared names live in the
     leaf ``servable``; no serving module takes a name from the package itself."""
-    serving = {m: names for m, names in _names_from_own_package().items() if m.startswith("looped_hf.serving")}
+    serving = {
+        m: names for m, names in _names_from_own_package().items() if m.startswith("looped_hf.serving")
+    }
     assert serving == {}
     graph = import_graph()
-    assert graph["looped_hf.serving.servable"] <= {"looped_hf.serving.loop_lora_vllm", "looped_hf.loop_lora_looped"}
+    assert graph["looped_hf.serving.servable"] <= {
+        "looped_hf.serving.loop_lora_vllm",
+        "looped_hf.loop_lora_looped",
+    }

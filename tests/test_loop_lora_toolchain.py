@@ -61,7 +61,9 @@ def tiny_loop_lora(seed: int = 0, **overrides) -> LoopLoRAForCausalLM:
                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"], loop_lora_loops=6,
                   hidden_act="silu", qk_norm="learnable_before_rope")  # fmt: skip
     kwargs.update(overrides)
-    config = LoopLoRAConfig(**{k: v for k, v in tiny_looped_config(**kwargs).to_dict().items() if k != "model_type"})
+    config = LoopLoRAConfig(
+        **{k: v for k, v in tiny_looped_config(**kwargs).to_dict().items() if k != "model_type"}
+    )
     torch.manual_seed(seed)
     model = LoopLoRAForCausalLM(config).eval()
     with torch.no_grad():
@@ -141,13 +143,17 @@ def test_a_deep_copy_is_independent_of_its_original(model_type, mode):
         torch.testing.assert_close(model(tokens).logits, moved, rtol=0, atol=0)
 
 
-def test_peft_with_the_usual_llama_targets_wraps_the_shared_projections_trains_merges_and_reloads(folders, tmp_path):
+def test_peft_with_the_usual_llama_targets_wraps_the_shared_projections_trains_merges_and_reloads(
+    folders, tmp_path
+):
     peft = pytest.importorskip("peft")
     model = _load(folders, "share_lora")
     deltas = {name: p.clone() for name, p in model.model.loop_lora.named_parameters()}
     config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=LLAMA_TARGETS)
     lora = peft.get_peft_model(model, config)
-    wrapped = sorted(name for name, module in lora.named_modules() if hasattr(module, "lora_A") and name.endswith("proj"))
+    wrapped = sorted(
+        name for name, module in lora.named_modules() if hasattr(module, "lora_A") and name.endswith("proj")
+    )
     assert wrapped and not [name for name in wrapped if "loop_lora" in name]
     # Every usual target of every layer (the RRT share has no prelude or coda): the shared block's.
     assert all(".model.recurrent_layers." in name for name in wrapped)
@@ -277,7 +283,11 @@ def test_trl_sft_with_the_usual_lora_targets_trains_a_loop_lora_model_under_chec
                              peft_config=peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
                                                          target_modules=LLAMA_TARGETS))  # fmt: skip
     trainer.train()
-    wrapped = [name for name, module in trainer.model.named_modules() if hasattr(module, "lora_A") and name.endswith("proj")]
+    wrapped = [
+        name
+        for name, module in trainer.model.named_modules()
+        if hasattr(module, "lora_A") and name.endswith("proj")
+    ]
     assert len(wrapped) == len(LLAMA_TARGETS) and not [name for name in wrapped if "loop_lora" in name]
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     assert len(losses) == 3 and losses[-1] < losses[0]

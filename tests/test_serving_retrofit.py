@@ -154,7 +154,9 @@ def test_vllm_serves_a_loop_lora_retrofit_with_a_kv_budget_and_a_peft_adapter_as
         # min_tokens: as generate()'s reference, which never stops (its EOS suppressed), vLLM does not
         # pick the EOS token either (ignore_eos alone only keeps going after it).
         base = greedy(llm, prompts, min_tokens=8)
-        adapted = greedy(llm, prompts, lora_request=LoRARequest("adapter", 1, str(adapter["adapter"])), min_tokens=8)
+        adapted = greedy(
+            llm, prompts, lora_request=LoRARequest("adapter", 1, str(adapter["adapter"])), min_tokens=8
+        )
     finally:
         close(llm)
     budget_base, budget_merged = references[-2:]

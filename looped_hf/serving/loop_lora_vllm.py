@@ -89,7 +89,8 @@ def plus_packed(out: Any, deltas: Any, packed: str, x: Any, sizes: tuple[int, ..
     if not any(key in deltas for key in keys):
         return out
     parts = [
-        deltas[key](x) if key in deltas else x.new_zeros(*x.shape[:-1], size) for key, size in zip(keys, sizes)
+        deltas[key](x) if key in deltas else x.new_zeros(*x.shape[:-1], size)
+        for key, size in zip(keys, sizes)
     ]
     return out + torch.cat(parts, dim=-1)
 

@@ -59,7 +59,11 @@ def servable_problems(
         problems.append(
             f"exit_criterion={config.exit_criterion!r}: per-token adaptive exit is not served by vLLM (every token of "
             "a batch runs its request's r); save the config with exit_criterion=None to serve at a fixed r"
-            + ("; a request asks for the gate's exit itself (exit_criterion='gate')" if config.exit_gate else "")
+            + (
+                "; a request asks for the gate's exit itself (exit_criterion='gate')"
+                if config.exit_gate
+                else ""
+            )
         )
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type in CALL_DEPENDENT_ROPE_TYPES:
@@ -73,7 +77,8 @@ def servable_problems(
             "(its shared block runs r times in one place); use tensor_parallel_size"
         )
     if config.num_attention_heads % tensor_parallel_size or (
-        config.num_key_value_heads >= tensor_parallel_size and config.num_key_value_heads % tensor_parallel_size
+        config.num_key_value_heads >= tensor_parallel_size
+        and config.num_key_value_heads % tensor_parallel_size
     ):
         problems.append(
             f"tensor_parallel_size={tensor_parallel_size}: must divide num_attention_heads={config.num_attention_heads} "
