@@ -1,4 +1,4 @@
-"""Retrofits and the per-loop LoRA model under the transformers toolchain (issue 58): activation
+"""Retrofits and the per-loop LoRA model under the transformers toolchain: activation
 checkpointing, deep copies, peft's usual targets, TRL, the heads, the loop step and the KV budget.
 
 Every case runs on random weights where the per-loop deltas differ by loop (a retrofit of a random
