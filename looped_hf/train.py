@@ -62,6 +62,7 @@ from looped_hf.fileio import (
     check_output_path,
     current_umask,
     first_line,
+    sha256_file,
     write_json_atomic,
     write_yaml_atomic,
 )
@@ -295,6 +296,25 @@ def retrofit_lineage(init_from: str | None) -> dict[str, Any] | None:
     return json.loads((Path(init_from) / RETROFIT_NAME).read_text(encoding="utf-8"))
 
 
+def lineage_parent(init_from: str | None, lineage: dict[str, Any] | None) -> str | None:
+    """The retrofit parent of a run's ``init_from`` folder, for its reference loss: ``retrofit.json``
+    names it by folder name (never a path, `retrofit.core`), looked for beside ``init_from`` and
+    then in the working directory (a path, as older records hold, is taken as it is), and taken
+    only where its weight files have the digests the record holds. None: not found."""
+    parent = (lineage or {}).get("parent") or {}
+    name, digests = parent.get("path"), parent.get("weights_sha256")
+    if not isinstance(name, str) or not name or init_from is None:
+        return None
+    for candidate in dict.fromkeys([Path(init_from).parent / name, Path(name)]):
+        if not candidate.is_dir():
+            continue
+        if not isinstance(digests, dict) or all(
+            (candidate / file).is_file() and sha256_file(candidate / file) == digest for file, digest in digests.items()
+        ):
+            return str(candidate)
+    return None
+
+
 def parent_heldout_loss(
     parent_dir: str, dataset: Any, batch_size: int, accelerator: Any = None, model: Any = None
 ) -> dict[str, Any]:
@@ -381,6 +401,16 @@ def resolve_run(
     except (OSError, ValueError, TypeError) as err:  # no such file, not on the Hub, offline, malformed
         raise RecipeError(f"tokenizer={data_args.tokenizer!r}: cannot be loaded: {first_line(err)}") from err
     config = start_config(model_args, training_args, tokenizer, seq_len)
+    if training_args.init_from is not None and Path(training_args.init_from).is_dir():
+        # The weights against this config (keys, shapes, dtypes) before output_dir is written: a
+        # refused run leaves nothing behind.
+        from looped_hf.model_types import check_weights
+
+        try:
+            check_weights(training_args.init_from, config)
+        except ValueError as err:
+            raise RecipeError(f"LoopedTrainingArguments.init_from={training_args.init_from!r}: its weights do not "
+                              f"load into this config ({first_line(err)})") from None  # fmt: skip
     if training_args.lora_rank is not None and importlib.util.find_spec("peft") is None:
         raise RecipeError(
             f"LoopedTrainingArguments.lora_rank={training_args.lora_rank}: LoRA needs peft (pip install peft), "
@@ -499,28 +529,83 @@ def curriculum_of(training_args: LoopedTrainingArguments, config: Any, max_steps
     )  # fmt: skip
 
 
+#: transformers encoders whose causal-LM class is causal only with ``is_decoder: true`` (their
+#: folders, saved as encoders, say false: the attention then sees the tokens to the right).
+BIDIRECTIONAL_TYPES = frozenset({
+    "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+    "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod",
+})  # fmt: skip
+
+
 def teacher_flops(folder: str, config: Any, seq_len: int) -> float:
-    """The teacher's forward FLOPs per token (`accounting_looped.teacher_flops_per_token`, from its
-    config on the meta device); a folder that is no transformers causal LM, or one whose vocabulary
-    differs from the student's, is a `RecipeError`."""
+    """The teacher's forward FLOPs per token, at the r it runs (a looped teacher's own
+    ``num_recurrences``: `DistillingTrainer` calls it without one), from its config on the meta
+    device, after the checks of a foreign folder (`check_teacher`). Any refusal is a `RecipeError`."""
+    from looped_hf.accounting_looped import teacher_flops_per_token
+
+    teacher = check_teacher(folder, config)
+    if hasattr(teacher, "inference_flops_per_token"):  # a looped teacher: P + r*K + C layer applications
+        return float(teacher.inference_flops_per_token(seq_len))
+    return teacher_flops_per_token(teacher, seq_len)
+
+
+def check_teacher(folder: str, config: Any) -> Any:
+    """The ``distill_from`` teacher on the meta device, checked before anything is written: a
+    causal LM (the class its config.json's ``architectures`` names is the one
+    ``AutoModelForCausalLM`` builds, so a BERT folder or a bare ``LlamaModel`` with a random head
+    is refused; an encoder config with ``is_decoder: false`` too) with the student's vocabulary.
+    A local folder goes through the foreign-folder checks (`convert.loader.Checkpoint`: the
+    layer count against the weight files, RoPE, the tie flag against the files,
+    generation_config) and its weights are checked against the model (`weight_files.
+    check_model_weights`: a tensor missing, one the model lacks as when the config drops a layer,
+    a shape, a dtype; a key in two shards is refused by the reader); a looped folder as eval reads
+    it (`model_types.check_weights`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from looped_hf.accounting_looped import teacher_flops_per_token
+    from looped_hf.convert.loader import Checkpoint, ConversionError
+    from looped_hf.fileio import LOOPED_MODEL_TYPES, CheckpointError
+    from looped_hf.model_types import check_weights, load_config
+    from looped_hf.weight_files import WeightFiles, check_model_weights
 
     where = f"LoopedTrainingArguments.distill_from={folder!r}"
+    local = Path(folder).is_dir()
     try:
-        teacher_config = AutoConfig.from_pretrained(folder)
+        raw = Checkpoint(folder).config if local else None
+        if raw is not None and raw.get("model_type") in LOOPED_MODEL_TYPES:
+            teacher_config = load_config(folder)
+            check_weights(folder, teacher_config)
+        else:
+            if local:
+                Checkpoint(folder).check_layer_count()  # before a model of 10**12 layers is built
+            teacher_config = AutoConfig.from_pretrained(folder)
+            if local:
+                Checkpoint(folder).check_foreign(tie_default=bool(getattr(teacher_config, "tie_word_embeddings", False)))
         with torch.device("meta"), no_init_weights():
             teacher = AutoModelForCausalLM.from_config(teacher_config)
+        architectures = (raw or {}).get("architectures") if local else None
+        if local and raw.get("model_type") not in LOOPED_MODEL_TYPES:
+            name = type(teacher).__name__
+            if not isinstance(architectures, list) or name not in architectures:
+                raise RecipeError(f"{where}: config.json architectures={architectures!r}: not a causal LM (the folder "
+                                  f"must hold a {name}, whose head the distillation reads)")  # fmt: skip
+            check_model_weights(WeightFiles(folder).entries, teacher, f"{where}: the weights are not the model its "
+                                "config.json builds")  # fmt: skip
+        if teacher_config.model_type in BIDIRECTIONAL_TYPES and not getattr(teacher_config, "is_decoder", False):
+            raise RecipeError(f"{where}: model_type={teacher_config.model_type!r} with is_decoder=False: a "
+                              "bidirectional encoder, not a causal LM")  # fmt: skip
+    except (ConversionError, CheckpointError) as err:
+        raise RecipeError(f"{where}: {first_line(err)}") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
+        if isinstance(err, RecipeError):
+            raise
         raise RecipeError(f"{where}: not a transformers causal LM folder ({first_line(err)})") from None
     vocab = teacher.get_input_embeddings().weight.shape[0]
     if vocab != config.vocab_size:
         raise RecipeError(
             f"{where}: vocab_size={vocab:,}, the student's is {config.vocab_size:,}; they must match"
         )
-    return teacher_flops_per_token(teacher, seq_len)
+    return teacher
 
 
 def trainable_adapter(model: torch.nn.Module) -> list[str]:
@@ -540,14 +625,12 @@ def trainable_adapter(model: torch.nn.Module) -> list[str]:
 def build_student(config: Any, training_args: LoopedTrainingArguments) -> torch.nn.Module:
     """The model the run trains: new (initialised by the seed), or ``init_from``'s weights in
     float32; then `what_trains`."""
-    from looped_hf.model_types import causal_lm_class, check_weights
+    from looped_hf.model_types import causal_lm_class
 
     if training_args.init_from is None:
         model = causal_lm_class(config)(config)
     else:
-        try:
-            if Path(training_args.init_from).is_dir():  # a weight the recipe's config adds or drops, too
-                check_weights(training_args.init_from, config)
+        try:  # a local folder's weights were checked against this config by resolve_run
             model = causal_lm_class(config).from_pretrained(
                 training_args.init_from, config=config, dtype=torch.float32
             )
@@ -840,7 +923,7 @@ def train(
             # The mean over the r actually run (not the planning value at mean r), teacher included.
             record["train_flops_per_token"] = summary["train_flops_per_token"]
         lineage = retrofit_lineage(training_args.init_from)
-        parent_dir = training_args.distill_from or ((lineage or {}).get("parent") or {}).get("path")
+        parent_dir = training_args.distill_from or lineage_parent(training_args.init_from, lineage)
         record.update(retrofit=lineage, parent_loss=None)
         if parent_dir is not None and Path(parent_dir).is_dir():
             # The card's reference line: the dense parent on the same held-out blocks, measured once.
