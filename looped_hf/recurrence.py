@@ -293,7 +293,9 @@ class RecurrenceSamplingCallback(TrainerCallback):
         """`sampled_recurrences_summary` of the first ``steps`` optimizer steps of this run."""
         if self.mean is None:
             raise RuntimeError("RecurrenceSamplingCallback.summary: mean r unknown (training never started)")
-        return sampled_recurrences_summary(self.mean, steps, self.seed, self.scheme, self.curriculum, self.ceiling)
+        return sampled_recurrences_summary(
+            self.mean, steps, self.seed, self.scheme, self.curriculum, self.ceiling
+        )
 
 
 __all__ = [

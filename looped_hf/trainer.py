@@ -185,7 +185,7 @@ class DistillingTrainer(LoopedTrainer):
         self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
         self.alpha, self.temperature = float(alpha), float(temperature)
         self.loss_is_scaled_for_ga = False  # transformers >= 5.19
-        self.model_accepts_loss_kwargs = False  # 5.16-5.18 (see the class docstring) (see the class docstring)
+        self.model_accepts_loss_kwargs = False  # 5.16-5.18 (the class docstring)
         self._kl_sum, self._kl_count = 0.0, 0
 
     def compute_loss(

@@ -27,10 +27,14 @@ class _Grads(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not self.grads:
-            self.grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+            self.grads = {
+                name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+            }
 
 
-def _step(student, teacher, rows, tmp_path, batch: int, accumulation: int) -> tuple[float, dict[str, torch.Tensor]]:
+def _step(
+    student, teacher, rows, tmp_path, batch: int, accumulation: int
+) -> tuple[float, dict[str, torch.Tensor]]:
     grads = _Grads()
     args = TrainingArguments(
         str(tmp_path / f"ga{accumulation}"), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
