@@ -145,7 +145,7 @@ class Interval:
         kind = "an integer" if self.integer else "a finite number"
         if self.low is not None and self.high is not None:
             # Both ends given: finite by the range itself.
-            text = f"{'an integer' if self.integer else 'a number'} in [{self.low}, {self.high}]"
+            text = f"{'an integer' if self.integer else 'a number'} in {'(' if self.low_open else '['}{self.low}, {self.high}]"
         elif self.low is not None:
             text = f"{kind} {'>' if self.low_open else '>='} {self.low}"
         else:
@@ -171,6 +171,10 @@ R_RULE = Interval(1, None, integer=True)  # and at most MAX_NUM_RECURRENCES: val
 KV_BUDGET_RULE = Interval(1, None, integer=True, why="None: every recurrence keeps its KV cache")
 MIN_RECURRENCES_RULE = Interval(1, None, integer=True)
 EXIT_GATE_THRESHOLD_RULE = Interval(0, 1, why="a cumulative exit probability")
+# The largest embedding scale or initial-state std a config may name: Gemma's sqrt(d) and Huginn's
+# are below 100; 1e308 (or a std of 1e200) overflows the first norm's square to inf, so NaN logits.
+MAX_SCALE = 1e4
+SCALE_WHY = "larger ones overflow the activations; the published models' are below 100"
 
 
 def check_override(field: str, value: Any, rule: Interval) -> Any:
@@ -485,7 +489,7 @@ class LoopedConfig(PreTrainedConfig):
     pad_vocab_size_to_multiple_of: int = at_least(1, why="1: no padding")(default=1)
     rope_table_dtype: Literal[ROPE_TABLE_DTYPES] | None = None
     norm_placement: Literal[NORM_PLACEMENTS] = "pre"
-    embedding_multiplier: int | float = interval(0, None, low_open=True)(default=1.0)
+    embedding_multiplier: int | float = interval(0, MAX_SCALE, low_open=True, why=SCALE_WHY)(default=1.0)
     post_loop_norm: Literal[SHARED_NORM_WEIGHTS] | None = None
     recurrence_norm_weight: Literal[SHARED_NORM_WEIGHTS] = "own"
     qk_bias: bool = False
@@ -496,7 +500,7 @@ class LoopedConfig(PreTrainedConfig):
     input_injection: Literal[INPUT_INJECTIONS] = "linear"
     num_hyperconnection_lanes: int = at_least(1)(default=2)
     state_init: Literal[STATE_INITS] | None = None
-    state_init_std: int | float = interval(0, None, why="a standard deviation")(default=1.0)
+    state_init_std: int | float = interval(0, MAX_SCALE, why="a standard deviation; " + SCALE_WHY)(default=1.0)
     backprop_recurrences: int | None = at_least(1, why="None: full backprop")(default=None)
     recurrence_norm: bool = True
     kv_budget: int | None = validated_field(KV_BUDGET_RULE, default=None)
@@ -619,7 +623,8 @@ class LoopedConfig(PreTrainedConfig):
     def validate_exit_gate(self) -> None:
         """The gate's readout and loss against the loop: see ``exit_gate``."""
         if not self.exit_gate:
-            for field, default in (("exit_gate_output", "last"), ("exit_gate_entropy_beta", None)):
+            for field, default in (("exit_gate_output", "last"), ("exit_gate_entropy_beta", None),
+                                   ("exit_gate_threshold", 0.5)):  # fmt: skip
                 if getattr(self, field) != default:
                     raise self._bad(field, "needs exit_gate=True (there is no gate to read)")
             return

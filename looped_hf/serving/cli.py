@@ -154,6 +154,8 @@ def check_served_weights(folder: Path) -> None:
         check_weights(folder, config)
     except CheckpointError as err:
         raise ServeError(str(err)) from None
+    except ValueError as err:  # the model class refuses its config (a loop-LoRA config without its rank)
+        raise ServeError(f"{folder / 'config.json'}: {err}") from None
 
 
 def engine_overrides(

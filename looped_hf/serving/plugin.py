@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS
-from .depth import REQUEST_KEYS, DepthError, ServedDepth
+from .depth import REQUEST_KEYS, DepthError, ServedDepth, misspelt_key
 
 _GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)(_default_only)?")
 
@@ -109,6 +109,10 @@ def map_body(parsed: Any, served: ServedDepth) -> tuple[Any, tuple[str, str] | N
             path,
             f"{path}={value!r}: not read there; set {key} at the top of the body or in vllm_xargs",
         )
+    for key, value in parsed.items():  # a near miss at the top would be dropped by vLLM in silence
+        meant = misspelt_key(key)
+        if meant is not None:
+            return parsed, (key, f"{key}={value!r}: not a depth field; did you mean {meant!r}?")
     top = {key: parsed[key] for key in REQUEST_KEYS if key in parsed}
     for key, value in top.items():
         if xargs is not None and key in xargs and xargs[key] != value:
