@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--state-init", default=None, choices=STATE_INITS,
                    help="h_0: truncated_normal (default, the paper's: std sqrt(2/(5d))), zeros (deterministic, "
                         "needed to serve with vLLM) or prelude (h_0 = e)")  # fmt: skip
-    p.add_argument("--seed", default=None, type=_seed, help="seed of the study adapter init (default 0; only with "
+    p.add_argument("--seed", default=None, help="seed of the study adapter init (default 0; only with "
                                                              "--adapter-init study, the one random init)")  # fmt: skip
     p.add_argument("--repo-id", default=None, metavar="ORG/NAME", help="Hub id shown in the card")
     p.add_argument("--license", default=None, help="license id for the card metadata (default: none stated)")
@@ -92,14 +92,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _seed(text: str) -> int:
-    """argparse type of ``--seed``: an integer in 0 .. 2**32 - 1 (one line; 9e22 or 10**30 would
-    otherwise reach torch's generator)."""
+    """``--seed`` as an integer in 0 .. 2**32 - 1; anything else (9e22, 10**30, -1) one
+    ``ConversionError`` line (read after argparse, whose type errors print the usage too)."""
     try:
         value = int(text)
     except ValueError:
         value = -1
     if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"--seed={text!r}: must be an integer in [0, 2**32 - 1]")
+        raise ConversionError(f"--seed={text!r}: must be an integer in [0, 2**32 - 1]")
     return value
 
 
@@ -125,6 +125,8 @@ def plan_from_args(args: argparse.Namespace) -> Callable[[int], LayerPlan]:
     stray = _given(args, "blocks", "lora_rank")
     if stray:
         raise ConversionError(f"{stray[0]}: only with --share (per-loop LoRA relaxes a shared stack)")
+    if args.seed is not None:
+        args.seed = _seed(args.seed)
     if args.seed is not None and args.adapter_init != "study":
         # Only the study adapter is random; a seed that changes nothing is refused, not ignored.
         raise ConversionError(f"--seed={args.seed}: seeds only --adapter-init study (the adapter is "
