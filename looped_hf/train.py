@@ -571,21 +571,22 @@ def check_teacher(folder: str, config: Any) -> Any:
     where = f"LoopedTrainingArguments.distill_from={folder!r}"
     local = Path(folder).is_dir()
     try:
-        raw = Checkpoint(folder).config if local else None
-        if raw is not None and raw.get("model_type") in LOOPED_MODEL_TYPES:
+        checkpoint = Checkpoint(folder) if local else None
+        raw = checkpoint.config if checkpoint is not None else {}
+        looped = raw.get("model_type") in LOOPED_MODEL_TYPES
+        if looped:
             teacher_config = load_config(folder)
             check_weights(folder, teacher_config)
         else:
-            if local:
-                Checkpoint(folder).check_layer_count()  # before a model of 10**12 layers is built
+            if checkpoint is not None:
+                checkpoint.check_layer_count()  # before a model of 10**12 layers is built
             teacher_config = AutoConfig.from_pretrained(folder)
-            if local:
-                Checkpoint(folder).check_foreign(tie_default=bool(getattr(teacher_config, "tie_word_embeddings", False)))
+            if checkpoint is not None:
+                checkpoint.check_foreign(tie_default=bool(getattr(teacher_config, "tie_word_embeddings", False)))
         with torch.device("meta"), no_init_weights():
             teacher = AutoModelForCausalLM.from_config(teacher_config)
-        architectures = (raw or {}).get("architectures") if local else None
-        if local and raw.get("model_type") not in LOOPED_MODEL_TYPES:
-            name = type(teacher).__name__
+        if checkpoint is not None and not looped:
+            architectures, name = raw.get("architectures"), type(teacher).__name__
             if not isinstance(architectures, list) or name not in architectures:
                 raise RecipeError(f"{where}: config.json architectures={architectures!r}: not a causal LM (the folder "
                                   f"must hold a {name}, whose head the distillation reads)")  # fmt: skip

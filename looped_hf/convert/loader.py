@@ -9,6 +9,10 @@
     ckpt.check_tokenizer()                  # the tokenizer files load, and fit the vocabulary
     ckpt.copy_tokenizer(dst)                # ... copied byte for byte
     ckpt.sha256()                           # {weight file: digest}, for cards and run records
+    ckpt.check_foreign()                    # a transformers folder looped_hf did not write, before it is built:
+    ckpt.check_layer_count(key, prefix)     #   the layer count against the layers the files hold,
+    ckpt.check_tied_head(tied, emb, head)   #   a tied flag against a saved head that differs,
+    ckpt.check_generation_config()          #   generation_config.json's ids, lengths, temperature, ...
     config_rope_parameters(ckpt.config)     # transformers-5 rope_parameters, from either generation
 
 (the vocabulary the token ids and the tokenizer are checked against is config.json's
@@ -39,6 +43,13 @@ forward (a newer release's option), and converting without it would give a model
 runs and is silently wrong; the line names the key so a user can look it up. The keys every
 transformers ``config.json`` may carry without changing the forward (``architectures``,
 ``transformers_version``, ``torch_dtype``, ...) are accepted everywhere (``HF_BOOKKEEPING_KEYS``).
+
+**One set of checks for every foreign folder.** A retrofit parent (`retrofit.parent.open_parent`) and a
+distillation teacher (`train.check_teacher`) go through :meth:`Checkpoint.check_foreign` (the layer count,
+RoPE, the tie flag, generation_config.json), and are then built on the meta device and checked against the
+headers (keys, shapes, floating dtypes: `weight_files.check_model_weights`) before anything is allocated; a
+converter whose source names its fields otherwise calls the parts with its own names. eval, test-time,
+publish, serve and ``init_from`` read looped folders through `model_types.check_weights`, the same check.
 
 Nothing here writes, except :meth:`Checkpoint.copy_tokenizer` into the folder it is given.
 """
