@@ -19,6 +19,7 @@ import), so it imports only torch, transformers and the looped modules it names.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -167,13 +168,24 @@ def noise_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
     return torch.randn_like(e) * config.state_init_std
 
 
+#: erf(3 / sqrt 2) = 2 Phi(3) - 1: the truncated normal's cut at +-3 std, on erfinv's scale.
+_ERF_CUT = math.erf(3 / math.sqrt(2))
+
+
 def truncated_normal_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
     """``state_init="truncated_normal"``, Huginn's initialize_state: N(0, std) truncated at +-3 std,
-    times the embedding scale. std 0 is its deterministic zero state (init_scale=0), without drawing."""
+    times the embedding scale. std 0 is its deterministic zero state (init_scale=0), without drawing.
+
+    Drawn by the inverse CDF, x = std sqrt(2) erfinv(u) with u uniform on (-erf(3/sqrt 2), erf(3/sqrt 2)),
+    i.e. Phi^-1 of a uniform on (Phi(-3), Phi(3)): the same distribution as ``torch.nn.init.trunc_normal_``
+    with one draw per element. torch's own draws by rejection (``if not mask.any()``), a data-dependent
+    branch that ``torch.compile(fullgraph=True)`` cannot trace. In float32 whatever e's dtype (erfinv
+    near the cut needs the digits); the clamp only catches rounding at the ends."""
     std = config.state_init_std
     if std == 0:
         return torch.zeros_like(e)
-    h = torch.nn.init.trunc_normal_(torch.empty_like(e), mean=0.0, std=std, a=-3 * std, b=3 * std)
+    u = (2 * torch.rand_like(e, dtype=torch.float32) - 1) * _ERF_CUT
+    h = (torch.erfinv(u) * (std * math.sqrt(2))).clamp(-3 * std, 3 * std).to(e.dtype)
     multiplier = config.embedding_multiplier
     return h * multiplier if multiplier != 1.0 else h
 
