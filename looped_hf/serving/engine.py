@@ -13,7 +13,9 @@ that could set them when a looped folder is loaded: its per-architecture hooks a
 (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``), ``ModelRegistry.register_model`` takes the
 model class only, and vLLM reads no engine setting from a model class or its config. So they are
 arguments the user passes, and an engine built without them never serves a request at a depth other
-than the one it asked for.
+than the one it asked for: ``vllm serve FOLDER`` or ``vllm.LLM(FOLDER)`` without them stops while vLLM
+builds the engine's config, before any engine process starts (``check_engine_config``, the one
+entry of that private table the plugin adds, through ``vllm_compat``: it refuses, it sets nothing).
 
 The settings, each only where the served depths need it (``depth.ServedDepth``):
 
@@ -44,7 +46,7 @@ from typing import Any
 
 from . import CPU_NORM_OPS, CPU_NORM_PROVIDER, check_servable
 from .depth import MAX_KEY, ServedDepth
-from .plugin import guard_name
+from .plugin import remember
 
 #: The CPU worker that hands each request's depth to the model (``worker.LoopedCPUWorker``).
 WORKER_CLS = "looped_hf.serving.worker.LoopedCPUWorker"
@@ -115,8 +117,9 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
 
 
 def guard_processor(served: ServedDepth) -> str:
-    """The request guard of a server of ``served`` depths, as vLLM loads a logits processor by name."""
-    return f"{guard_name.__module__}:{guard_name(served)}"
+    """The request guard of a server of ``served`` depths, as vLLM loads a logits processor by name (its
+    bounds kept in this process: ``plugin.remember``)."""
+    return f"{remember.__module__}:{remember(served)}"
 
 
 def _flag(name: str) -> str:
@@ -201,8 +204,35 @@ def check_engine_settings(vllm_config: Any, on_cpu: bool) -> None:
         )  # fmt: skip
 
 
+class LoopedEngineError(RuntimeError):
+    """An engine's config that cannot serve a looped folder, refused while vLLM builds it (one line).
+    Not a ``ValueError``: vLLM's config is a pydantic dataclass, which folds a ``ValueError`` raised
+    while it is built into a multi-line ``ValidationError``."""
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """vLLM's check of an engine's config for the looped architectures (``plugin.register`` adds it,
+    ``vllm_compat.check_config_on_build``): run while vLLM builds the config of ``vllm serve`` or
+    ``vllm.LLM``, before any engine process starts. Refuses, in one ``LoopedEngineError`` line, a config
+    the model cannot serve (``check_servable``) or one built without ``engine_args``' settings
+    (``engine_setting_problems``), naming ``looped-hf serve`` and ``engine_args(FOLDER)``; keeps the
+    served depths as the request guard's bounds in this process (``plugin.remember``). Changes nothing."""
+    model_config = vllm_config.model_config
+    on_cpu = vllm_config.device_config.device_type == "cpu"
+    parallel = vllm_config.parallel_config
+    try:
+        check_servable(model_config.hf_config, pipeline_parallel_size=parallel.pipeline_parallel_size,
+                       tensor_parallel_size=parallel.tensor_parallel_size, device="cpu" if on_cpu else None)  # fmt: skip
+        remember(ServedDepth.from_config(model_config.hf_config, per_request=on_cpu))
+        check_engine_settings(vllm_config, on_cpu=on_cpu)
+    except ValueError as err:
+        raise LoopedEngineError(f"{model_config.model}: {err}") from None
+
+
 __all__ = [
+    "LoopedEngineError",
     "WORKER_CLS",
+    "check_engine_config",
     "on_cpu",
     "check_engine_settings",
     "cpu_norm_priority",
