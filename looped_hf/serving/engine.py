@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -226,7 +227,25 @@ def check_engine_config(vllm_config: Any) -> None:
         remember(ServedDepth.from_config(model_config.hf_config, per_request=on_cpu))
         check_engine_settings(vllm_config, on_cpu=on_cpu)
     except ValueError as err:
+        _one_line_when_uncaught()
         raise LoopedEngineError(f"{model_config.model}: {err}") from None
+
+
+def _one_line_when_uncaught() -> None:
+    """Print an uncaught ``LoopedEngineError`` as its one line, not a traceback through vLLM's config
+    code (``vllm serve FOLDER`` ends with it); any other exception goes to the hook there was."""
+    previous = sys.excepthook
+    if getattr(previous, "looped_hf", False):
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if issubclass(kind, LoopedEngineError):
+            print(f"{kind.__name__}: {error}", file=sys.stderr)
+        else:
+            previous(kind, error, traceback)
+
+    hook.looped_hf = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 __all__ = [
