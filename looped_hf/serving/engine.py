@@ -68,25 +68,18 @@ def on_cpu() -> bool:
 
 
 def _served_config(model: Any, overrides: Mapping[str, Any]) -> Any:
-    """``model``'s ``LoopedConfig`` (read from a folder or Hub id, or a copy of the config given) with
-    ``overrides`` applied as vLLM applies ``hf_overrides`` (``config.update``). A key that is neither a
-    config field nor ``max_num_recurrences`` is refused: vLLM would set it and nothing would read it."""
+    """``model``'s ``LoopedConfig`` (read from a folder or Hub id, or the config given, of its own class:
+    a per-loop LoRA retrofit's too) with ``overrides``, the engine's ``hf_overrides``, applied by
+    ``model_types.with_overrides`` (a copy; the config given is unchanged). A key that is neither a config
+    field nor ``max_num_recurrences`` is refused: vLLM would set it and nothing would read it."""
     from ..configuration_looped import LoopedConfig
-    from ..model_types import load_config
+    from ..model_types import load_config, with_overrides
 
-    if isinstance(model, LoopedConfig):  # a copy, of its own class (a per-loop LoRA retrofit's too)
-        config = type(model).from_dict(model.to_dict())
-    elif isinstance(model, str | os.PathLike):
-        config = load_config(model)
-    else:
+    if isinstance(model, str | os.PathLike):
+        model = load_config(model)
+    elif not isinstance(model, LoopedConfig):
         raise TypeError(f"model={model!r}: give a looped checkpoint's folder (or Hub id) or its LoopedConfig")
-    for key, value in overrides.items():
-        if key != MAX_KEY and not hasattr(config, key):
-            raise ValueError(
-                f"{key}={value!r}: not a LoopedConfig field (nor {MAX_KEY}), so no setting of the engine"
-            )
-    config.update(dict(overrides))
-    return config
+    return with_overrides(model, overrides, extra=(MAX_KEY,))
 
 
 def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> dict[str, Any]:
