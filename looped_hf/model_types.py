@@ -15,6 +15,7 @@ looped_hf is not). Eval, test-time, publish and serve read a checkpoint through
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .fileio import check_model_type
@@ -48,6 +49,23 @@ def config_from_dict(config: dict[str, Any], where: str | os.PathLike) -> Any:
     """The config object of a raw config.json dict, of its model type's class (a ``ValueError``
     naming the field for a value the class refuses)."""
     return classes_for(config, where)[0].from_dict(config)
+
+
+def with_overrides(config: Any, overrides: Mapping[str, Any], *, extra: Iterable[str] = ()) -> Any:
+    """A copy of ``config`` with ``overrides`` applied: the one way looped_hf changes a loaded config's
+    fields (``looped-hf serve``'s flags, ``engine_args``' ``hf_overrides``, train's ``init_from``
+    settings). The copy is built by the config's own class from its dict merged with ``overrides``, so
+    every rule of the class checks the result and derived fields follow (``num_hidden_layers`` from
+    ``num_recurrences``), and ``config`` itself is unchanged. A key that is not a field of the config
+    (nor one of ``extra``, settings the caller reads beside the fields) is a ``ValueError`` naming it:
+    nothing would read it. A value the class refuses raises its own one-line error."""
+    fields = config.to_dict()
+    allowed = set(extra)
+    for key, value in overrides.items():
+        if key not in fields and key not in allowed:
+            also = f" (nor {', '.join(sorted(allowed))})" if allowed else ""
+            raise ValueError(f"{key}={value!r}: not a {type(config).__name__} field{also}")
+    return type(config).from_dict({**fields, **overrides})
 
 
 def _raw_config(source: str | os.PathLike) -> dict[str, Any]:
@@ -106,4 +124,5 @@ __all__ = [
     "load_causal_lm",
     "load_config",
     "looped_classes",
+    "with_overrides",
 ]

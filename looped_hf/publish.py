@@ -40,6 +40,7 @@ from looped_hf.fileio import (
     check_finished_run,
     check_output_path,
     follow_umask,
+    has_tokenizer,
     make_temp_dir,
 )
 
@@ -48,7 +49,6 @@ PathLike = str | os.PathLike[str]
 #: The folder written inside the run directory when ``--out`` is not given.
 DEFAULT_OUT = "publish"
 WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: Files every published folder has (plus README.md and at least one tokenizer file).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
                    "interface_looped.py", "generation_looped.py", "accounting_looped.py",
@@ -110,7 +110,7 @@ def check_run_dir(run_dir: PathLike) -> RunDir:
         missing.append("config.json")
     if not any((path / name).is_file() for name in WEIGHTS_FILES):
         missing.append("model.safetensors (the trained weights)")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         missing.append("tokenizer.json / tokenizer_config.json (the tokenizer)")
     if not (path / RECORD_NAME).is_file():
         missing.append(f"{RECORD_NAME} (the run record)")

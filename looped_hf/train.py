@@ -473,7 +473,7 @@ def start_config(
 ) -> Any:
     """The run's `LoopedConfig`: the recipe's model fields over the defaults, or (``init_from``) over
     the folder's config, whose vocabulary, special tokens and rope settings then stay."""
-    from looped_hf.model_types import load_config
+    from looped_hf.model_types import load_config, with_overrides
 
     if training_args.init_from is None:
         return model_args.to_config(
@@ -486,7 +486,7 @@ def start_config(
     except (OSError, ValueError, TypeError) as err:
         raise RecipeError(f"{where}: not a looped checkpoint folder ({first_line(err)})") from None
     try:
-        config = type(base).from_dict({**base.to_dict(), **model_args.settings})
+        config = with_overrides(base, model_args.settings)
     except (TypeError, ValueError, OverflowError) as err:
         raise RecipeError(first_line(err)) from err
     if config.max_position_embeddings < seq_len:

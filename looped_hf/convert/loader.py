@@ -69,14 +69,12 @@ import torch
 
 from .. import fileio
 from ..configuration_looped import MAX_NUM_RECURRENCES
-from ..fileio import CheckpointError, first_line, sha256_file
+from ..fileio import TOKENIZER_FILES, CheckpointError, first_line, sha256_file
 from ..weight_files import WeightFiles
 from .common import ConversionError
 
 PathLike = str | os.PathLike
-#: Files a tokenizer may consist of: checked, and copied when the source has them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")  # fmt: skip
+# Files a tokenizer may consist of (``fileio.TOKENIZER_FILES``): checked, and copied when the source has them.
 #: The tokenizer files that hold a JSON object.
 _JSON_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                    "vocab.json", "added_tokens.json"})  # fmt: skip

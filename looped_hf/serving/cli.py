@@ -35,10 +35,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import RECORD_NAME, CheckpointError, check_checkpoint_dir
-from looped_hf.publish import TOKENIZER_FILES, WEIGHTS_FILES
+from looped_hf.fileio import (
+    RECORD_NAME,
+    TOKENIZER_DEFINING_FILES,
+    CheckpointError,
+    check_checkpoint_dir,
+    has_tokenizer,
+)
+from looped_hf.model_types import with_overrides
+from looped_hf.publish import WEIGHTS_FILES
 
 from . import servable_problems
+from .depth import MAX_KEY
 from .engine import engine_args, engine_flags
 from .engine import on_cpu as _on_cpu
 
@@ -131,9 +139,9 @@ def read_looped_config(folder: Path) -> Any:
         raise ServeError(str(err)) from None
     if not any((folder / name).is_file() for name in WEIGHTS_FILES):
         raise ServeError(f"CKPT={str(folder)!r}: no weights ({' or '.join(WEIGHTS_FILES)})")
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(folder):
         raise ServeError(
-            f"CKPT={str(folder)!r}: no tokenizer ({', '.join(TOKENIZER_FILES)}); the server needs one to read text"
+            f"CKPT={str(folder)!r}: no tokenizer ({', '.join(TOKENIZER_DEFINING_FILES)}); the server needs one to read text"
         )
     from looped_hf.model_types import config_from_dict
 
@@ -165,7 +173,7 @@ def engine_overrides(
     rules: ``LoopedConfig.resolve_num_recurrences`` (at least 1, the model's ceiling, the
     hyperconnection lock), ``LoopedConfig.num_kv_slots`` (the kv_budget) and ``ServedDepth`` (the
     requests' ceiling, at least the served r)."""
-    from .depth import MAX_KEY, ServedDepth
+    from .depth import ServedDepth
 
     try:
         # Against the trained r, before the override replaces it: each recurrence is K more vLLM
@@ -180,9 +188,9 @@ def engine_overrides(
     if kv_budget is not None:
         overrides["kv_budget"] = kv_budget
     if max_num_recurrences is not None:
-        served = config.to_dict() | overrides | {MAX_KEY: max_num_recurrences}
         try:
-            ServedDepth.from_config(type(config).from_dict(served))
+            served = with_overrides(config, {**overrides, MAX_KEY: max_num_recurrences}, extra=(MAX_KEY,))
+            ServedDepth.from_config(served)
         except ValueError as err:
             raise ServeError(f"--max-num-recurrences {max_num_recurrences}: {err}") from None
         overrides[MAX_KEY] = max_num_recurrences
@@ -334,8 +342,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, s
     folder = resolve_checkpoint(args.checkpoint)
     config = read_looped_config(folder)
     overrides = engine_overrides(config, args.num_recurrences, args.kv_budget, args.max_num_recurrences)
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    config = with_overrides(config, overrides, extra=(MAX_KEY,))  # the served config
     on_cpu = _on_cpu()
     problems = servable_problems(config, device="cpu" if on_cpu else None)
     if problems:

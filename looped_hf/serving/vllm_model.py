@@ -81,7 +81,6 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import GeluAndMul, ReLUSquaredActivation, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -110,7 +109,7 @@ from ..recurrent_block_looped import (
     exit_gate_probabilities,
     threshold_readout,
 )
-from . import check_servable
+from . import check_servable, vllm_compat
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
@@ -130,9 +129,7 @@ def attention_head_size(head_dim: int) -> int:
     above them all), elsewhere ``head_dim`` itself."""
     if not current_platform.is_cpu():
         return head_dim
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return min(size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= head_dim)
+    return min(size for size in vllm_compat.cpu_attention_head_sizes() if size >= head_dim)
 
 
 def _norm(config: LoopedConfig, size: int | None = None) -> RMSNorm:
@@ -576,7 +573,7 @@ class LoopedVllmModel(nn.Module):
         all run the served default: every token at the default r and budget and the config's threshold)."""
         plan = self.plan
         depth = None
-        if token_recurrences is not None and get_forward_context().attn_metadata is not None:
+        if token_recurrences is not None and vllm_compat.has_attention_metadata():
             num_tokens = positions.shape[0]
             depth = BatchDepth(token_recurrences, token_kv_budgets, plan, num_tokens, token_gate_exit)
             if token_gate_exit is not None:
@@ -652,8 +649,9 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         the compiled graph was traced without depth tensors and would ignore them)."""
         if token_recurrences is None:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-        return self.model.forward(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
-                                  token_kv_budgets, token_exit_thresholds, token_gate_exit)  # fmt: skip
+        forward = vllm_compat.eager_forward(self.model)
+        return forward(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
+                       token_kv_budgets, token_exit_thresholds, token_gate_exit)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The head's logits, cropped to the vocabulary, then the soft-cap as ``generate()`` runs it
