@@ -133,6 +133,80 @@ def load_native(folder: PathLike, tokenizer: str | None = None) -> tuple[Any, An
     return model.eval(), tok, entry
 
 
+class DepthConfig:
+    """The config of a transformers-native looped model as the eval scorer reads a looped one: the
+    trained r (``num_recurrences``), the r rules (``resolve_num_recurrences``: the registry's range),
+    no adaptive exit and no KV budget; every other attribute is the model's own config's."""
+
+    def __init__(self, config: Any, entry: DepthEntry) -> None:
+        self._config, self._entry = config, entry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+    @property
+    def num_recurrences(self) -> int:
+        return self._entry.trained(self._config)[0]
+
+    @property
+    def recurrence_ceiling(self) -> int:
+        # No ceiling of the class's own: eval's default grid (1, 2, 4, ... 2x trained) stays below this.
+        return 64 * self.num_recurrences
+
+    exit_criterion = None
+
+    def resolve_num_recurrences(self, num_recurrences: int | None = None) -> int:
+        r = self.num_recurrences if num_recurrences is None else num_recurrences
+        return self._entry.resolve(self._config, r)[0]
+
+    def exit_settings(self, *settings: Any) -> None:
+        if any(value is not None for value in settings):
+            raise ValueError(
+                f"{self._entry.name} has no adaptive exit: the exit flags apply to looped checkpoints"
+            )
+
+    def num_kv_slots(self, r: int, kv_budget: int | None = None) -> None:
+        if kv_budget is not None:
+            raise ValueError(
+                f"--kv-budget {kv_budget}: {self._entry.name} has no KV budget (looped checkpoints only)"
+            )
+
+
+def depth_call_model(model: Any, entry: DepthEntry) -> Any:
+    """``model`` called as eval calls a looped model: ``forward(input_ids, num_recurrences=r, ...)``
+    runs it `at_depth` r (the other axes as trained); ``config`` is a `DepthConfig`."""
+    import torch
+
+    class DepthCall(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+            self.config = DepthConfig(model.config, entry)
+
+        def forward(self, input_ids: Any = None, num_recurrences: int | None = None, **kwargs: Any) -> Any:
+            with at_depth(self.inner, self.config.resolve_num_recurrences(num_recurrences)):
+                return self.inner(input_ids=input_ids, **kwargs)
+
+    return DepthCall().eval()
+
+
+def native_checkpoint(folder: PathLike, tokenizer: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """(`depth_call_model`, tokenizer, info) of a transformers-native looped folder, as
+    `looped_hf.evaluation.runner.load_checkpoint` returns a looped one's (no run record)."""
+    model, tok, entry = load_native(folder, tokenizer)
+    info = {
+        "checkpoint": str(folder),
+        "run_id": Path(folder).name,
+        "local": True,
+        "weights_sha256": weights_sha256(folder),
+        "model_class": entry.name,
+        "depth_fields": list(entry.fields),
+        "trained_depth": dict(zip(entry.fields, entry.trained(model.config))),
+        "tokenizer": tokenizer,
+    }
+    return depth_call_model(model, entry), tok, info
+
+
 def _loss_row(model: Any, entry: DepthEntry, dataset: Any, batch_size: int, values: tuple[int, ...]) -> dict:
     from looped_hf.train import heldout_loss
 
@@ -318,10 +392,13 @@ __all__ = [
     "GRID_STEM",
     "check_native_dir",
     "check_native_folder",
+    "DepthConfig",
+    "depth_call_model",
     "grid_markdown_table",
     "load_native",
     "load_tokenizer_for",
     "native_curve",
+    "native_checkpoint",
     "native_entry",
     "native_markdown_table",
     "native_summary",

@@ -120,3 +120,41 @@ def test_inkling_curve_and_tokenizer_refusals(tmp_path, chars, data_env, capsys)
     assert curve["rows"][3]["loss"] == pytest.approx(
         _heldout_loss_built_at(folder, chars, blocks, loop_num_passes=4), abs=1e-5
     )
+
+
+def _task_losses(out: Path) -> dict[int, float]:
+    results = json.loads((out / "eval_results.json").read_text())
+    return {row["num_recurrences"]: row["tasks"]["p_hop_2"]["loss"] for row in results["rows"]}
+
+
+def test_eval_scores_each_depth_as_the_class_built_there(tmp_path, chars, capsys) -> None:
+    folder = _copy("hrm-text-tiny", tmp_path)
+    built_at_1 = Path(shutil.copytree(folder, tmp_path / "h1"))
+    config = json.loads((built_at_1 / "config.json").read_text())
+    (built_at_1 / "config.json").write_text(json.dumps({**config, "H_cycles": 1}))
+    common = ["--bundle", "builtin", "--builtin-examples", "6", "--max-per-task", "4", "--tasks", "p_hop_2", "--tokenizer", str(chars),
+              "--device", "cpu"]  # fmt: skip
+    assert (
+        looped_hf(["eval", str(folder), "--recurrences", "1", "3", "--out", str(tmp_path / "e"), *common])
+        == 0
+    )
+    assert (
+        looped_hf(["eval", str(built_at_1), "--recurrences", "1", "--out", str(tmp_path / "e1"), *common])
+        == 0
+    )
+    losses, reference = _task_losses(tmp_path / "e"), _task_losses(tmp_path / "e1")
+    assert losses[1] == pytest.approx(reference[1], abs=1e-5)
+    assert abs(losses[3] - losses[1]) > 1e-3  # the depth reached the model
+    results = json.loads((tmp_path / "e" / "eval_results.json").read_text())
+    assert results["trained_num_recurrences"] == 2 and results["trained_depth"] == {
+        "H_cycles": 2,
+        "L_cycles": 3,
+    }
+    capsys.readouterr()
+    for flags, message in (
+        (["--kv-budget", "1"], "--kv-budget 1: HrmTextForCausalLM has no KV budget"),
+        (["--exit-criterion", "kl"], "HrmTextForCausalLM has no adaptive exit"),
+    ):
+        assert looped_hf(["eval", str(folder), "--out", str(tmp_path / "x"), *common, *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
