@@ -41,6 +41,16 @@ from looped_hf.fileio import (
 
 PathLike = str | os.PathLike[str]
 GRID_STEM = "depth_grid"
+#: The curve's files are a looped checkpoint's (`looped_hf.recurrence_curves.CURVE_STEM`, which
+#: imports this module: the name is spelled here, and a test pins the two equal), so that
+#: `recurrence_curves.load_curve` and the cards read them alike.
+CURVE_STEM = "test_time_scaling"
+
+
+class DepthToolError(ValueError):
+    """Held-out data or an option the depth tools cannot measure with: the message names it."""
+
+
 #: What a folder's tokenizer is saved as (one of them): as `looped_hf.evaluation.runner` reads it.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -240,18 +250,19 @@ def native_curve(
     import torch
 
     from looped_hf.data import heldout_from_recipe
-    from looped_hf.recurrence_curves import TestTimeError, recurrence_grid
     from looped_hf.train import versions
 
     model, tok, entry = load_native(folder, tokenizer)
     trained = entry.trained(model.config)
-    rs = recurrence_grid(trained[0], max_factor)
+    if not isinstance(max_factor, int) or max_factor < 1:
+        raise DepthToolError(f"max_factor={max_factor!r}: must be an integer >= 1")
+    rs = list(range(1, max_factor * trained[0] + 1))
     try:
         heldout = heldout_from_recipe(dict(data), tok)
     except (ValueError, FileNotFoundError) as err:
-        raise TestTimeError(f"--data {data.get('dataset')!r}: {first_line(err)}") from None
+        raise DepthToolError(f"--data {data.get('dataset')!r}: {first_line(err)}") from None
     if len(heldout) == 0:
-        raise TestTimeError(
+        raise DepthToolError(
             f"--data {data.get('dataset')!r}: no held-out block of seq_len={data.get('seq_len')} tokens"
         )
     batch = int(batch_size or 8)
@@ -260,7 +271,7 @@ def native_curve(
         rows = [_loss_row(model, entry, heldout, batch, (r, *trained[1:])) for r in rs]
         cells = None
         if grid and len(entry.fields) == 2:
-            seconds = recurrence_grid(trained[1], max_factor)
+            seconds = list(range(1, max_factor * trained[1] + 1))
             cells = [[_loss_row(model, entry, heldout, batch, (r, s))["loss"] for s in seconds] for r in rs]
     at_trained = next(row for row in rows if row["num_recurrences"] == trained[0])
     for row in rows:
@@ -348,8 +359,7 @@ def write_native_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path
     """``test_time_scaling.{json,md,png}`` (the curve; the card and `load_curve` read them as a
     looped checkpoint's) and, with a grid, ``depth_grid.{json,md,png}`` (the heat map) into
     ``out_dir``; returns the paths, JSON first in each set."""
-    from looped_hf.plotting import plot_depth_grid, write_result_triple
-    from looped_hf.recurrence_curves import CURVE_PNG, CURVE_STEM, plot_test_time_scaling
+    from looped_hf.plotting import RSeries, plot_depth_grid, plot_metric_vs_r, write_result_triple
 
     data = curve["heldout_data"]
     text = (
@@ -358,13 +368,18 @@ def write_native_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path
         f"token-weighted) at {curve['depth_fields'][0]} = {curve['rows'][0]['num_recurrences']} .. "
         f"{curve['rows'][-1]['num_recurrences']}, the other depth fields as trained "
         f"(`looped_hf.at_depth`).\n\n{native_summary(curve)}\n\n{native_markdown_table(curve)}\n\n"
-        f"![held-out loss vs depth]({CURVE_PNG})\n"
+        f"![held-out loss vs depth]({CURVE_STEM}.png)\n"
     )
 
     def plot(path: Path) -> Path:
-        return plot_test_time_scaling(
-            curve, path, title=f"{curve['run_id']}: held-out loss vs {curve['depth_fields'][0]}"
-        )
+        field, rows = curve["depth_fields"][0], curve["rows"]
+        label = f"{curve['run_id']} ({curve['model_class']}, trained {field} = {curve['trained_num_recurrences']})"
+        series = [RSeries(label, [row["num_recurrences"] for row in rows], [row["loss"] for row in rows],
+                          curve["trained_num_recurrences"])]  # fmt: skip
+        return plot_metric_vs_r(
+            series, path, ylabel="held-out loss (nats/token)", xlabel=f"{field} at inference (log2)",
+            title=f"{curve['run_id']}: held-out loss vs {field} (circle: trained)",
+        )  # fmt: skip
 
     paths = write_result_triple(out_dir, CURVE_STEM, curve, text, plot)
     grid = curve.get("grid")
@@ -388,8 +403,120 @@ def write_native_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path
     return paths
 
 
+def _load_curves(folder: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The curve and grid saved beside a folder by test-time, when measured on these weights."""
+    import json
+
+    sha = weights_sha256(folder)
+    found: list[dict[str, Any] | None] = []
+    for stem in (CURVE_STEM, GRID_STEM):
+        path = folder / f"{stem}.json"
+        found.append(json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None)
+    curve, grid = found
+    if curve is not None and curve.get("weights_sha256") not in (None, sha):
+        return None, None  # measured on other weights: a stale curve is not shown
+    return curve, (grid if curve is not None else None)
+
+
+def native_card_text(folder: PathLike, entry: DepthEntry, config: Any, repo_id: str, license: str) -> str:
+    """The model card (README.md) of a transformers-native looped folder: the class, what a depth
+    means, how to run one (`at_depth`), the cache rule and, when test-time measured it on these
+    weights, the curve and the grid."""
+    path = Path(folder)
+    trained = dict(zip(entry.fields, entry.trained(config)))
+    first, shown = entry.fields[0], ", ".join(f"{k}={v}" for k, v in trained.items())
+    example = (
+        f"({trained[first] * 2}, {trained[entry.fields[1]]})"
+        if len(entry.fields) == 2
+        else str(trained[first] * 2)
+    )
+    lines = [
+        "---", f"license: {license}", "library_name: transformers", "tags:", "- looped", "- depth-recurrent",
+        f"- {config.model_type}", "---", "",
+        f"# {repo_id.split('/')[-1]}", "",
+        f"A `{entry.name}` checkpoint (transformers' own class; it loads with `AutoModelForCausalLM`, no remote "
+        f"code). Trained depth: {shown}. A depth here means: {entry.meaning}.", "",
+        "```python", "import looped_hf", "from transformers import AutoModelForCausalLM", "",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        f"with looped_hf.at_depth(model, {example}):  # restored after the block",
+        "    out = model.generate(input_ids, max_new_tokens=32)", "```", "",
+        f"KV cache at another depth: {entry.cache}.", "",
+    ]  # fmt: skip
+    curve, grid = _load_curves(path)
+    if curve is None:
+        lines += [
+            "No test-time curve was measured on these weights (`looped-hf test-time FOLDER --data FILE`).",
+            "",
+        ]
+    else:
+        lines += ["## Test-time scaling", "", native_summary(curve), "", native_markdown_table(curve), "",
+                  f"![held-out loss vs depth]({CURVE_STEM}.png)", ""]  # fmt: skip
+        if grid is not None:
+            lines += [f"### {grid['rows']} x {grid['cols']}", "", grid_markdown_table({**curve, "grid": grid}), "",
+                      f"![held-out loss over the depth grid]({GRID_STEM}.png)", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def build_native_folder(
+    folder: PathLike,
+    repo_id: str,
+    out: PathLike | None = None,
+    *,
+    tokenizer: str | None = None,
+    overwrite: bool = False,
+    license: str = "apache-2.0",
+) -> Path:
+    """The Hub-ready folder of a transformers-native looped checkpoint: its config, generation
+    config and weights as they are (transformers owns the class: nothing is converted or re-saved),
+    its tokenizer (or ``tokenizer``'s, saved into it), the test-time plots and a card
+    (`native_card_text`). Built in a temporary sibling and renamed into place; an existing ``out``
+    is replaced only with ``overwrite``. Returns the folder."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from looped_hf.fileio import check_output_path, follow_umask, make_temp_dir, replace_dir
+
+    src = Path(folder)
+    entry = check_native_folder(src, tokenizer)
+    dest = Path(out) if out is not None else src / "publish"
+    if src.resolve().is_relative_to(dest.resolve()):
+        raise DepthToolError(
+            f"--out {dest} is (or contains) the checkpoint folder {src}; choose another folder"
+        )
+    check_output_path(dest, "--out", directory=True)
+    if dest.exists() and not overwrite:
+        raise DepthToolError(f"--out {dest} already exists; pass --overwrite to replace it")
+    config = AutoConfig.from_pretrained(str(src))
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    tmp = make_temp_dir(dest)
+    try:
+        names = ["config.json", "generation_config.json", WEIGHTS_NAME, "model.safetensors.index.json",
+                 *sorted(p.name for p in src.glob("model-*.safetensors")), f"{CURVE_STEM}.png", f"{GRID_STEM}.png"]  # fmt: skip
+        if tokenizer is None:
+            names += list(_TOKENIZER_FILES) + ["special_tokens_map.json", "merges.txt"]
+        for name in names:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        if tokenizer is not None:
+            load_tokenizer_for(src, tokenizer, vocab).save_pretrained(tmp)
+        (tmp / "README.md").write_text(
+            native_card_text(src, entry, config, repo_id, license), encoding="utf-8"
+        )
+        follow_umask(tmp)
+        replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 __all__ = [
+    "CURVE_STEM",
     "GRID_STEM",
+    "DepthToolError",
+    "build_native_folder",
+    "native_card_text",
     "check_native_dir",
     "check_native_folder",
     "DepthConfig",

@@ -510,8 +510,11 @@ def main(argv: list[str] | None = None) -> int:
                     write_native_curve,
                 )
 
-                curve = native_curve(run_dir, data, max_factor=args.max_factor, batch_size=args.batch_size,
-                                     tokenizer=args.tokenizer)  # fmt: skip
+                try:
+                    curve = native_curve(run_dir, data, max_factor=args.max_factor, batch_size=args.batch_size,
+                                         tokenizer=args.tokenizer)  # fmt: skip
+                except ValueError as err:  # DepthToolError, CheckpointError: one line naming the value
+                    raise TestTimeError(str(err)) from None
                 paths = write_native_curve(curve, run_dir)
                 grid = grid_markdown_table(curve)
                 print(f"[test-time] {native_summary(curve)}\n{native_markdown_table(curve)}\n"

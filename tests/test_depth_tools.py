@@ -97,6 +97,22 @@ def test_hrm_curve_and_grid_are_the_class_built_at_each_depth(tmp_path, chars, d
     assert grid["loss"][1][2] == pytest.approx(curve["rows"][1]["loss"], abs=1e-9)  # (2, 3) in both
     assert len({round(v, 6) for row in grid["loss"] for v in row}) == 6  # every cell a different depth
     assert "| 2 | " in (folder / "depth_grid.md").read_text()
+    # publish: the files as they are, the tokenizer named, and a card with the curve and the grid.
+    out = tmp_path / "pub"
+    assert (
+        looped_hf(
+            ["publish", str(folder), "--repo-id", "me/hrm", "--tokenizer", str(chars), "--out", str(out)]
+        )
+        == 0
+    )
+    card = (out / "README.md").read_text()
+    assert "with looped_hf.at_depth(model, (4, 3)):" in card and "| **2** (trained) |" in card
+    assert "### H_cycles x L_cycles" in card and "| H_cycles \\ L_cycles | 1 | 2 | 3 |" in card
+    assert (out / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert {"depth_grid.png", "test_time_scaling.png", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    from looped_hf import depth_tools, recurrence_curves
+
+    assert depth_tools.CURVE_STEM == recurrence_curves.CURVE_STEM  # the card and load_curve read these
 
 
 def test_inkling_curve_and_tokenizer_refusals(tmp_path, chars, data_env, capsys) -> None:
@@ -111,6 +127,10 @@ def test_inkling_curve_and_tokenizer_refusals(tmp_path, chars, data_env, capsys)
     assert not (folder / "test_time_scaling.json").exists()
     assert looped_hf(["test-time", str(folder)]) == 2
     assert "has no run record: pass --data" in capsys.readouterr().err
+    assert looped_hf(["publish", str(folder), "--out", str(tmp_path / "pub")]) == 2
+    assert capsys.readouterr().err.strip().endswith("has no tokenizer: name one with --tokenizer (a Hub name, a "
+                                                   "folder or a tokenizer.json)")  # fmt: skip
+    assert not (tmp_path / "pub").exists()
     assert looped_hf([*base, "--tokenizer", str(chars), "--max-factor", "2"]) == 0
     curve = json.loads((folder / "test_time_scaling.json").read_text())
     assert [row["num_recurrences"] for row in curve["rows"]] == [1, 2, 3, 4, 5, 6]
