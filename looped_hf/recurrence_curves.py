@@ -49,6 +49,7 @@ from typing import Any
 from looped_hf.cli import positive_int
 from looped_hf.fileio import (
     RECORD_NAME,
+    CheckpointError,
     check_checkpoint_dir,
     check_finished_run,
     check_output_path,
@@ -449,6 +450,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare", default=None, metavar="PNG", help="also draw every run's curve in one plot here"
     )
+    p.add_argument(
+        "--tokenizer", default=None, metavar="NAME",
+        help="with --data: the tokenizer of a folder that has none (a transformers looped class's, e.g. "
+        "HRM-Text: looped_hf.depth_tools); a Hub name, a folder or a tokenizer.json",
+    )  # fmt: skip
     return p
 
 
@@ -462,11 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq_len is not None and args.seq_len < 2:
         print(f"looped-hf test-time: --seq-len {args.seq_len}: must be >= 2", file=sys.stderr)
         return 2
+    from looped_hf.depth_tools import check_native_folder, native_entry
+
+    native = {run_dir for run_dir in args.run_dirs if native_entry(run_dir) is not None}
     try:  # every run and output path before any curve is measured, not after the first
         for run_dir in args.run_dirs:
-            _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
-            check_checkpoint_dir(run_dir)  # looped, weights not truncated
+            if run_dir in native:  # a looped class transformers ships: its depth through at_depth
+                if args.data is None:
+                    raise TestTimeError(f"{run_dir}: a transformers {native_entry(run_dir).name} folder has no "
+                                        "run record: pass --data with held-out text")  # fmt: skip
+                check_native_folder(run_dir, args.tokenizer)  # its tokenizer too: --tokenizer for one without
+            else:
+                _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
+                check_checkpoint_dir(run_dir)  # looped, weights not truncated
             check_output_path(run_dir, "RUN_DIR", directory=True)
+        if args.tokenizer is not None and not native:
+            raise TestTimeError("--tokenizer applies to a folder without a tokenizer of a transformers looped "
+                                "class only (a looped checkpoint measures with its own)")  # fmt: skip
         if args.data is not None:
             check_data_files(args.data)
         if args.compare is not None:
@@ -483,6 +501,26 @@ def main(argv: list[str] | None = None) -> int:
     curves = []
     try:
         for run_dir in args.run_dirs:
+            if run_dir in native:
+                from looped_hf.depth_tools import (
+                    grid_markdown_table,
+                    native_curve,
+                    native_markdown_table,
+                    native_summary,
+                    write_native_curve,
+                )
+
+                try:
+                    curve = native_curve(run_dir, data, max_factor=args.max_factor, batch_size=args.batch_size,
+                                         tokenizer=args.tokenizer)  # fmt: skip
+                except ValueError as err:  # DepthToolError, CheckpointError: one line naming the value
+                    raise TestTimeError(str(err)) from None
+                paths = write_native_curve(curve, run_dir)
+                grid = grid_markdown_table(curve)
+                print(f"[test-time] {native_summary(curve)}\n{native_markdown_table(curve)}\n"
+                      f"{grid + chr(10) if grid else ''}-> {', '.join(map(str, paths))}")  # fmt: skip
+                curves.append(curve)
+                continue
             curve = evaluate_recurrences(
                 run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
             )
@@ -493,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             curves.append(curve)
         if args.compare:
             print(f"-> {plot_test_time_scaling(curves, args.compare)}")
-    except (TestTimeError, FileNotFoundError) as err:
+    except (TestTimeError, CheckpointError, FileNotFoundError) as err:
         print(f"looped-hf test-time: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # checked before measuring, but a disk can fill or a folder vanish meanwhile

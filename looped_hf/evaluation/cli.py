@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lm-eval-include", default=None, metavar="DIR", help="a folder of lm-eval task YAMLs")
     p.add_argument("--lm-eval-batch-size", type=positive_int("--lm-eval-batch-size"), default=8)
+    p.add_argument("--tokenizer", default=None, metavar="NAME",
+                   help="the tokenizer of a folder that has none (a transformers looped class's, e.g. HRM-Text: "
+                   "looped_hf.depth_tools); a Hub name, a folder or a tokenizer.json")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="DIR", help="where the results go")
     return p
@@ -129,7 +132,23 @@ def main(argv: list[str] | None = None) -> int:
         device = _check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         local = Path(args.checkpoint).is_dir()
         exit_flags = (args.exit_criterion, args.exit_threshold, args.min_recurrences)
-        if local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
+        from looped_hf.depth_tools import check_native_folder, native_entry
+
+        native = local and native_entry(args.checkpoint) is not None
+        if args.tokenizer is not None and not native:
+            raise EvalError(
+                "--tokenizer applies to a folder without a tokenizer of a transformers looped class only"
+            )
+        if native:  # a looped class transformers ships: each r through looped_hf.at_depth
+            from transformers import AutoConfig
+
+            from looped_hf.depth_tools import DepthConfig
+
+            entry = check_native_folder(args.checkpoint, args.tokenizer)
+            config = DepthConfig(AutoConfig.from_pretrained(args.checkpoint), entry)
+            check_exit_flags(config, *exit_flags)
+            check_recurrences(config, args.recurrences or default_recurrences(config), args.kv_budget)
+        elif local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
             check_checkpoint_dir(args.checkpoint)
             from looped_hf.model_types import check_weights, load_config
 
@@ -157,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             bundles = [b.select([t.label for t in b.tasks if t.label in wanted]) for b in bundles]
             bundles = [b for b in bundles if any(t.label in wanted for t in b.tasks)]
         # The bundles and --tasks are read first: a bad one is refused without loading the model.
-        model, tokenizer, info = load_checkpoint(args.checkpoint)
+        if native:
+            from looped_hf.depth_tools import native_checkpoint
+
+            model, tokenizer, info = native_checkpoint(args.checkpoint, args.tokenizer)
+        else:
+            model, tokenizer, info = load_checkpoint(args.checkpoint)
         check_exit_flags(model.config, *exit_flags)  # a Hub id's config is read only now
         model.to(device)
         settings = {
