@@ -51,7 +51,7 @@ DEFAULT_OUT = "publish"
 WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
 #: Files every published folder has (plus README.md and at least one tokenizer file).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
-                   "interface_looped.py", "generation_looped.py", "accounting_looped.py",
+                   "config_rules_looped.py", "interface_looped.py", "generation_looped.py", "accounting_looped.py",
                    "recurrent_block_looped.py", "decoder_layers_looped.py", "generation_config.json",
                    "tokenizer_config.json", "README.md")  # fmt: skip
 # A Hub user access token: "hf_" + 30+ letters/digits. Checked before any upload.
