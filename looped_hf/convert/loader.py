@@ -45,7 +45,7 @@ transformers ``config.json`` may carry without changing the forward (``architect
 ``transformers_version``, ``torch_dtype``, ...) are accepted everywhere (``HF_BOOKKEEPING_KEYS``).
 
 **One set of checks for every foreign folder.** A retrofit parent (`retrofit.parent.open_parent`) and a
-distillation teacher (`train.check_teacher`) go through :meth:`Checkpoint.check_foreign` (the layer count,
+distillation teacher (`teacher.check_teacher`) go through :meth:`Checkpoint.check_foreign` (the layer count,
 RoPE, the tie flag, generation_config.json), and are then built on the meta device and checked against the
 headers (keys, shapes, floating dtypes: `weight_files.check_model_weights`) before anything is allocated; a
 converter whose source names its fields otherwise calls the parts with its own names. eval, test-time,
