@@ -128,13 +128,6 @@ GENERATION_FIELDS: dict[str, tuple[Any, str]] = {
 }
 
 
-def max_num_recurrences() -> int:
-    """The largest trained ``num_recurrences`` a converter accepts: ``LoopedConfig``'s own ceiling
-    (``MAX_NUM_RECURRENCES``), so a config.json saying r = 10**12 is refused here, naming its file,
-    rather than by the config after the mapping (each recurrence is K layer applications per token)."""
-    return MAX_NUM_RECURRENCES
-
-
 # --------------------------------------------------------------------------------------------
 # Checked values of a source config
 # --------------------------------------------------------------------------------------------
@@ -201,8 +194,10 @@ def config_bool(cfg: Mapping[str, Any], key: str, default: bool, where: str = "c
 
 
 def check_recurrences(r: int, key: str, where: str = "config.json") -> int:
-    """A trained r within :func:`max_num_recurrences` (the forward of a larger one never ends)."""
-    ceiling = max_num_recurrences()
+    """A trained r within ``LoopedConfig``'s own ceiling (``MAX_NUM_RECURRENCES``), refused here naming
+    its file rather than by the config after the mapping: the forward of a larger one never ends
+    (each recurrence is K layer applications per token)."""
+    ceiling = MAX_NUM_RECURRENCES
     if r > ceiling:
         raise ConversionError(f"{_named(where, key)}={r}: above the ceiling of {ceiling} recurrences (each is a pass "
                               "through the recurrent block for every token; is the config corrupt?)")  # fmt: skip
@@ -538,7 +533,6 @@ __all__ = [
     "config_rope_parameters",
     "config_int",
     "config_number",
-    "max_num_recurrences",
     "read_json_object",
     "rope_parameters",
     "token_ids",
