@@ -951,3 +951,11 @@ def test_a_frozen_backbone_without_an_adapter_from_init_from_leaves_nothing_behi
     _edit_weights(lambda t: t.pop("model.injection.weight"))(copy)
     recipe = _student_recipe(small_corpus, data_cache, tmp_path, copy, freeze_backbone=True)
     _train_refused(recipe, tmp_path, capsys, "freeze_backbone=True: input_injection='add' has no adapter weights")
+
+
+@pytest.mark.parametrize("drop", ["loop_lora_rank", "loop_lora_targets"])
+def test_serve_dry_run_on_a_loop_lora_config_missing_a_field_is_one_line(loop_lora_folder, tmp_path, capsys, drop):
+    folder = tmp_path / "rrt"
+    shutil.copytree(loop_lora_folder, folder)
+    _set_json("config.json", drop=(drop,))(folder)
+    _refused_in_one_line(["serve", str(folder), "--dry-run"], capsys, "looped-hf serve: ", f"LoopLoRAConfig.{drop}")
