@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 import traceback
@@ -351,6 +352,7 @@ def train(
         training_args.dataloader_pin_memory = False
         training_args.accelerator_config.non_blocking = False
     is_main = training_args.process_index == 0
+    made_run_dir = not run_dir.exists()
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_yaml_atomic(run_dir / RECIPE_NAME, recipe)
@@ -495,6 +497,10 @@ def train(
                 weights.chmod(0o666 & ~current_umask())
     except Exception as err:  # noqa: BLE001 - a failed run is data for the sweep, not a crash
         if isinstance(err, RecipeError):
+            # A recipe error found only once the model is built (a frozen backbone without an
+            # adapter): the refused run leaves nothing behind, as one refused by resolve_run.
+            if is_main and made_run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
             raise
         record["error"] = f"{type(err).__name__}: {err}"
         record["traceback"] = traceback.format_exc(limit=20)

@@ -936,3 +936,26 @@ def test_an_init_from_folder_whose_weights_are_not_its_model_leaves_nothing_behi
     edit(copy)
     recipe = _student_recipe(small_corpus, data_cache, tmp_path, copy)
     _train_refused(recipe, tmp_path, capsys, f"init_from={str(copy)!r}: its weights do not load", message)
+
+
+def test_a_frozen_backbone_without_an_adapter_from_init_from_leaves_nothing_behind(
+    student_and_teacher, small_corpus, data_cache, tmp_path, capsys
+):
+    """freeze_backbone on an init_from model whose injection has no weights: refused on the meta
+    device, before output_dir is written (train() also removes a run folder it made, should a recipe
+    error come only after it)."""
+    student, _ = student_and_teacher
+    copy = tmp_path / "student"
+    shutil.copytree(student, copy)
+    _set_json("config.json", input_injection="add", state_init="zeros")(copy)
+    _edit_weights(lambda t: t.pop("model.injection.weight"))(copy)
+    recipe = _student_recipe(small_corpus, data_cache, tmp_path, copy, freeze_backbone=True)
+    _train_refused(recipe, tmp_path, capsys, "freeze_backbone=True: input_injection='add' has no adapter weights")
+
+
+@pytest.mark.parametrize("drop", ["loop_lora_rank", "loop_lora_targets"])
+def test_serve_dry_run_on_a_loop_lora_config_missing_a_field_is_one_line(loop_lora_folder, tmp_path, capsys, drop):
+    folder = tmp_path / "rrt"
+    shutil.copytree(loop_lora_folder, folder)
+    _set_json("config.json", drop=(drop,))(folder)
+    _refused_in_one_line(["serve", str(folder), "--dry-run"], capsys, "looped-hf serve: ", f"LoopLoRAConfig.{drop}")
