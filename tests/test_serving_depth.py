@@ -361,7 +361,7 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     folder = tmp_path / "looped"
     config.save_pretrained(folder)
     gpu, cpu = (engine_args(folder, device=device)["logits_processors"] for device in ("cuda", "cpu"))
-    assert gpu[0].endswith("_default_only") and not cpu[0].endswith("_default_only")
+    assert gpu != cpu and plugin.served_by_guard(cpu[0].split(":")[1]).per_request
     assert plugin.served_by_guard(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=config, logits_processors=gpu),
