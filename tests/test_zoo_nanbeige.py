@@ -478,3 +478,82 @@ def test_a_bf16_checkpoint_converts_in_bf16(tmp_path: Path) -> None:
     with torch.no_grad():
         out = converted(torch.tensor([[37, 235, 140, 72]]))
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Any r downstream: looped-hf test-time (the card shows the curve) and looped-hf eval at 1..4 loops
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folder_with_tokenizer(tmp_path_factory) -> Path:
+    """The fixture given a 256-token tokenizer (as a released folder has one), converted by the CLI."""
+    from zoo_helpers import save_char_tokenizer
+
+    root = tmp_path_factory.mktemp("nanbeige-downstream")
+    shutil.copytree(DATA, root / "native")
+    save_char_tokenizer(root / "native", 256)
+    assert main(["nanbeige", str(root / "native"), "--out", str(root / "converted")]) == 0
+    return root / "converted"
+
+
+@pytest.fixture(scope="module")
+def heldout_text(tmp_path_factory) -> Path:
+    import lzma
+
+    from conftest import REPO
+
+    path = tmp_path_factory.mktemp("heldout") / "heldout.jsonl"
+    with lzma.open(REPO / "looped_hf" / "assets" / "corpus.jsonl.xz", "rt", encoding="utf-8") as src:
+        rows = [json.loads(line)["text"][:800] for _, line in zip(range(20), src, strict=False)]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in rows), encoding="utf-8")
+    return path
+
+
+def test_test_time_measures_one_to_four_loops_and_the_card_shows_the_curve(
+    folder_with_tokenizer: Path, heldout_text: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from looped_hf.cli import main as cli
+    from looped_hf.convert.card_curve import CURVE_HEADING
+    from looped_hf.recurrence_curves import CURVE_JSON
+
+    monkeypatch.setenv("LOOPED_HF_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "converted"
+    shutil.copytree(folder_with_tokenizer, folder)
+    argv = ["test-time", str(folder), "--data", str(heldout_text), "--seq-len", "32", "--eval-blocks", "4"]
+    # 65 x the trained 2 loops is past the config's ceiling (64 x): refused in one line, nothing measured.
+    assert cli([*argv, "--max-factor", "65"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        err.startswith("looped-hf test-time: ")
+        and "ceiling of 128" in err
+        and not (folder / CURVE_JSON).exists()
+    )
+    assert cli([*argv, "--max-factor", "2"]) == 0
+    curve = json.loads((folder / CURVE_JSON).read_text())
+    assert [row["num_recurrences"] for row in curve["rows"]] == [1, 2, 3, 4]
+    losses = [row["loss"] for row in curve["rows"]]
+    assert all(math.isfinite(loss) for loss in losses) and len(set(losses)) == 4
+    card = (folder / "README.md").read_text()
+    assert card.count(CURVE_HEADING) == 1 and "format: nanbeige" in card
+    for row in curve["rows"]:  # every r's loss is in the card's table
+        assert f"| {row['loss']:.4f} |" in card
+    assert "| **2** (trained) |" in card and "![held-out loss vs r](test_time_scaling.png)" in card
+    # Measured again (another --max-factor): the section is replaced, not repeated.
+    assert cli([*argv, "--max-factor", "1"]) == 0
+    card = (folder / "README.md").read_text()
+    assert card.count(CURVE_HEADING) == 1 and "| 3 |" not in card and "converted to looped_hf" in card
+
+
+def test_eval_at_one_to_four_loops_on_the_converted_folder(
+    folder_with_tokenizer: Path, tmp_path: Path
+) -> None:
+    from looped_hf.cli import main as cli
+    from looped_hf.evaluation.report import RESULTS_JSON
+
+    out = tmp_path / "eval"
+    argv = ["eval", str(folder_with_tokenizer), "--bundle", "builtin", "--builtin-examples", "6", "--device", "cpu",
+            "--tasks", "addition_2d", "--out", str(out), "--recurrences", "1", "2", "3", "4"]  # fmt: skip
+    assert cli(argv) == 0
+    results = json.loads((out / RESULTS_JSON).read_text())
+    assert results["recurrences"] == [1, 2, 3, 4]
+    losses = [row["tasks"]["addition_2d"]["loss"] for row in results["rows"]]
+    assert all(math.isfinite(loss) for loss in losses) and len(set(losses)) == 4  # r changes the scores
