@@ -393,6 +393,7 @@ def test_an_r_above_the_configs_ceiling_is_refused_in_one_line(model, ref) -> No
     ({"skip_loop_final_norm": "yes"}, "config.json skip_loop_final_norm='yes': expected true or false"),
     ({"tie_word_embeddings": 1}, "config.json tie_word_embeddings=1: expected true or false"),
     ({"head_dim": 0}, "config.json head_dim=0: expected an integer >= 1"),
+    ({"num_hidden_layers": 0}, "config.json num_hidden_layers=0: expected an integer >= 1"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"pretraining_tp": 2}, "config.json pretraining_tp=2: only 1 is converted"),
     ({"eos_token_id": 999}, "config.json eos_token_id=999: expected a token id in [0, 256)"),
@@ -464,6 +465,18 @@ def test_loop_loss_weights_set_the_loop_count_as_mlx_lm_reads_it_and_the_card_sa
     card = (out / "README.md").read_text()
     assert "`len(loop_loss_weights) + 1` = 3" in card and "`num_loops` says 2" in card
     assert "format: nanbeige" in card
+
+
+def test_a_config_without_a_size_is_refused_by_name_not_given_llamas_default() -> None:
+    native = json.loads((DATA / "config.json").read_text())
+    for key in ("num_hidden_layers", "intermediate_size", "hidden_size", "num_attention_heads", "vocab_size"):
+        with pytest.raises(ConversionError, match=rf"^config.json has no '{key}'$"):
+            nanbeige_config({k: v for k, v in native.items() if k != key})
+    # head_dim absent is Llama's hidden / heads; num_key_value_heads absent is MHA.
+    config = nanbeige_config(
+        {k: v for k, v in native.items() if k not in ("head_dim", "num_key_value_heads")}
+    )
+    assert (config.head_dim, config.num_key_value_heads) == (16, 4)
 
 
 def test_a_bf16_checkpoint_converts_in_bf16(tmp_path: Path) -> None:

@@ -114,6 +114,9 @@ def nanbeige_config(native: Mapping[str, Any]) -> Any:
     heads = config_int(native, "num_attention_heads", 1)
     hidden = config_int(native, "hidden_size", 1)
     vocab = config_int(native, "vocab_size", 1)
+    # Sizes without a default here: transformers' Llama defaults (32 layers, 11008) are not this model's.
+    for key in ("num_hidden_layers", "intermediate_size"):
+        config_int(native, key, 1)
     fields["vocab_size"] = vocab
     fields["num_key_value_heads"] = config_int(native, "num_key_value_heads", 1, default=heads)
     # Llama's rule: head_dim absent (or null) is hidden / heads; Nanbeige4.2-3B sets it to another value.
