@@ -570,3 +570,36 @@ def test_eval_at_one_to_four_loops_on_the_converted_folder(
     assert results["recurrences"] == [1, 2, 3, 4]
     losses = [row["tasks"]["addition_2d"]["loss"] for row in results["rows"]]
     assert all(math.isfinite(loss) for loss in losses) and len(set(losses)) == 4  # r changes the scores
+
+
+# --------------------------------------------------------------------------------------------
+# The design as a phi probe: recipes/iso_depth_tiny_nanbeige.yaml
+# --------------------------------------------------------------------------------------------
+def test_the_probe_recipe_plans_nanbeiges_design_counted_by_hand() -> None:
+    """``looped-hf sweep recipes/iso_depth_tiny_nanbeige.yaml --dry-run``: two seeds per cell, and for
+    d = 12, r = 2 the whole-stack loop with the shared final norm: N_once is that norm alone, N_rec the
+    four pre-norm layers, the head runs once; every run's config is the converter's design."""
+    from conftest import REPO
+
+    from looped_hf.arguments import parse_recipe
+    from looped_hf.convert.nanbeige import NANBEIGE_SETTINGS
+    from looped_hf.sweep.plan import make_plan
+
+    vocab, seq, d = 258, 64, 12
+    runs = {run.run_id: run for run in make_plan(REPO / "recipes" / "iso_depth_tiny_nanbeige.yaml").runs}
+    assert len(runs) == 72 and {"loop2-w12-b0-s0", "loop2-w12-b0-s1"} <= set(runs)
+    layer = 12 * d * d + 2 * d  # q, k, v, o and the squared-ReLU MLP (d -> 4d -> d), two norm scales
+    loop2 = runs["loop2-w12-b0-s0"]
+    assert (loop2.num_prelude_layers, loop2.num_recurrent_layers, loop2.num_coda_layers) == (0, 4, 0)
+    assert (loop2.n_once, loop2.n_rec) == (d, 4 * layer)
+    assert loop2.flops_per_token == 6 * vocab * d + 6 * 2 * loop2.n_rec + 12 * d * seq * 2 * 4
+    model_args, data_args, _ = parse_recipe(dict(loop2.recipe))
+    config = model_args.to_config(vocab, data_args.seq_len)
+    design = {
+        key: getattr(config, key) for key in NANBEIGE_SETTINGS if key not in ("qk_norm", "logit_softcap")
+    }
+    assert design == {k: v for k, v in NANBEIGE_SETTINGS.items() if k not in ("qk_norm", "logit_softcap")}
+    assert (config.recurrence_norm, config.recurrence_norm_weight) == (True, "final")
+    torch.manual_seed(0)
+    model = LoopedForCausalLM(config)
+    assert model.training_flops_per_token(seq) == loop2.flops_per_token
