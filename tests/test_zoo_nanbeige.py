@@ -449,6 +449,103 @@ def test_a_pickled_or_truncated_checkpoint_is_refused_through_the_loader(tmp_pat
     assert "pytorch_model.bin" in err and "\n" not in err and not (tmp_path / "out").exists()
 
 
+def _shard(folder: Path, parts: int = 2) -> dict[str, str]:
+    """``folder``'s model.safetensors split into shards and an index, as save_pretrained lays them out."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    names, weight_map = sorted(weights), {}
+    for i in range(parts):
+        file = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        save_file({k: weights[k] for k in names[i::parts]}, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names[i::parts], file))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return weight_map
+
+
+def test_a_sharded_checkpoint_converts_to_the_same_logits(ref, tmp_path: Path) -> None:
+    src = _copy(tmp_path)
+    _shard(src, parts=3)
+    converted = nanbeige_to_looped(src)
+    with torch.no_grad():
+        assert_close(converted(ref["p1_input_ids"]).logits, ref["p1_loop2_logits"], "sharded p1")
+
+
+def _index(src: Path) -> dict:
+    return json.loads((src / "model.safetensors.index.json").read_text())
+
+
+def _write_index(src: Path, index: dict) -> None:
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _shard_leaves_folder(src: Path) -> None:
+    index = _index(src)
+    shutil.copyfile(src / "model-00001-of-00002.safetensors", src.parent / "outside.safetensors")
+    index["weight_map"] = {key: "../outside.safetensors" for key in index["weight_map"]}
+    _write_index(src, index)
+
+
+def _shard_missing(src: Path) -> None:
+    (src / "model-00002-of-00002.safetensors").unlink()
+
+
+def _key_in_two_shards(src: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    index = _index(src)
+    other = next(k for k, f in index["weight_map"].items() if f.endswith("00002-of-00002.safetensors"))
+    first = src / "model-00001-of-00002.safetensors"
+    save_file({**load_file(first), other: torch.zeros(1)}, first)
+
+
+def _empty_shard(src: Path) -> None:
+    (src / "model-00001-of-00002.safetensors").write_bytes(b"")
+
+
+def _index_without_weight_map(src: Path) -> None:
+    _write_index(src, {"metadata": {}})
+
+
+def _config_not_an_object(src: Path) -> None:
+    (src / "config.json").write_text("[1, 2]")
+
+
+def _bad_generation_token(src: Path) -> None:
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": 4096}))
+
+
+def _tokenizer_too_large(src: Path) -> None:
+    from zoo_helpers import save_char_tokenizer
+
+    save_char_tokenizer(src, 300)  # more tokens than the model's 256 embeddings
+
+
+@pytest.mark.parametrize(("hostile", "message"), [
+    (_shard_leaves_folder, "outside.safetensors"),
+    (_shard_missing, "model-00002-of-00002.safetensors"),
+    (_key_in_two_shards, "model-00001-of-00002.safetensors"),
+    (_empty_shard, "model-00001-of-00002.safetensors"),
+    (_index_without_weight_map, "weight_map"),
+    (_config_not_an_object, "config.json"),
+    (_bad_generation_token, "generation_config.json eos_token_id=4096"),
+    (_tokenizer_too_large, "the tokenizer has 300 tokens, more than the model's vocab_size=256"),
+], ids=lambda case: case.__name__.strip("_") if callable(case) else "")  # fmt: skip
+def test_hostile_files_are_refused_through_the_loader_in_one_line_and_nothing_is_written(
+    tmp_path, capsys, hostile, message
+) -> None:
+    src, out = _copy(tmp_path), tmp_path / "out"
+    _shard(src)
+    hostile(src)
+    assert main(["nanbeige", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("looped-hf convert: error: ") and message in err[0], err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
 def test_loop_loss_weights_set_the_loop_count_as_mlx_lm_reads_it_and_the_card_says_so(tmp_path: Path) -> None:
     native = json.loads((DATA / "config.json").read_text())
     assert nanbeige_config({**native, "loop_loss_weights": [0.5, 0.5]}).num_recurrences == 3  # mlx-lm: 3
