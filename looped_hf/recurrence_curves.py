@@ -29,7 +29,8 @@ the trained r is the config's ``num_recurrences``. ``--data`` on a run directory
 text instead of the run's split (the run record's loss is then not shown beside it).
 
 The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
-next to the checkpoint. Models whose parameters are indexed by recurrence step (hyperconnections)
+next to the checkpoint; a converted folder's card (``looped-hf convert``'s) gets it as a section
+(`looped_hf.convert.card_curve`). Models whose parameters are indexed by recurrence step (hyperconnections)
 run only at their trained r and are refused (`LoopedConfig.resolve_num_recurrences` owns every r
 rule, the ceiling included).
 """
@@ -525,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
             )
             paths = write_curve(curve, run_dir)
+            from looped_hf.convert.card_curve import add_curve_to_converted_card
+
+            if add_curve_to_converted_card(run_dir, curve):  # a converted folder's card shows its curve
+                paths.append(Path(run_dir) / "README.md")
             print(
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"
             )
