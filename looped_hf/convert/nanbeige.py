@@ -34,6 +34,7 @@ tests/test_zoo_nanbeige.py against mlx-lm's outputs and a plain-torch recomputat
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,7 +44,6 @@ from ..publish import PathLike
 from .common import ConversionError, build_model, check_target, check_tied_head, write_folder
 from .loader import (
     Checkpoint,
-    _is_number,
     check_known_keys,
     check_recurrences,
     config_bool,
@@ -85,6 +85,10 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 def _bad(field: str, value: Any, why: str) -> ConversionError:
     return ConversionError(f"config.json {field}={value!r}: {why}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def nanbeige_num_loops(native: Mapping[str, Any]) -> int:
