@@ -199,6 +199,9 @@ def _check_cache(entry: DepthEntry, config: Any, kwargs: dict[str, Any], depth: 
                          f"{need}: start a new cache at this depth")  # fmt: skip
 
 
+_UNSET = object()
+
+
 @contextlib.contextmanager
 def at_depth(model: Any, depth: Depth) -> Iterator[Any]:
     """Run ``model(...)`` and ``model.generate(...)`` at ``depth`` inside the block; the model's own
@@ -215,6 +218,7 @@ def at_depth(model: Any, depth: Depth) -> Iterator[Any]:
     values = entry.resolve(config, depth)
     handles = []
     saved: dict[str, Any] = {}
+    saved_generation: tuple[Any, Any] | None = None
     try:
         if entry.setting == "config":
             updates = dict(zip(entry.fields, values))
@@ -241,10 +245,24 @@ def at_depth(model: Any, depth: Depth) -> Iterator[Any]:
                 return args, {**kwargs, key: r}
 
             handles.append(model.register_forward_pre_hook(add_r, with_kwargs=True))
+            # generate() resolves the depth itself (a keyword, else generation_config's, else the
+            # config's: generation_looped.generation_depth) and passes it to every forward, so the
+            # block's r is set where generate() reads its default; a keyword naming another r is
+            # still refused by the hook above.
+            generation_config = getattr(model, "generation_config", None)
+            if generation_config is not None:
+                saved_generation = (generation_config, generation_config.__dict__.get(key, _UNSET))
+                setattr(generation_config, key, r)
         yield model
     finally:
         for handle in handles:
             handle.remove()
+        if saved_generation is not None:
+            generation_config, old = saved_generation
+            if old is _UNSET:
+                generation_config.__dict__.pop(key, None)
+            else:
+                setattr(generation_config, key, old)
         # Derived fields first were saved last: restore in reverse so each gets its own old value.
         for name, value in reversed(list(saved.items())):
             setattr(config, name, value)
