@@ -52,6 +52,8 @@ class DepthEntry:
     (``grow_cache``). None: the class sizes its cache itself at every call.
     ``layer_applications``: decoder-layer applications per token at the config's depth (the
     compute a depth costs, relative across depths).
+    ``vllm_model``: the module of vLLM's own model of the class (``vllm/model_executor/models/``),
+    which `looped_hf.serving.native` serves; None: vLLM has none (``looped-hf serve`` refuses).
     """
 
     class_names: tuple[str, ...]
@@ -67,6 +69,7 @@ class DepthEntry:
     grow_cache: bool = False
     call_kwarg: str | None = None
     ceiling: Callable[[Any], int] | None = None
+    vllm_model: str | None = None
 
     @property
     def name(self) -> str:
@@ -138,6 +141,7 @@ REGISTRY: tuple[DepthEntry, ...] = (
         "a cache filled at another depth is refused",
         meaning="r = H_cycles (high-level cycles); L_cycles (low-level steps per H cycle) is a second axis",
         layer_applications=_hrm_slots,
+        vllm_model="hrm_text",
     ),
     DepthEntry(
         class_names=("Inkling2LoopForCausalLM", "Inkling2LoopTextModel"),
