@@ -198,8 +198,8 @@ def _check_cache(entry: DepthEntry, config: Any, kwargs: dict[str, Any], depth: 
             cache.layers.extend(DynamicLayer() for _ in range(need - have))
         return
     if have != need:
-        shown = ", ".join(f"{f}={v}" for f, v in zip(entry.fields, depth))
-        raise DepthError(f"{entry.name}: the cache has {have} layers filled at another depth; {shown} needs "
+        at = depth_label(entry, depth)
+        raise DepthError(f"{entry.name}: the cache has {have} layers filled at another depth; {at} needs "
                          f"{need}: start a new cache at this depth")  # fmt: skip
 
 
@@ -249,7 +249,7 @@ def at_depth(model: Any, depth: Depth) -> Iterator[Any]:
     finally:
         for handle in handles:
             handle.remove()
-        # Derived fields first were saved last: restore in reverse so each gets its own old value.
+        # In the reverse order of setting: the derived fields (HRM-Text's slots) first, then the depth.
         for name, value in reversed(list(saved.items())):
             setattr(config, name, value)
 
