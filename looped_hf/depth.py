@@ -197,7 +197,10 @@ def _check_cache(entry: DepthEntry, config: Any, kwargs: dict[str, Any], depth: 
 
             cache.layers.extend(DynamicLayer() for _ in range(need - have))
         return
-    if have != need:
+    # Filled at this depth: exactly the first `need` slots hold keys (a fixed-size cache made from the
+    # trained config may have more, unused). Another depth filled fewer or more of them.
+    filled = [layer.get_seq_length() > 0 for layer in cache.layers]
+    if have < need or not all(filled[:need]) or any(filled[need:]):
         at = depth_label(entry, depth)
         raise DepthError(f"{entry.name}: the cache has {have} layers filled at another depth; {at} needs "
                          f"{need}: start a new cache at this depth")  # fmt: skip
