@@ -149,10 +149,13 @@ def main() -> None:
                     rows.append((label, work, cell(ta), cell(tb), cell(ratios, 1.0)))
     width = max(len(r[0]) for r in rows) + 2
     print(
-        f"\n{'model at depth':<{width}}{'work':<10}{'at_depth ms':>24}{'built at r ms':>24}{'ratio at/built':>24}"
+        f"\n{'model at depth':<{width}}{'work':<12}{'at_depth ms':>30}{'built at r ms':>30}{'ratio at/built':>24}"
     )
     for label, work, a, b, ratio in rows:
-        print(f"{label:<{width}}{work:<10}{a:>24}{b:>24}{ratio:>24}")
+        print(f"{label:<{width}}{work:<12}{a:>30}{b:>30}{ratio:>24}")
+    print(
+        "enter+exit: `with at_depth(model, r): pass` alone, 1000 times a round: what the block adds to a call"
+    )
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -52,6 +52,8 @@ class DepthEntry:
     (``grow_cache``). None: the class sizes its cache itself at every call.
     ``layer_applications``: decoder-layer applications per token at the config's depth (the
     compute a depth costs, relative across depths).
+    ``vllm_model``: the module of vLLM's own model of the class (``vllm/model_executor/models/``),
+    which `looped_hf.serving.native` serves; None: vLLM has none (``looped-hf serve`` refuses).
     """
 
     class_names: tuple[str, ...]
@@ -67,6 +69,7 @@ class DepthEntry:
     grow_cache: bool = False
     call_kwarg: str | None = None
     ceiling: Callable[[Any], int] | None = None
+    vllm_model: str | None = None
 
     @property
     def name(self) -> str:
@@ -138,6 +141,7 @@ REGISTRY: tuple[DepthEntry, ...] = (
         "a cache filled at another depth is refused",
         meaning="r = H_cycles (high-level cycles); L_cycles (low-level steps per H cycle) is a second axis",
         layer_applications=_hrm_slots,
+        vllm_model="hrm_text",
     ),
     DepthEntry(
         class_names=("Inkling2LoopForCausalLM", "Inkling2LoopTextModel"),
@@ -193,9 +197,12 @@ def _check_cache(entry: DepthEntry, config: Any, kwargs: dict[str, Any], depth: 
 
             cache.layers.extend(DynamicLayer() for _ in range(need - have))
         return
-    if have != need:
-        shown = ", ".join(f"{f}={v}" for f, v in zip(entry.fields, depth))
-        raise DepthError(f"{entry.name}: the cache has {have} layers filled at another depth; {shown} needs "
+    # Filled at this depth: exactly the first `need` slots hold keys (a fixed-size cache made from the
+    # trained config may have more, unused). Another depth filled fewer or more of them.
+    filled = [layer.get_seq_length() > 0 for layer in cache.layers]
+    if have < need or not all(filled[:need]) or any(filled[need:]):
+        at = depth_label(entry, depth)
+        raise DepthError(f"{entry.name}: the cache has {have} layers filled at another depth; {at} needs "
                          f"{need}: start a new cache at this depth")  # fmt: skip
 
 
@@ -263,7 +270,7 @@ def at_depth(model: Any, depth: Depth) -> Iterator[Any]:
                 generation_config.__dict__.pop(key, None)
             else:
                 setattr(generation_config, key, old)
-        # Derived fields first were saved last: restore in reverse so each gets its own old value.
+        # In the reverse order of setting: the derived fields (HRM-Text's slots) first, then the depth.
         for name, value in reversed(list(saved.items())):
             setattr(config, name, value)
 

@@ -22,10 +22,11 @@ shape is refused in one line instead of being drawn at random.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,23 @@ def check_native_folder(folder: PathLike, tokenizer: str | None) -> DepthEntry:
     return entry
 
 
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' progress bar and loading report off while a folder loads (restored after):
+    `load_native` reads the report itself and refuses a mismatch in one line."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
 def load_native(folder: PathLike, tokenizer: str | None = None) -> tuple[Any, Any, DepthEntry]:
     """(model in eval mode, float32, tokenizer, registry entry) of a transformers-native looped
     folder; every failure is a `CheckpointError` in one line."""
@@ -129,9 +147,10 @@ def load_native(folder: PathLike, tokenizer: str | None = None) -> tuple[Any, An
     vocab = int(read_json_object(Path(folder) / "config.json").get("vocab_size") or 0)
     tok = load_tokenizer_for(folder, tokenizer, vocab)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, output_loading_info=True
-        )
+        with _quiet_loading():  # its report would print a table before the one line below
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=torch.float32, output_loading_info=True
+            )
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError: the folder is named
         raise CheckpointError(f"checkpoint {str(folder)!r} cannot be loaded: {first_line(err)}") from err
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):

@@ -104,6 +104,14 @@ def test_hrm_cache_filled_at_another_depth_is_refused_and_empty_one_is_grown(hrm
     with at_depth(model, (3, 3)), pytest.raises(DepthError, match=r"the cache has 8 layers filled at another depth; "
                                                 r"H_cycles=3, L_cycles=3 needs 12"):  # fmt: skip
         model(ids[:, :1], cache=filled, use_cache=True)
+    # A cache made from the trained config (8 slots) decodes at a shallower depth (4 slots used).
+    trained_size = DynamicCache(config=model.config)
+    with at_depth(model, (1, 3)):
+        prefill = model(ids[:, :-1], cache=trained_size, use_cache=True).logits
+        step = model(ids[:, -1:], cache=trained_size, use_cache=True).logits
+    assert _max_diff(torch.cat([prefill, step], dim=1), ref["p0_H1_L3_logits"]) <= 1e-5
+    with at_depth(model, (2, 3)), pytest.raises(DepthError, match="filled at another depth"):
+        model(ids[:, :1], cache=trained_size, use_cache=True)
     empty = DynamicCache(config=model.config)
     with at_depth(model, (3, 3)):
         logits = model(ids, cache=empty, use_cache=True).logits

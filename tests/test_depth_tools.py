@@ -178,3 +178,26 @@ def test_eval_scores_each_depth_as_the_class_built_there(tmp_path, chars, capsys
         assert looped_hf(["eval", str(folder), "--out", str(tmp_path / "x"), *common, *flags]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("change", ["drop", "extra"])
+def test_weights_that_are_not_the_model_are_refused_in_one_line(
+    tmp_path, chars, data_env, capsys, change
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy("hrm-text-tiny", tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    if change == "drop":
+        del tensors["lm_head.weight"]
+    else:
+        tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    argv = ["test-time", str(folder), "--data", str(data_env), "--tokenizer", str(chars), "--seq-len", "32"]
+    assert looped_hf(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the weights are not the model its config.json builds" in err and "\n" not in err
+    assert (
+        "missing keys lm_head.weight" if change == "drop" else "unexpected keys model.extra.weight"
+    ) in err
+    assert not (folder / "test_time_scaling.json").exists()

@@ -340,6 +340,15 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, s
     if not 0 < args.port < 65536:
         raise ServeError(f"--port {args.port}: must be 1 .. 65535")
     folder = resolve_checkpoint(args.checkpoint)
+    from .native import native_entry_of, prepare_native
+
+    entry = native_entry_of(folder)
+    if entry is not None:  # a looped class transformers ships: vLLM's own model of it (serving/native.py)
+        try:
+            command, notes = prepare_native(args, folder, entry, vllm_args)
+        except ValueError as err:
+            raise ServeError(str(err)) from None
+        return args, command, {}, notes
     config = read_looped_config(folder)
     overrides = engine_overrides(config, args.num_recurrences, args.kv_budget, args.max_num_recurrences)
     config = with_overrides(config, overrides, extra=(MAX_KEY,))  # the served config
