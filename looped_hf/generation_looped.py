@@ -586,7 +586,10 @@ class LoopedGenerationMixin(GenerationMixin):
         depth = generation_depth(self.config, passed, self.generation_config, **call)
         kwargs["num_recurrences"], kwargs["kv_budget"] = depth["num_recurrences"], depth["kv_budget"]
         from_config = draft_num_recurrences is None and outer is None and depth["draft_num_recurrences"] is not None
-        draft_num_recurrences = depth["draft_num_recurrences"] if outer is None else draft_num_recurrences
+        if from_config and kwargs.get("assistant_model") is not None:
+            from_config = False  # a drafter passed to the call wins over the configured self-drafting
+        elif outer is None:
+            draft_num_recurrences = depth["draft_num_recurrences"]
         run = _GenerationRun(draft_num_recurrences=draft_num_recurrences)
         if draft_num_recurrences is not None:
             try:

@@ -109,8 +109,10 @@ def test_draft_num_recurrences_in_the_generation_config_drafts_at_its_depth() ->
     got_tokens, got_applications, got = _block_applications(configured)
     assert torch.equal(got_tokens, tokens) and got_applications == applications
     assert (got.num_draft_tokens, got.num_accepted_draft_tokens) == (out.num_draft_tokens, out.num_accepted_draft_tokens)
-    # The keyword still wins over the configured draft depth.
+    # The keyword still wins over the configured draft depth, and so does a drafter passed to the call.
     assert _block_applications(configured, draft_num_recurrences=2)[1] == full_depth_draft
+    other = _block_applications(configured, assistant_model=tiny_looped_model(seed=1))
+    assert torch.equal(other[0], tokens) and not hasattr(other[2], "num_draft_tokens")
 
 
 @pytest.mark.parametrize(
