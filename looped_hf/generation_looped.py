@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -458,6 +459,19 @@ _SELF_DRAFT_DEFAULTS = {"num_assistant_tokens": 4, "assistant_confidence_thresho
 DEPTH_SETTINGS = ("num_recurrences", "draft_num_recurrences", "kv_budget")
 
 
+def saved_generation_depth(path: str | os.PathLike) -> dict[str, int]:
+    """The depth settings (``DEPTH_SETTINGS``) that a ``generation_config.json`` sets, not None; ``path``:
+    the file or its checkpoint folder ({} without one). Read from the JSON itself: transformers'
+    ``GenerationConfig`` drops a file's own fields when it says ``"_from_model_config": true``, which
+    ``save_pretrained`` writes for a generation config that started from the model's."""
+    path = os.path.join(path, GENERATION_CONFIG_NAME) if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    return {key: saved[key] for key in DEPTH_SETTINGS if isinstance(saved, dict) and saved.get(key) is not None}
+
+
 def generation_depth(config: LoopedConfig, *generation_configs: GenerationConfig | None,
                      **call: int | None) -> dict[str, int | None]:  # fmt: skip
     """The depth a generation runs at, the one rule of ``generate()``, the pipeline, ``test-time``,
@@ -572,7 +586,10 @@ class LoopedGenerationMixin(GenerationMixin):
         depth = generation_depth(self.config, passed, self.generation_config, **call)
         kwargs["num_recurrences"], kwargs["kv_budget"] = depth["num_recurrences"], depth["kv_budget"]
         from_config = draft_num_recurrences is None and outer is None and depth["draft_num_recurrences"] is not None
-        draft_num_recurrences = depth["draft_num_recurrences"] if outer is None else draft_num_recurrences
+        if from_config and kwargs.get("assistant_model") is not None:
+            from_config = False  # a drafter passed to the call wins over the configured self-drafting
+        elif outer is None:
+            draft_num_recurrences = depth["draft_num_recurrences"]
         run = _GenerationRun(draft_num_recurrences=draft_num_recurrences)
         if draft_num_recurrences is not None:
             try:
@@ -637,13 +654,9 @@ class LoopedGenerationMixin(GenerationMixin):
                                _raise_exceptions_for_missing_entries=False, **download)  # fmt: skip
         except OSError:
             return
-        if path is None:
-            return
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-        for key in DEPTH_SETTINGS if isinstance(saved, dict) else ():
-            if saved.get(key) is not None and getattr(self.generation_config, key, None) is None:
-                setattr(self.generation_config, key, saved[key])
+        for key, value in (saved_generation_depth(path) if path is not None else {}).items():
+            if getattr(self.generation_config, key, None) is None:
+                setattr(self.generation_config, key, value)
 
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs) -> tuple:
         # Hook: transformers moves every keyword that names a field of the generation config into it

@@ -222,9 +222,15 @@ def decoding_heldout_loss(
     import torch
     from transformers import DynamicCache
 
+    from looped_hf.generation_looped import generation_depth
+
     rows = dataset[: len(dataset) if max_blocks is None else int(max_blocks)]["input_ids"]
     device = next(model.parameters()).device
-    r = call_kwargs.get("num_recurrences") or model.config.num_recurrences
+    # Decoding's defaults are generate()'s: the keywords, else the generation config's, else the config's.
+    depth = generation_depth(model.config, getattr(model, "generation_config", None),
+                             num_recurrences=call_kwargs.get("num_recurrences"), kv_budget=call_kwargs.get("kv_budget"))  # fmt: skip
+    call_kwargs = {**call_kwargs, "num_recurrences": depth["num_recurrences"], "kv_budget": depth["kv_budget"]}
+    r = depth["num_recurrences"]
     nll, tokens, recurrences = 0.0, 0, 0.0
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
@@ -270,6 +276,7 @@ def evaluate_recurrences(
     import torch
 
     from looped_hf.fileio import weights_sha256
+    from looped_hf.generation_looped import generation_depth
     from looped_hf.train import versions
 
     path = Path(run_dir)
@@ -281,8 +288,10 @@ def evaluate_recurrences(
             check_curve_recurrences(config, [max_factor * trained])
         except TestTimeError as err:
             raise TestTimeError(f"max_factor={max_factor}: {err}") from None
+    # The r generate() runs by default (a generation_config.json's num_recurrences) is on the default grid.
+    default_r = generation_depth(config, model.generation_config)["num_recurrences"]
     grid = check_curve_recurrences(
-        config, recurrence_grid(trained, max_factor) if recurrences is None else recurrences
+        config, sorted({*recurrence_grid(trained, max_factor), default_r}) if recurrences is None else recurrences
     )
     recipe = record.get("recipe") or {}
     batch = int(batch_size or recipe.get("per_device_eval_batch_size") or 8)
@@ -299,6 +308,7 @@ def evaluate_recurrences(
         "run_id": record.get("run_id") or path.name,
         "run_dir": str(path),
         "trained_num_recurrences": trained,
+        "default_num_recurrences": default_r,
         "recurrence_sampling": record.get("recurrence_sampling") or "fixed",
         "sampled_recurrences": record.get("sampled_recurrences"),
         "variant": record.get("variant") or "base",

@@ -109,8 +109,10 @@ def test_draft_num_recurrences_in_the_generation_config_drafts_at_its_depth() ->
     got_tokens, got_applications, got = _block_applications(configured)
     assert torch.equal(got_tokens, tokens) and got_applications == applications
     assert (got.num_draft_tokens, got.num_accepted_draft_tokens) == (out.num_draft_tokens, out.num_accepted_draft_tokens)
-    # The keyword still wins over the configured draft depth.
+    # The keyword still wins over the configured draft depth, and so does a drafter passed to the call.
     assert _block_applications(configured, draft_num_recurrences=2)[1] == full_depth_draft
+    other = _block_applications(configured, assistant_model=tiny_looped_model(seed=1))
+    assert torch.equal(other[0], tokens) and not hasattr(other[2], "num_draft_tokens")
 
 
 @pytest.mark.parametrize(
@@ -169,3 +171,64 @@ def test_the_text_generation_pipeline_reads_the_same_default() -> None:
 
     assert run() == expected[1]
     assert run(num_recurrences=3) == expected[3]
+
+
+# --- test-time, eval and serving read the same default ------------------------------------------
+def test_decoding_loss_and_the_eval_grid_read_the_generation_config_default() -> None:
+    from datasets import Dataset
+
+    from looped_hf.evaluation.cli import default_recurrences
+    from looped_hf.recurrence_curves import decoding_heldout_loss
+
+    blocks = Dataset.from_dict({"input_ids": prompts(2, 6).tolist()})
+    plain, configured = tiny_looped_model(), tiny_looped_model()
+    configured.generation_config.num_recurrences = 1
+    configured.generation_config.kv_budget = 1
+    got = decoding_heldout_loss(configured, blocks, batch_size=2)
+    assert got == decoding_heldout_loss(plain, blocks, batch_size=2, num_recurrences=1, kv_budget=1)
+    assert got["mean_recurrences"] == 1.0
+    assert got != decoding_heldout_loss(plain, blocks, batch_size=2)
+    assert decoding_heldout_loss(configured, blocks, batch_size=2, num_recurrences=3, kv_budget=3) == (
+        decoding_heldout_loss(plain, blocks, batch_size=2)
+    )
+    config = plain.config  # r = 3: powers of 2 up to 2r, the trained r, and the generation default
+    assert default_recurrences(config) == [1, 2, 3, 4]
+    assert default_recurrences(config, 5) == [1, 2, 3, 4, 5]
+
+
+def _serving_folder(tmp_path, **generation) -> object:
+    from looped_hf.data.tokenizer import load_tokenizer
+
+    model = tiny_looped_model(vocab_size=258, pad_token_id=257, eos_token_id=256, bos_token_id=256)
+    for key, value in generation.items():
+        setattr(model.generation_config, key, value)
+    model.save_pretrained(tmp_path / "ckpt")
+    load_tokenizer("bytes").save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_serve_and_engine_args_serve_the_generation_config_default(tmp_path, capsys, monkeypatch) -> None:
+    from looped_hf.serving import cli as serve_cli
+    from looped_hf.serving.engine import engine_args
+
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: False)  # head_dim 8: the GPU path's settings
+    folder = _serving_folder(tmp_path, num_recurrences=2, kv_budget=1)
+    capsys.readouterr()
+    assert serve_cli.main([str(folder), "--dry-run"]) == 0
+    assert """--hf-overrides '{"num_recurrences":2,"kv_budget":1}'""" in capsys.readouterr().out
+    assert serve_cli.main([str(folder), "-r", "3", "--dry-run"]) == 0  # a flag wins
+    assert """--hf-overrides '{"num_recurrences":3,"kv_budget":1}'""" in capsys.readouterr().out
+    assert engine_args(folder, device="cuda")["hf_overrides"] == {"num_recurrences": 2, "kv_budget": 1}
+    assert engine_args(folder, device="cuda", num_recurrences=3)["hf_overrides"]["num_recurrences"] == 3
+
+
+def test_serve_refuses_a_generation_config_depth_in_one_line(tmp_path, capsys, monkeypatch) -> None:
+    from looped_hf.serving import cli as serve_cli
+
+    monkeypatch.setattr(serve_cli, "_on_cpu", lambda: False)
+    folder = _serving_folder(tmp_path, num_recurrences=0)
+    capsys.readouterr()
+    assert serve_cli.main([str(folder), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_config.num_recurrences=0: must be an integer >= 1" in err
+    assert len(err.strip().splitlines()) == 1

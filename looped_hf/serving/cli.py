@@ -166,6 +166,22 @@ def check_served_weights(folder: Path) -> None:
         raise ServeError(f"{folder / 'config.json'}: {err}") from None
 
 
+def served_generation_depth(folder: Path, config: Any, num_recurrences: int | None, kv_budget: int | None,
+                            ) -> tuple[int | None, int | None]:  # fmt: skip
+    """The served default depth, as ``generate()`` reads it (``generation_looped.generation_depth``): the
+    flags, else the folder's generation_config.json (``num_recurrences``, ``kv_budget``), else the
+    config's (None here). A generation_config.json value the model cannot run is refused in one line."""
+    from looped_hf.generation_looped import generation_depth, saved_generation_depth
+
+    saved = {key: value for key, value in saved_generation_depth(folder).items() if key != "draft_num_recurrences"}
+    try:
+        generation_depth(config, argparse.Namespace(**saved))
+    except ValueError as err:
+        raise ServeError(f"{folder / 'generation_config.json'}: {err}") from None
+    return (num_recurrences if num_recurrences is not None else saved.get("num_recurrences"),
+            kv_budget if kv_budget is not None else saved.get("kv_budget"))  # fmt: skip
+
+
 def engine_overrides(
     config: Any, num_recurrences: int | None, kv_budget: int | None, max_num_recurrences: int | None = None
 ) -> dict[str, int]:
@@ -350,7 +366,8 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, s
             raise ServeError(str(err)) from None
         return args, command, {}, notes
     config = read_looped_config(folder)
-    overrides = engine_overrides(config, args.num_recurrences, args.kv_budget, args.max_num_recurrences)
+    num_recurrences, kv_budget = served_generation_depth(folder, config, args.num_recurrences, args.kv_budget)
+    overrides = engine_overrides(config, num_recurrences, kv_budget, args.max_num_recurrences)
     config = with_overrides(config, overrides, extra=(MAX_KEY,))  # the served config
     on_cpu = _on_cpu()
     problems = servable_problems(config, device="cpu" if on_cpu else None)
@@ -402,6 +419,7 @@ __all__ = [
     "read_looped_config",
     "resolve_checkpoint",
     "server_command",
+    "served_generation_depth",
     "split_argv",
 ]
 

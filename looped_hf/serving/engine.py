@@ -91,6 +91,12 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
     device (default: CPU when torch sees no CUDA device). The module docstring lists the settings
     and why; only the ones the served depths need are returned. Raises ``ValueError`` in one line
     naming the field for a checkpoint or override that cannot be served."""
+    if isinstance(model, str | os.PathLike) and os.path.isdir(model):
+        # The folder's generation_config.json sets the served default depth, as it does generate()'s.
+        from ..generation_looped import saved_generation_depth
+
+        saved = saved_generation_depth(model)
+        overrides = {key: saved[key] for key in ("num_recurrences", "kv_budget") if key in saved} | overrides
     config = _served_config(model, overrides)
     cpu = device == "cpu" if device is not None else on_cpu()
     check_servable(config, device="cpu" if cpu else None)
