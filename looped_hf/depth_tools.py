@@ -237,7 +237,7 @@ def native_checkpoint(folder: PathLike, tokenizer: str | None = None) -> tuple[A
 
 
 def _loss_row(model: Any, entry: DepthEntry, dataset: Any, batch_size: int, values: tuple[int, ...]) -> dict:
-    from looped_hf.train import heldout_loss
+    from looped_hf.heldout_eval import heldout_loss
 
     with at_depth(model, values):
         loss, tokens = heldout_loss(model, dataset, batch_size)
@@ -269,7 +269,7 @@ def native_curve(
     import torch
 
     from looped_hf.data import heldout_from_recipe
-    from looped_hf.train import versions
+    from looped_hf.versions import versions
 
     model, tok, entry = load_native(folder, tokenizer)
     trained = entry.trained(model.config)

@@ -30,7 +30,7 @@ text instead of the run's split (the run record's loss is then not shown beside 
 
 The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
 next to the checkpoint; a converted folder's card (``looped-hf convert``'s) gets it as a section
-(`looped_hf.convert.card_curve`). Models whose parameters are indexed by recurrence step (hyperconnections)
+(`add_curve_to_converted_card`). Models whose parameters are indexed by recurrence step (hyperconnections)
 run only at their trained r and are refused (`LoopedConfig.resolve_num_recurrences` owns every r
 rule, the ceiling included).
 """
@@ -157,7 +157,7 @@ def heldout_curve(
     """
     import torch
 
-    from looped_hf.train import heldout_loss
+    from looped_hf.heldout_eval import heldout_loss
 
     check_curve_recurrences(model.config, recurrences)
     seq_len = len(dataset[0]["input_ids"])
@@ -277,7 +277,7 @@ def evaluate_recurrences(
 
     from looped_hf.fileio import weights_sha256
     from looped_hf.generation_looped import generation_depth
-    from looped_hf.train import versions
+    from looped_hf.versions import versions
 
     path = Path(run_dir)
     model, _, heldout, record = load_run(path, data)
@@ -469,6 +469,65 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# A converted folder's card (written by ``looped-hf convert``: no run record, so not the checkpoint card
+# of a training run) shows the curve once ``looped-hf test-time`` has measured it, under one heading.
+#: The heading of the curve's section in a converted card.
+CURVE_HEADING = "## Test-time scaling"
+
+
+def is_converted_card(text: str) -> bool:
+    """Whether ``text`` is a card ``looped-hf convert`` wrote (its front matter has ``converted_from``)."""
+    if not text.startswith("---\n"):
+        return False
+    end = text.find("\n---", 4)
+    return end > 0 and "\nconverted_from:" in "\n" + text[4:end]
+
+
+def curve_section(curve: Mapping[str, Any]) -> str:
+    """The card section for a curve (``recurrence_curves.evaluate_recurrences``'s result)."""
+    data = curve.get("heldout_data") or {}
+    where = f" on `{Path(str(data['dataset'])).name}`" if data.get("dataset") else ""
+    return (
+        f"{CURVE_HEADING}\n\nHeld-out loss{where} ({curve['heldout_blocks']} blocks of {curve['seq_len']} tokens) "
+        f"at every r from {curve['rows'][0]['num_recurrences']} to {curve['rows'][-1]['num_recurrences']}, "
+        f"measured by `looped-hf test-time`. {summary_sentence(curve)}\n\n{markdown_table(curve)}\n\n"
+        f"![held-out loss vs r]({CURVE_PNG})\n"
+    )
+
+
+def add_curve_to_converted_card(folder: str | Path, curve: Mapping[str, Any]) -> bool:
+    """Put ``curve`` into ``folder``'s README.md when it is a converted card (replacing the section
+    an earlier run wrote); returns whether it did. The card is rewritten whole (a new file moved
+    over the old one), so a reader never sees half of it."""
+    import os
+    import tempfile
+
+    card = Path(folder) / "README.md"
+    if not card.is_file():
+        return False
+    text = card.read_text(encoding="utf-8")
+    if not is_converted_card(text):
+        return False
+    start = text.find(f"\n{CURVE_HEADING}\n")
+    if start >= 0:
+        after = text.find("\n## ", start + len(CURVE_HEADING) + 2)
+        text = text[: start + 1].rstrip("\n") + ("\n" + text[after:] if after >= 0 else "\n")
+    text = text.rstrip("\n") + "\n\n" + curve_section(curve)
+    fd, tmp = tempfile.mkstemp(prefix=".README.md.", dir=card.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(tmp, card.stat().st_mode & 0o777)
+        os.replace(tmp, card)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return True
+
+
+__all__ = ["CURVE_HEADING", "add_curve_to_converted_card", "curve_section", "is_converted_card"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: 0 ok, 2 a run directory or option that cannot be measured."""
     args = _parser().parse_args(argv)
@@ -536,8 +595,6 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
             )
             paths = write_curve(curve, run_dir)
-            from looped_hf.convert.card_curve import add_curve_to_converted_card
-
             if add_curve_to_converted_card(run_dir, curve):  # a converted folder's card shows its curve
                 paths.append(Path(run_dir) / "README.md")
             print(

@@ -17,11 +17,6 @@ from transformers import TrainerCallback
 from looped_hf.arguments import (
     LoopedTrainingArguments,
 )
-from looped_hf.teacher import (  # noqa: F401
-    BIDIRECTIONAL_TYPES,
-    check_teacher,
-    teacher_flops,
-)
 
 PROGRESS_NAME = "progress.json"
 

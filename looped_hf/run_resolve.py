@@ -26,18 +26,7 @@ from looped_hf.fileio import (
     check_output_path,
     first_line,
 )
-from looped_hf.run_callbacks import (  # noqa: F401
-    PROGRESS_NAME,
-    NonFiniteLossGuard,
-    ProgressFileCallback,
-    compile_forward,
-    uncompile_forward,
-)
-from looped_hf.teacher import (  # noqa: F401
-    BIDIRECTIONAL_TYPES,
-    check_teacher,
-    teacher_flops,
-)
+from looped_hf.teacher import teacher_flops
 
 
 def arch_name(config: Any) -> str:

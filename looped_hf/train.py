@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import shutil
 import sys
 import time
@@ -60,6 +59,9 @@ from looped_hf.fileio import (
     sha256_file,
     write_json_atomic,
     write_yaml_atomic,
+)
+from looped_hf.heldout_eval import (  # noqa: F401
+    heldout_loss,
 )
 from looped_hf.run_callbacks import (  # noqa: F401
     PROGRESS_NAME,
@@ -89,6 +91,7 @@ from looped_hf.teacher import (  # noqa: F401
     check_teacher,
     teacher_flops,
 )
+from looped_hf.versions import versions  # noqa: F401  (importable from here, as before)
 
 RECIPE_NAME = "recipe.yaml"
 #: The lineage `looped-hf retrofit` writes (parent, its sha256, layer map, method); a run that
@@ -109,24 +112,6 @@ RECORD_KEYS = (
 )  # fmt: skip
 
 
-
-
-def versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
-    """Versions that make a result reproducible: python, torch, transformers, looped_hf, + ``extra``."""
-    import importlib
-
-    import transformers
-
-    import looped_hf
-
-    out = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "looped_hf": getattr(looped_hf, "__version__", "unknown"),
-    }
-    out.update({name: importlib.import_module(name).__version__ for name in extra})
-    return out
 
 
 def _has_accelerator() -> bool:
@@ -160,49 +145,6 @@ def last_checkpoint(checkpoint_dir: str | os.PathLike) -> str | None:
 
 
 
-@torch.no_grad()
-def heldout_loss(
-    model: torch.nn.Module,
-    dataset: Any,
-    batch_size: int,
-    accelerator: Any = None,
-    num_recurrences: int | None = None,
-) -> tuple[float, int]:
-    """Token-weighted mean next-token loss (nats/token) over `dataset`, and the tokens predicted.
-
-    Each process takes every world_size-th block; sums of (loss x tokens) and tokens are reduced
-    across processes, so the mean is exact whatever the batch split. `num_recurrences` runs the
-    model at that r (None: its configured r), for test-time scaling curves (`looped_hf.recurrence_curves`);
-    left None, the call passes no r at all, so a dense transformers model (a retrofit's parent) is
-    measured on the same held-out blocks by the same loop.
-    """
-    rank = accelerator.process_index if accelerator is not None else 0
-    world = accelerator.num_processes if accelerator is not None else 1
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    indices = list(range(rank, len(dataset), world))
-    for start in range(0, len(indices), batch_size):
-        rows = dataset[indices[start : start + batch_size]]["input_ids"]
-        ids = torch.as_tensor(rows, dtype=torch.long, device=device)
-        labels = ids.clone()
-        at_r = {} if num_recurrences is None else {"num_recurrences": num_recurrences}
-        out = model(input_ids=ids, labels=labels, **at_r)
-        loss = out.loss
-        if getattr(model.config, "exit_gate_entropy_beta", None) is not None:
-            # An exit gate trained with Ouro's objective returns sum_t p_t L_t - beta H(p) as its
-            # loss (the entropy bonus lowers it); held out, the model is judged by the
-            # cross-entropy of the logits it returns, as every other model is.
-            loss = model.loss_function(logits=out.logits, labels=labels, vocab_size=model.config.vocab_size)
-        # The model's loss is the mean over the shifted targets: B x (T - 1) of them.
-        n = (labels[:, 1:] != -100).sum()
-        total += torch.stack([loss.double() * n, n.double()])
-    if accelerator is not None and world > 1:
-        total = accelerator.reduce(total, reduction="sum")
-    model.train(was_training)
-    loss_sum, n_tokens = total.tolist()
-    return (loss_sum / n_tokens if n_tokens else math.nan), int(n_tokens)
 
 
 def retrofit_lineage(init_from: str | None) -> dict[str, Any] | None:

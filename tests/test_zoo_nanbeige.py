@@ -622,8 +622,7 @@ def test_test_time_measures_one_to_four_loops_and_the_card_shows_the_curve(
     folder_with_tokenizer: Path, heldout_text: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     from looped_hf.cli import main as cli
-    from looped_hf.convert.card_curve import CURVE_HEADING
-    from looped_hf.recurrence_curves import CURVE_JSON
+    from looped_hf.recurrence_curves import CURVE_HEADING, CURVE_JSON
 
     monkeypatch.setenv("LOOPED_HF_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "converted"

@@ -286,7 +286,7 @@ def plan_section(fit: ScalingLawFit, recipe: PathLike, plots_dir: PathLike) -> s
 
 
 def _versions() -> dict[str, str]:
-    from looped_hf.train import versions
+    from looped_hf.versions import versions
 
     return versions(extra=("huggingface_hub", "numpy", "scipy"))
 

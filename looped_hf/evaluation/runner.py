@@ -184,7 +184,7 @@ def evaluate_model(
         ``settings`` and provenance."""
     import torch
 
-    from looped_hf.train import versions
+    from looped_hf.versions import versions
 
     unknown = sorted(set(settings or {}) - set(CALL_SETTINGS))
     if unknown:
