@@ -122,6 +122,15 @@ class LoopLoRAConfig(LoopedConfig):
                              "LoRA (loop_lora_loops)")  # fmt: skip
         return super().resolve_num_recurrences(num_recurrences)
 
+    @property
+    def recurrence_ceiling(self) -> int:
+        """``LoopedConfig.recurrence_ceiling``, capped at ``loop_lora_loops``: the most r that
+        ``resolve_num_recurrences`` accepts, so a sampled depth (``recurrence.py``) never draws
+        an r past the loops with a LoRA."""
+        ceiling = super().recurrence_ceiling
+        loops = getattr(self, "loop_lora_loops", None)
+        return min(ceiling, loops) if isinstance(loops, int) and not isinstance(loops, bool) else ceiling
+
 
 class LoRAPair(nn.Module):
     """One low-rank delta ``B A`` (A: rank x in, B: out x rank), plus a bias delta (out) when the
