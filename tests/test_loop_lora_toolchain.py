@@ -242,6 +242,21 @@ def test_a_config_written_before_loop_lora_loops_reads_its_loops_from_max_recurr
         lower.resolve_num_recurrences(4)
 
 
+def test_the_recurrence_ceiling_is_what_resolve_num_recurrences_accepts():
+    """Without max_recurrences the looped ceiling (64 x r) would pass the loops with a LoRA: the loop-LoRA
+    config's ceiling (which the depth sampler clamps to) stops at ``loop_lora_loops``, as
+    ``resolve_num_recurrences`` does."""
+    config = LoopLoRAConfig(**{k: v for k, v in tiny_looped_config(num_recurrences=2).to_dict().items()
+                               if k != "model_type"}, loop_lora_rank=2, loop_lora_targets=["mlp.up_proj"],
+                            loop_lora_loops=5)  # fmt: skip
+    assert config.max_recurrences is None and config.recurrence_ceiling == 5
+    assert config.resolve_num_recurrences(5) == 5
+    with pytest.raises(ValueError, match=r"num_recurrences=6: a per-loop LoRA model runs at most its 5 loops"):
+        config.resolve_num_recurrences(6)
+    config.max_recurrences = 3
+    assert config.recurrence_ceiling == 3
+
+
 @pytest.mark.parametrize("beta", [None, 0.1])
 def test_an_exit_gate_no_loss_trains_is_frozen_with_one_log_line(beta, caplog):
     from looped_hf import LoopedForCausalLM
