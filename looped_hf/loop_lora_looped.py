@@ -41,7 +41,12 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import GenerationMixin
 
-from .configuration_looped import LoopedConfig, _one_line_errors
+from .configuration_looped import (
+    MAX_NUM_RECURRENCES,
+    RECURRENCE_CEILING_FACTOR,
+    LoopedConfig,
+    _one_line_errors,
+)
 from .decoder_layers_looped import LoopedRMSNorm
 from .modeling_looped import (
     LoopedForCausalLM,
@@ -127,7 +132,11 @@ class LoopLoRAConfig(LoopedConfig):
         """``LoopedConfig.recurrence_ceiling``, capped at ``loop_lora_loops``: the most r that
         ``resolve_num_recurrences`` accepts, so a sampled depth (``recurrence.py``) never draws
         an r past the loops with a LoRA."""
-        ceiling = super().recurrence_ceiling
+        # Spelled out, not ``super().recurrence_ceiling``: torch.compile traces this at every forward
+        # (resolve_num_recurrences) and does not trace a property read through super().
+        if self.max_recurrences is not None:
+            return self.max_recurrences  # validate_loop_lora: at most loop_lora_loops
+        ceiling = min(RECURRENCE_CEILING_FACTOR * self.num_recurrences, MAX_NUM_RECURRENCES)
         loops = getattr(self, "loop_lora_loops", None)
         return min(ceiling, loops) if isinstance(loops, int) and not isinstance(loops, bool) else ceiling
 

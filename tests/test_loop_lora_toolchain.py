@@ -251,7 +251,7 @@ def test_the_recurrence_ceiling_is_what_resolve_num_recurrences_accepts():
                             loop_lora_loops=5)  # fmt: skip
     assert config.max_recurrences is None and config.recurrence_ceiling == 5
     assert config.resolve_num_recurrences(5) == 5
-    with pytest.raises(ValueError, match=r"num_recurrences=6: a per-loop LoRA model runs at most its 5 loops"):
+    with pytest.raises(ValueError, match=r"num_recurrences=6: a per-loop LoRA model runs at most its 5"):
         config.resolve_num_recurrences(6)
     config.max_recurrences = 3
     assert config.recurrence_ceiling == 3
