@@ -30,6 +30,7 @@ from transformers import initialization as init
 from .configuration_looped import LoopedConfig
 from .generation_looped import KVSlotPlan, _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
+from .parcae_looped import DiagonalInjection, like_init_state, post_loop_projection
 
 
 class LoopedHyperConnection(nn.Module):
@@ -169,6 +170,8 @@ def build_loop_modules(
     if config.input_injection == "linear":
         model.injection = nn.Linear(2 * d, d, bias=False)
         model.injection.looped_study_init = "injection"  # [I | 0] at init, LoopedPreTrainedModel._init_weights
+    elif config.input_injection == "diagonal":
+        model.injection = DiagonalInjection(config)  # Parcae's (parcae_looped.py)
     model.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
     own = config.recurrence_norm and config.recurrence_norm_weight == "own"
     model.recurrence_norm = norm() if own else None
@@ -211,6 +214,7 @@ def after_loop(
     readouts, the logit lens and the vLLM model all decode a state through this one function;
     ``coda`` runs the coda layers as the caller's cache needs (``None``: no coda pass)."""
     _, post_loop, final = loop_norms(model)
+    state = post_loop_projection(model, state)  # Parcae's C, where the model has one
     if post_loop is not None:
         state = post_loop(state)
     if coda is not None:
@@ -258,6 +262,8 @@ class LoopedRecurrentBlock:
             h = torch.nn.init.trunc_normal_(torch.empty_like(e), mean=0.0, std=std, a=-3 * std, b=3 * std)
             multiplier = self.config.embedding_multiplier
             return h * multiplier if multiplier != 1.0 else h
+        if state_init == "like_init":
+            return like_init_state(e, self.config.state_init_std, self.config.embedding_multiplier)
         return e
 
     def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -287,6 +293,8 @@ class LoopedRecurrentBlock:
             return self.injection(torch.cat([h, e] if self.legacy else [e, h], dim=-1))
         if mode == "add":
             return h + e
+        if mode == "diagonal":
+            return self.injection(h, e)
         return h
 
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
