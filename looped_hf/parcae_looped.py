@@ -117,7 +117,9 @@ def build_parcae_modules(model: nn.Module, config: LoopedConfig, norm: Callable[
     model.value_embeddings = nn.ModuleDict(tables)
 
 
-def value_embedding_lookup(model: nn.Module, input_ids: torch.LongTensor | None) -> dict[int, torch.Tensor] | None:
+def value_embedding_lookup(
+    model: nn.Module, input_ids: torch.LongTensor | None
+) -> dict[int, torch.Tensor] | None:
     """Each table's rows for ``input_ids`` (unique-layer index -> (batch, tokens, kv * head_dim)),
     looked up once per forward (a block layer reads the same rows at every recurrence); ``None``
     for a model without value embeddings. They are a function of the token ids, so a call with
@@ -131,7 +133,9 @@ def value_embedding_lookup(model: nn.Module, input_ids: torch.LongTensor | None)
     return {int(i): table(input_ids) for i, table in tables.items()}
 
 
-def add_value_embedding(gate: nn.Module, x: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def add_value_embedding(
+    gate: nn.Module, x: torch.Tensor, v: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """v + 2 sigmoid(gate(x[..., :c])) * rows, per KV head: ``v`` (batch, tokens, kv, head_dim),
     ``x`` the layer's normed input, ``rows`` the layer's value-embedding rows (Parcae's
     ``CausalSelfAttention``, op for op)."""

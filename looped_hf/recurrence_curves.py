@@ -409,6 +409,29 @@ def write_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
     return write_result_triple(out_dir, CURVE_STEM, curve, text, plot)
 
 
+#: The card section ``add_curve_to_converted_card`` writes (replaced, never repeated, on a rerun).
+CARD_CURVE_HEADING = "## Test-time scaling (`looped-hf test-time`)"
+
+
+def add_curve_to_converted_card(folder: PathLike, curve: Mapping[str, Any]) -> bool:
+    """Put ``curve`` (its summary and table) into the card of a folder ``looped-hf convert`` wrote
+    (README.md whose metadata has ``converted_from``), replacing an earlier such section; a run
+    directory's card is rendered from its record instead (``looped-hf publish``). Returns whether
+    the card was updated."""
+    card = Path(folder) / "README.md"
+    if not card.is_file():
+        return False
+    text = card.read_text(encoding="utf-8")
+    if "converted_from:" not in text.split("\n---", 1)[0]:
+        return False
+    text = text.split(f"\n{CARD_CURVE_HEADING}\n", 1)[0].rstrip("\n")
+    section = (f"{CARD_CURVE_HEADING}\n\nHeld-out loss of this folder's weights at r = {curve['rows'][0]['num_recurrences']}"
+               f" .. {curve['rows'][-1]['num_recurrences']} ({curve['heldout_blocks']} blocks of {curve['seq_len']} "
+               f"tokens).\n\n{summary_sentence(curve)}\n\n{markdown_table(curve)}\n")  # fmt: skip
+    card.write_text(f"{text}\n\n{section}", encoding="utf-8")
+    return True
+
+
 def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> dict[str, Any] | None:
     """The curve saved next to a checkpoint, or None when there is none (or it was measured on other
     weights: ``weights_sha256`` given and different)."""
@@ -487,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
             )
             paths = write_curve(curve, run_dir)
+            if add_curve_to_converted_card(run_dir, curve):
+                paths.append(Path(run_dir) / "README.md")
             print(
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"
             )

@@ -136,7 +136,9 @@ def parcae_config(native: Mapping[str, Any], state_init: str = "zeros") -> Any:
     from looped_hf import LoopedConfig
 
     if native.get("_class_name") != "ParcaeConfig":
-        raise _bad("_class_name", native.get("_class_name"), "not a Parcae config (_class_name 'ParcaeConfig')")
+        raise _bad(
+            "_class_name", native.get("_class_name"), "not a Parcae config (_class_name 'ParcaeConfig')"
+        )
     if state_init not in STATE_INITS:
         raise ConversionError(f"--state-init={state_init!r}: must be one of {STATE_INITS}")
     check_known_keys(native, _NO_EFFECT | _READ, "Parcae")
@@ -154,7 +156,11 @@ def parcae_config(native: Mapping[str, Any], state_init: str = "zeros") -> Any:
     kv = native.get("num_key_value_heads")
     kv = heads if kv is None else config_int(native, "num_key_value_heads", 1)
     if d % heads or heads % kv:
-        raise _bad("num_attention_heads", heads, f"must divide n_embd={d} and be divisible by num_key_value_heads={kv}")
+        raise _bad(
+            "num_attention_heads",
+            heads,
+            f"must divide n_embd={d} and be divisible by num_key_value_heads={kv}",
+        )
     intermediate = native.get("intermediate_size")
     intermediate = 4 * d if intermediate is None else config_int(native, "intermediate_size", 1)
     for key, expected in (("recurrent_embedding_dimension", d), ("recurrent_intermediation_embedding_dimension",
@@ -169,7 +175,9 @@ def parcae_config(native: Mapping[str, Any], state_init: str = "zeros") -> Any:
     rope = native.get("rope_settings") or {}
     if not isinstance(rope, dict):
         raise _bad("rope_settings", rope, "expected an object")
-    check_known_keys(rope, {"use_rope", "rope_condense_ratio", "rope_base"}, "Parcae", "config.json rope_settings")
+    check_known_keys(
+        rope, {"use_rope", "rope_condense_ratio", "rope_base"}, "Parcae", "config.json rope_settings"
+    )
     if rope.get("use_rope", True) is not True:
         raise _bad("rope_settings.use_rope", rope["use_rope"], "a Parcae model without RoPE is not converted")
     if rope.get("rope_condense_ratio", 1) != 1:
