@@ -115,6 +115,7 @@ from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
 from .loop_lora_vllm import WEIGHT_PREFIX, attach_loop_lora, has_loop_lora
+from .parcae_vllm import add_value_rows, build_parcae_vllm, end_forward, qk_norm_eps, start_forward
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -183,8 +184,13 @@ class _LoopedAttention(nn.Module):
             # OLMo-2's: one norm over all heads of q (of k). Its RMS spans every head, so it needs the
             # whole projection: check_servable refuses tensor parallelism with it.
             self.q_norm, self.k_norm = _norm(config, self.q_size), _norm(config, self.kv_size)
-        elif self.qk_norm == "after_rope":  # the study's: per head, no weight
-            self.qk_rms = RMSNorm(self.head_dim, eps=config.rms_norm_eps, has_weight=False)
+        elif self.qk_norm == "after_rope":  # the study's: per head, no weight (Parcae's eps: parcae_vllm)
+            eps = qk_norm_eps(config, vllm_config.model_config.dtype)
+            self.qk_rms = RMSNorm(self.head_dim, eps=eps, has_weight=False)
+        # Parcae's gated value embedding: build_parcae_vllm puts the gate, its table's index and the
+        # forward's rows (value_rows) here.
+        self.ve_gate: nn.Module | None = None
+        self.value_embedding_index: int | None = None
 
     def _heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm`` over each head of ``x`` (tokens, heads * head_dim)."""
@@ -209,6 +215,8 @@ class _LoopedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn: Attention) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.ve_gate is not None:
+            v = add_value_rows(self, hidden_states, v)
         if self.qk_norm == "learnable_before_rope":
             q, k = self._heads(self.q_norm, q), self._heads(self.k_norm, k)
         elif self.qk_norm == "learnable_projection_before_rope":
@@ -241,6 +249,9 @@ class _LoopedMLP(nn.Module):
                 d, f, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up_proj"
             )
             self.act_fn = ReLUSquaredActivation()
+            # Parcae's 0.5 relu(x)^2 (config.mlp_activation_scale; None: no scaling op).
+            scale = getattr(config, "mlp_activation_scale", 1.0)
+            self.activation_scale = scale if scale != 1.0 else None
         else:
             self.gate_up_proj = MergedColumnParallelLinear(
                 d, [f, f], bias=bias, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
@@ -252,7 +263,10 @@ class _LoopedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, _ = self.gate_up_proj(x) if self.gated else self.up_proj(x)
-        x, _ = self.down_proj(self.act_fn(x))
+        x = self.act_fn(x)
+        if not self.gated and self.activation_scale is not None:
+            x = x.mul(self.activation_scale)
+        x, _ = self.down_proj(x)
         return x
 
 
@@ -361,6 +375,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         self.default_plan = model.default_plan
         self.kv_slots = model.kv_slots
         self.loop_lora = model.loop_lora
+        self.value_rows = model.value_rows
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
         self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once loaded
@@ -414,9 +429,13 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
                 sub_split = (split[0][idx], split[1]) if split is not None else None
                 sub_lanes = lanes[:, idx] if lanes is not None else None
                 self.positions = positions[idx]
+                if self.value_rows is not None:
+                    self.value_rows.select(idx)  # Parcae's value embeddings of these tokens (parcae_vllm)
                 with depth.attend(group, attention, e.dtype, stopped):
                     sub_h, sub_lanes = self.recurrence(step, h[idx], sub_lanes, e[idx], sub_split)
                 self.positions = positions
+                if self.value_rows is not None:
+                    self.value_rows.select(None)
                 if stopped is not None:  # a stopped token's state stays frozen
                     sub_h = torch.where(stopped[:, None], h[idx], sub_h)
                     if lanes is not None:
@@ -527,6 +546,8 @@ class LoopedVllmModel(nn.Module):
         # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
         # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
         build_loop_modules(self, config, norm)
+        # Parcae's prelude norm, C and value embeddings (parcae_vllm), each None unless configured.
+        self.value_rows = build_parcae_vllm(self, config, norm)
         # W_e and W_h of the linear injection as vLLM layers, so they run vLLM's GEMM (prepacked on CPU) like
         # every other projection; filled from ``injection.weight`` when the weights load (``keep_injection``).
         # Not in float32, where vLLM's GEMM would round differently from the matmul generate() runs.
@@ -579,8 +600,11 @@ class LoopedVllmModel(nn.Module):
             h = h * multiplier  # after the lookup: the tied head reads the table unscaled
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
+        start_forward(self, input_ids)  # Parcae's value-embedding rows of these tokens
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, self.kv_slots[plan.prelude(j)].attn)
+        if self.prelude_norm is not None:
+            h = self.prelude_norm(h)
         h, states = self.loop.run(h, positions, depth, keep_states=self.exit_threshold is not None)
         if self.exit_threshold is not None:
             # generate()'s threshold readout (threshold_readout, as LoopedForCausalLM's), per token: the
@@ -598,7 +622,9 @@ class LoopedVllmModel(nn.Module):
                 x = layer(x, positions, self.kv_slots[plan.coda(j)].attn)
             return x
 
-        return after_loop(self, h, coda)  # the modules after the loop, as LoopedModel's forward
+        h = after_loop(self, h, coda)  # the modules after the loop, as LoopedModel's forward
+        end_forward(self)
+        return h
 
 
 class LoopedForCausalLM(nn.Module, SupportsLoRA):
