@@ -98,3 +98,51 @@ def test_one_batch_of_mixed_depths_equals_generate_at_each_requests_r(folder, pr
     assert_served_as_generate(prompts, outputs, references)
     assert any(set(r) >= {1, 2, 4, 8} for r in mixed_steps)  # one forward ran every depth (the subset loop)
     assert len({tuple(tokens) for tokens, _ in references[:4]}) > 1  # the depths differ in what they serve
+
+
+@needs_vllm
+def test_looped_hf_serve_answers_the_openai_client_at_each_requests_depth_as_generate(folder, prompts, tmp_path):
+    """The real server (``looped-hf serve DIR --max-num-recurrences 8`` on loopback): the mix of
+    requests sent at once with the async openai client, each naming its r at the top of the body (or
+    nothing: the default), answered with ``generate()``'s greedy tokens at that r."""
+    import asyncio
+    import sys
+    import tempfile
+
+    import openai
+    from conftest import subprocess_env
+    from serving_helpers import free_port, vllm_env
+    from test_serving_walk import _running, _wait_healthy
+
+    python = reference_python()
+    if python is None:
+        pytest.skip("no interpreter for the generate() reference (set LOOPED_HF_REFERENCE_PYTHON)")
+    jobs = [dict(checkpoint=folder, prompts=[p], n=8, kwargs=d) for p, d in zip(prompts, DEPTHS)]
+    references = [done[0][0] for done in greedy_references_via(python, jobs)]
+
+    async def ask_all(url: str, model: str) -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(prompt: list[int], depth: dict) -> list[int]:
+            done = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True, **depth},
+            )  # fmt: skip
+            return list(done.choices[0].token_ids)
+
+        return await asyncio.gather(*(one(p, d) for p, d in zip(prompts, DEPTHS)))
+
+    vllm_root = Path(tempfile.mkdtemp(prefix="lvp-"))  # vLLM's IPC sockets need a short path
+    env = {**subprocess_env(), **vllm_env(vllm_root)}
+    port = free_port()
+    serve = [sys.executable, "-m", "looped_hf", "serve", str(folder), "--max-num-recurrences", "8",
+             "--port", str(port), "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
+             "--max-num-seqs", str(len(prompts))]  # fmt: skip
+    try:
+        with _running(serve, env, tmp_path / "server.log") as proc:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, proc, tmp_path / "server.log", timeout_s=480)
+            served = asyncio.run(ask_all(url, str(folder)))
+    finally:
+        shutil.rmtree(vllm_root, ignore_errors=True)
+    assert served == references
