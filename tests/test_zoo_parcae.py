@@ -436,3 +436,39 @@ def test_the_card_names_the_source_and_the_depth_rule(folders) -> None:
     assert config["state_init"] == "like_init" and config["input_injection"] == "diagonal"
     assert config["value_embedding_layers"] == [1, 3] and config["qk_norm_eps"] == "torch_default"
     assert convert_parcae  # the public entry point (the CLI above runs it)
+
+
+def test_parcaes_options_build_train_and_start_at_parcaes_init() -> None:
+    """The options as a new model (a probe's): Parcae's init (A = 1, decay sqrt(1/5), B = I), every
+    Parcae parameter gets a gradient, and ``inputs_embeds`` is refused in one line (value embeddings)."""
+    from looped_hf import LoopedConfig
+
+    config = LoopedConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, recurrent_num_key_value_heads=4,
+        intermediate_size=64, mlp_activation_scale=0.5, num_prelude_layers=1, num_recurrent_layers=2,
+        num_coda_layers=1, num_recurrences=3, input_injection="diagonal", recurrence_norm=False, prelude_norm=True,
+        post_loop_projection=True, qk_norm_eps="torch_default", state_init="like_init", state_init_std=0.05,
+        value_embedding_layers=[0, 2, 3], value_embedding_gate_channels=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LoopedForCausalLM(config)
+    injection = model.model.injection
+    assert torch.equal(injection.A_log, torch.zeros(32)) and torch.equal(injection.B, torch.eye(32))
+    assert torch.allclose(injection.decay(), torch.full((32,), math.sqrt(0.2)))
+    ids = torch.randint(0, 64, (2, 9))
+    model(ids, labels=ids).loss.backward()
+    names = ["model.injection.A_log", "model.injection.dt_bias", "model.injection.B", "model.prelude_norm.weight",
+             "model.post_loop_projection.weight", "model.value_embeddings.2.weight",
+             "model.recurrent_layers.1.self_attn.ve_gate.weight", "model.coda_layers.0.self_attn.ve_gate.weight"]  # fmt: skip
+    params = dict(model.named_parameters())
+    assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0 for n in names)
+    assert params["model.recurrent_layers.1.self_attn.k_proj.weight"].shape == (4 * 8, 32)  # the block's own KV heads
+    assert params["model.prelude_layers.0.self_attn.k_proj.weight"].shape == (2 * 8, 32)
+    with pytest.raises(ValueError) as err:
+        model(inputs_embeds=torch.zeros(1, 3, 32))
+    assert "needs input_ids" in str(err.value) and "\n" not in str(err.value)
+    for field, value in (("value_embedding_layers", [4]), ("mlp_activation_scale", 0.0),
+                         ("recurrent_num_key_value_heads", 3), ("qk_norm_eps", "tiny")):  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            LoopedConfig(**{**config.to_diff_dict(), field: value})
+        assert f"{field}=" in str(err.value) and "\n" not in str(err.value), str(err.value)
