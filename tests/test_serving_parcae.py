@@ -7,7 +7,8 @@ state) and is served by ``vllm.LLM`` in float32 with per-request depth up to ``m
 and each chosen token's log-probability is within 1e-3. This covers what Parcae added to the vLLM
 model (``serving/parcae_vllm.py``): the diagonal injection, the prelude norm, C after the loop, the
 0.5 squared ReLU, the QK norm with torch's default eps, and value embeddings with their gates on a
-core layer (run on a subset of the tokens when the depths differ) and on the coda.
+core layer (run on a subset of the tokens when the depths differ) and on the coda; and, built
+here, a GQA prelude / coda beside the MHA core (every layer served at the core's KV heads).
 """
 
 from __future__ import annotations
@@ -55,16 +56,50 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def test_the_converted_parcae_is_servable_and_its_random_state_or_own_core_heads_are_refused(folder) -> None:
+def test_the_converted_parcae_is_servable_and_its_random_state_is_refused(folder) -> None:
     config = LoopedConfig.from_pretrained(folder)
     assert servable_problems(config, device="cpu") == []
     config.state_init = "like_init"
     (problem,) = servable_problems(config, device="cpu")
     assert problem.startswith("state_init='like_init' with state_init_std=0.079") and "\n" not in problem
     config.state_init = "zeros"
-    config.recurrent_num_key_value_heads = 2
-    config.num_key_value_heads = 1
-    assert any(p.startswith("recurrent_num_key_value_heads=2: ") for p in servable_problems(config, device="cpu"))
+    (problem,) = servable_problems(config, tensor_parallel_size=2)
+    assert problem.startswith("tensor_parallel_size=2: value embeddings")
+
+
+@pytest.fixture(scope="module")
+def gqa_folder(workdir: Path) -> Path:
+    """A Parcae built here with a GQA prelude / coda (2 KV heads of 4) beside its MHA core and a value
+    embedding on the coda (test_zoo_parcae's "gqa" shape), converted."""
+    from test_zoo_parcae import SHAPES, build_parcae
+
+    from looped_hf.convert import main
+
+    changes, seed = SHAPES["gqa"]
+    build_parcae(workdir / "gqa-native", seed, **changes)
+    out = workdir / "gqa"
+    assert main(["parcae", str(workdir / "gqa-native"), "--out", str(out)]) == 0
+    save_tokenizer(out)
+    return out
+
+
+@needs_vllm
+def test_a_gqa_prelude_and_coda_beside_an_mha_core_serves_as_generate(gqa_folder, prompts) -> None:
+    """Every layer served at the core's 4 KV heads, the prelude's and coda's 2 repeated (exact)."""
+    config = LoopedConfig.from_pretrained(gqa_folder)
+    assert (config.num_key_value_heads, config.recurrent_num_key_value_heads) == (2, 4)
+    assert servable_problems(config, device="cpu") == []
+    python = reference_python()
+    if python is None:
+        pytest.skip("no interpreter for the generate() reference (set LOOPED_HF_REFERENCE_PYTHON)")
+    jobs = [dict(checkpoint=gqa_folder, prompts=[p], n=8, kwargs=d) for p, d in zip(prompts, DEPTHS)]
+    references = [done[0] for done in greedy_references_via(python, jobs)]
+    llm = make_llm(gqa_folder, SERVER, max_model_len=64, skip_tokenizer_init=False)
+    try:
+        outputs = mixed_greedy(llm, prompts, DEPTHS)
+    finally:
+        close(llm)
+    assert_served_as_generate(prompts, outputs, references)
 
 
 def test_looped_hf_serve_accepts_the_folder_up_to_its_max_depth(folder, capsys) -> None:

@@ -9,17 +9,23 @@ are looked up once and held in a ``ValueRows`` that the gated attentions read by
 index; when the mixed-depth loop (``_VllmRecurrentBlock.run_mixed``) runs a recurrence on a subset
 of the tokens, it selects the same subset there.
 
+A block with KV heads of its own (``recurrent_num_key_value_heads``: Parcae's MHA core beside a GQA
+prelude and coda) is served with every layer at the block's KV heads (``serve_kv_heads``): one
+KV-cache layout for every slot, and each prelude / coda KV head, its gate row and its value-embedding
+columns repeated for the query heads that share it (``expand_kv_heads``, as the loaded weights
+stream in). Exact: a query head attends to the same keys and values as under GQA.
+
 What cannot be served exactly is refused by ``parcae_servable_problems`` (``servable_problems``
 lists it): Parcae's random initial state (drawn per forward call, which vLLM splits differently
-from ``generate()``), a block whose KV heads differ from the prelude's and coda's (one KV-cache
-layout for every slot), and tensor parallelism with value embeddings (the gate is per KV head).
+from ``generate()``), a block with fewer KV heads than the prelude and coda, and tensor
+parallelism with value embeddings or a block of its own KV heads.
 
 Imports no vLLM: ``looped_hf.serving`` and the CLI import this file without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -89,6 +95,44 @@ def qk_norm_eps(config: Any, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps if eps == "torch_default" else eps
 
 
+def serve_kv_heads(config: Any) -> int | None:
+    """Make every layer of the served model use the block's own KV heads (``recurrent_num_key_value_heads``,
+    a multiple of ``num_key_value_heads``: ``parcae_servable_problems``); returns the prelude / coda's
+    KV heads that ``expand_kv_heads`` repeats up to them (``None``: nothing to expand). Changes
+    ``config`` (the engine's own copy of the folder's config) before the layers are built."""
+    own = getattr(config, "recurrent_num_key_value_heads", None)
+    if own is None or own == config.num_key_value_heads:
+        return None
+    served_from = config.num_key_value_heads
+    config.num_key_value_heads = own
+    return served_from
+
+
+def expand_kv_heads(config: Any, served_from: int | None,
+                    weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The checkpoint's weights with each prelude / coda KV head repeated to the block's count
+    (``serve_kv_heads``): k / v projection rows (and biases), value-gate rows and value-embedding
+    columns; the block's own weights and everything else pass through."""
+    if served_from is None:
+        yield from weights
+        return
+    repeat, hd = config.num_key_value_heads // served_from, config.head_dim
+    core = range(config.num_prelude_layers, config.num_prelude_layers + config.num_recurrent_layers)
+    for name, weight in weights:
+        parts = name.split(".")
+        outside = len(parts) > 2 and parts[1] in ("prelude_layers", "coda_layers")
+        if outside and parts[3:5] in (["self_attn", "k_proj"], ["self_attn", "v_proj"]):
+            weight = (
+                weight.reshape(served_from, hd, *weight.shape[1:]).repeat_interleave(repeat, 0).flatten(0, 1)
+            )
+        elif outside and parts[3:5] == ["self_attn", "ve_gate"]:
+            weight = weight.repeat_interleave(repeat, 0)
+        elif parts[:2] == ["model", "value_embeddings"] and int(parts[2]) not in core:
+            rows = weight.reshape(weight.shape[0], served_from, hd).repeat_interleave(repeat, 1)
+            weight = rows.reshape(weight.shape[0], -1)
+        yield name, weight
+
+
 def parcae_servable_problems(config: Any, tensor_parallel_size: int = 1) -> list[str]:
     """Why the vLLM model cannot serve ``config``'s Parcae options exactly (one line each; see the
     module docstring)."""
@@ -100,15 +144,16 @@ def parcae_servable_problems(config: Any, tensor_parallel_size: int = 1) -> list
             "deterministic zero state (looped-hf convert parcae without --state-init)"
         )
     kv = getattr(config, "recurrent_num_key_value_heads", None)
-    if kv is not None and kv != config.num_key_value_heads:
+    if kv is not None and kv != config.num_key_value_heads and kv % config.num_key_value_heads:
         problems.append(
-            f"recurrent_num_key_value_heads={kv}: the block's KV heads differ from num_key_value_heads="
-            f"{config.num_key_value_heads}, and the vLLM model keeps one KV-cache layout for every slot"
+            f"recurrent_num_key_value_heads={kv}: the block's KV heads are served by repeating the prelude's and "
+            f"coda's num_key_value_heads={config.num_key_value_heads}, so they must be a multiple of them"
         )
-    if getattr(config, "value_embedding_layers", None) and tensor_parallel_size != 1:
+    own_heads = kv is not None and kv != config.num_key_value_heads
+    if (getattr(config, "value_embedding_layers", None) or own_heads) and tensor_parallel_size != 1:
         problems.append(
-            f"tensor_parallel_size={tensor_parallel_size}: value embeddings (value_embedding_layers) are gated per "
-            "KV head over the whole layer input; serve on one device"
+            f"tensor_parallel_size={tensor_parallel_size}: value embeddings (value_embedding_layers) and a block of "
+            "its own KV heads (recurrent_num_key_value_heads) are served on one device"
         )
     return problems
 
@@ -118,7 +163,9 @@ __all__ = [
     "add_value_rows",
     "build_parcae_vllm",
     "end_forward",
+    "expand_kv_heads",
     "parcae_servable_problems",
     "qk_norm_eps",
+    "serve_kv_heads",
     "start_forward",
 ]

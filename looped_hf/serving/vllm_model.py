@@ -115,7 +115,15 @@ from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
 from .loop_lora_vllm import WEIGHT_PREFIX, attach_loop_lora, has_loop_lora
-from .parcae_vllm import add_value_rows, build_parcae_vllm, end_forward, qk_norm_eps, start_forward
+from .parcae_vllm import (
+    add_value_rows,
+    build_parcae_vllm,
+    end_forward,
+    expand_kv_heads,
+    qk_norm_eps,
+    serve_kv_heads,
+    start_forward,
+)
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
 _GATED_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -524,6 +532,8 @@ class LoopedVllmModel(nn.Module):
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
         # Before any weight loads: an engine built without engine_args' settings is refused here.
         check_engine_settings(vllm_config, on_cpu=current_platform.is_cpu())
+        # Parcae's MHA block beside a GQA prelude / coda: every layer at the block's KV heads (parcae_vllm).
+        self.kv_heads_served_from = serve_kv_heads(config)
         self.config = config
         served = ServedDepth.from_config(config)
         self.plan = served.plan(config)  # the engine's slots: the deepest request's (depth.py)
@@ -697,6 +707,7 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         fused_of = {part: fused for fused, parts in self.packed_modules_mapping.items() for part in parts}
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        weights = expand_kv_heads(config, self.model.kv_heads_served_from, weights)  # Parcae's GQA prelude / coda
         for name, weight in weights:
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the head is the embedding
