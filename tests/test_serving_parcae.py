@@ -118,19 +118,27 @@ def test_looped_hf_serve_accepts_the_folder_up_to_its_max_depth(folder, capsys) 
 
 
 @needs_vllm
-def test_one_batch_of_mixed_depths_equals_generate_at_each_requests_r(folder, prompts, monkeypatch) -> None:
+def test_one_batch_of_mixed_depths_equals_generate_at_each_requests_r_compiled(folder, prompts, monkeypatch) -> None:
+    """The engine compiles (vLLM's CPU mode with its CI backend, as test_serving_depth's Ouro engine):
+    the mixed batch runs eagerly, then a batch of default-depth requests runs the traced graph (the
+    value-embedding rows and the diagonal injection inside it), each as generate()."""
     python = reference_python()
     if python is None:
         pytest.skip("no interpreter for the generate() reference (set LOOPED_HF_REFERENCE_PYTHON)")
     jobs = [dict(checkpoint=folder, prompts=[p], n=8, kwargs=d) for p, d in zip(prompts, DEPTHS)]
-    references = [done[0] for done in greedy_references_via(python, jobs)]
+    jobs.append(dict(checkpoint=folder, prompts=prompts, n=8, kwargs={}))
+    *done, defaults = greedy_references_via(python, jobs)
+    references = [job[0] for job in done]
     mixed_steps = recording_mixed_steps(monkeypatch)
-    llm = make_llm(folder, SERVER, max_model_len=64, skip_tokenizer_init=False)
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+    llm = make_llm(folder, SERVER, max_model_len=64, skip_tokenizer_init=False, enforce_eager=False)
     try:
         outputs = mixed_greedy(llm, prompts, DEPTHS)
+        default_outputs = mixed_greedy(llm, prompts, [{}] * len(prompts))
     finally:
         close(llm)
     assert_served_as_generate(prompts, outputs, references)
+    assert_served_as_generate(prompts, default_outputs, defaults)
     assert any(set(r) >= {1, 2, 4, 8} for r in mixed_steps)  # one forward ran every depth (the subset loop)
     assert len({tuple(tokens) for tokens, _ in references[:4]}) > 1  # the depths differ in what they serve
 
