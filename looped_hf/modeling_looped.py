@@ -214,6 +214,13 @@ class LoopedPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(LoopedAttention, index=1),
     }
 
+    def __init__(self, config: LoopedConfig, *inputs: object, **kwargs: object) -> None:
+        super().__init__(config, *inputs, **kwargs)
+        if config.state_init == "like_init":
+            # Parcae's h_0 is drawn by torch's own trunc_normal_ (Parcae's RNG calls, for its state bit
+            # for bit), whose rejection loop is a data-dependent branch: a graph break, so not fullgraph.
+            self._can_compile_fullgraph = False
+
     def _init_weights(self, module: nn.Module) -> None:
         """transformers' init (``init_scheme="hf"``) or the study's (``"study"``, nanochat/gpt.py
         ``init_weights``). Roles are tagged on the leaf modules when they are built

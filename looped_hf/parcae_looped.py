@@ -78,6 +78,20 @@ def like_init_state(e: torch.Tensor, std: float, multiplier: float = 1.0) -> tor
     return h * multiplier if multiplier != 1.0 else h
 
 
+def like_init_initial_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
+    """``state_init="like_init"`` as an ``INITIAL_STATES`` rule (recurrent_block_looped.py): Parcae's
+    h_0 at ``state_init_std``, times the embedding multiplier. Kept on torch's own ``trunc_normal_``
+    (not the inverse-CDF draw of ``"truncated_normal"``): only Parcae's RNG calls give its state."""
+    return like_init_state(e, config.state_init_std, config.embedding_multiplier)
+
+
+def diagonal_injection(block: object, h: torch.Tensor, e: torch.Tensor,
+                       split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+    """``input_injection="diagonal"`` as an ``INJECTIONS`` rule: the block's ``DiagonalInjection``
+    (``block.injection``) on (h, e); it has no weight to split, so ``split`` is ``None``."""
+    return block.injection(h, e)
+
+
 def layer_kv_heads(config: LoopedConfig, stage: str) -> int:
     """The KV heads of a layer of ``stage`` ("prelude", "recurrent", "coda"): the block's own
     (``recurrent_num_key_value_heads``) or ``num_key_value_heads``."""
@@ -155,7 +169,9 @@ __all__ = [
     "DiagonalInjection",
     "add_value_embedding",
     "build_parcae_modules",
+    "diagonal_injection",
     "layer_kv_heads",
+    "like_init_initial_state",
     "like_init_state",
     "post_loop_projection",
     "unique_layers",

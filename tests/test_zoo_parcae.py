@@ -172,8 +172,9 @@ def test_test_time_and_eval_at_mean_r_1_to_16_and_the_card_shows_the_curve(folde
     from zoo_helpers import save_char_tokenizer
 
     from looped_hf.cli import main as cli
+    from looped_hf.convert.card_curve import CURVE_HEADING
     from looped_hf.evaluation.report import RESULTS_JSON
-    from looped_hf.recurrence_curves import CARD_CURVE_HEADING, CURVE_JSON
+    from looped_hf.recurrence_curves import CURVE_JSON
 
     monkeypatch.setenv("LOOPED_HF_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "parcae"
@@ -188,12 +189,12 @@ def test_test_time_and_eval_at_mean_r_1_to_16_and_the_card_shows_the_curve(folde
     assert [row["num_recurrences"] for row in curve["rows"]] == list(range(1, 17))
     assert all(math.isfinite(row["loss"]) for row in curve["rows"])
     card = (folder / "README.md").read_text()
-    assert card.count(CARD_CURVE_HEADING) == 1 and "format: parcae" in card
-    table = card.split(CARD_CURVE_HEADING)[1]
+    assert card.count(CURVE_HEADING) == 1 and "format: parcae" in card
+    table = card.split(CURVE_HEADING)[1]
     assert all(f"\n| {r} |" in table or f"\n| **{r}** (trained) |" in table for r in range(1, 17)), table
     assert cli([*argv, "--max-factor", "2"]) == 0  # a rerun replaces the section
     card = (folder / "README.md").read_text()
-    assert card.count(CARD_CURVE_HEADING) == 1 and "\n| 16 |" not in card
+    assert card.count(CURVE_HEADING) == 1 and "\n| 16 |" not in card
     out = tmp_path / "eval"
     assert cli(["eval", str(folder), "--bundle", "builtin", "--builtin-examples", "6", "--device", "cpu",
                 "--tasks", "addition_2d", "--out", str(out), "--recurrences", "1", "4", "16"]) == 0  # fmt: skip
