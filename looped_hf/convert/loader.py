@@ -294,9 +294,13 @@ class Checkpoint:
     Args:
         folder: the checkpoint folder.
         model_types: the ``config.json`` ``model_type`` values accepted (default: any).
+        torch_bin: a folder with a single ``pytorch_model.bin`` and no safetensors is read with
+            ``torch.load(..., weights_only=True)`` (:func:`read_torch_bin`: tensors only, never a
+            full unpickle); otherwise such a folder is refused, as ``WeightFiles`` refuses it.
     """
 
-    def __init__(self, folder: PathLike, model_types: Collection[str] | None = None) -> None:
+    def __init__(self, folder: PathLike, model_types: Collection[str] | None = None,
+                 torch_bin: bool = False) -> None:  # fmt: skip
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise ConversionError(f"checkpoint directory {self.folder} does not exist")
@@ -308,14 +312,24 @@ class Checkpoint:
         if model_types is not None and self.config.get("model_type") not in model_types:
             raise ConversionError(f"{config_path}: model_type={self.config.get('model_type')!r}: this converter "
                                   f"reads {' or '.join(map(repr, model_types))}")  # fmt: skip
-        try:
-            files = WeightFiles(self.folder)
-        except CheckpointError as err:
-            raise ConversionError(str(err)) from None
         #: tensor name -> the file it is read from.
         self._file_of: dict[str, Path] = {}
         #: tensor name -> (dtype, shape), from the headers.
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        #: The tensors of a ``pytorch_model.bin`` (``torch_bin``), read at once; None for safetensors.
+        self._bin: dict[str, torch.Tensor] | None = None
+        bin_path = self.folder / "pytorch_model.bin"
+        if torch_bin and bin_path.is_file() and not any((self.folder / name).exists() for name in
+                                                         ("model.safetensors", "model.safetensors.index.json")):  # fmt: skip
+            self._bin = read_torch_bin(bin_path)
+            self._entries = {name: (t.dtype, tuple(t.shape)) for name, t in self._bin.items()}
+            self._file_of = dict.fromkeys(self._bin, bin_path)
+            self.files = (bin_path,)
+            return
+        try:
+            files = WeightFiles(self.folder)
+        except CheckpointError as err:
+            raise ConversionError(str(err)) from None
         for name, (path, dtype_name, shape) in files.entries.items():
             dtype = _SAFETENSORS_DTYPES.get(dtype_name)
             if dtype is None:
@@ -378,6 +392,8 @@ class Checkpoint:
         from safetensors import SafetensorError, safe_open
 
         path = self._file_of[self._known(name)]
+        if self._bin is not None:
+            return self._bin[name].clone()
         try:
             with safe_open(path, framework="pt") as handle:
                 return handle.get_tensor(name).clone()
@@ -490,6 +506,34 @@ class Checkpoint:
         return [file.name for file in self.tokenizer_files]
 
 
+def read_torch_bin(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in a ``torch.save`` file, read only with ``torch.load(..., weights_only=True)``
+    (torch's restricted unpickler: tensors and plain containers, no code runs). Anything that
+    needs more (a pickled class or function, a file that is not a torch.save zip), or that is not
+    a flat {name: tensor} dict, is refused with one ``ConversionError`` line naming the file."""
+    import pickle
+    import zipfile
+
+    if path.stat().st_size == 0:
+        raise ConversionError(f"{path}: empty file")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError, TypeError,
+            KeyError, IndexError, zipfile.BadZipFile) as err:  # fmt: skip
+        why = first_line(err).removeprefix("Weights only load failed. ")
+        raise ConversionError(f"{path}: refused: not a plain tensor state dict torch.load(weights_only=True) can "
+                              f"read ({type(err).__name__}: {why[:300]})") from None  # fmt: skip
+    if not isinstance(data, dict) or not data:
+        raise ConversionError(f"{path}: holds a {type(data).__name__}, not a non-empty {{name: tensor}} state dict")
+    for name, tensor in data.items():
+        if not isinstance(name, str) or type(tensor) is not torch.Tensor:
+            raise ConversionError(f"{path}: entry {name!r} is a {type(tensor).__name__}, not a tensor (a plain "
+                                  "state dict of tensors is expected)")  # fmt: skip
+        if tensor.dtype not in _SAFETENSORS_DTYPES.values():
+            raise ConversionError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, which is not converted")
+    return data
+
+
 _TOKENIZER_SIZES: dict[tuple[tuple[Path, int, int], ...], int] = {}
 
 
@@ -533,6 +577,7 @@ __all__ = [
     "config_int",
     "config_number",
     "read_json_object",
+    "read_torch_bin",
     "rope_parameters",
     "token_ids",
 ]
