@@ -172,9 +172,8 @@ def test_test_time_and_eval_at_mean_r_1_to_16_and_the_card_shows_the_curve(folde
     from zoo_helpers import save_char_tokenizer
 
     from looped_hf.cli import main as cli
-    from looped_hf.convert.card_curve import CURVE_HEADING
     from looped_hf.evaluation.report import RESULTS_JSON
-    from looped_hf.recurrence_curves import CURVE_JSON
+    from looped_hf.recurrence_curves import CURVE_HEADING, CURVE_JSON
 
     monkeypatch.setenv("LOOPED_HF_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "parcae"
