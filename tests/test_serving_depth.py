@@ -373,13 +373,14 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     assert [guard_processor(served)] == gpu
 
 
-def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data() -> None:
+def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data(monkeypatch) -> None:
     """vLLM loads the guard as ``module:Name`` in each process (a dot in the name would be an attribute
     path): one name per server's bounds, a digest; the bounds are the ``ServedDepth`` kept by name
     (``remember``) in the process that built the engine's config, not read back from the name. A name
     this process has not seen the bounds of is refused in one line."""
     from looped_hf.serving import plugin
 
+    monkeypatch.delenv(plugin.GUARDS_ENV, raising=False)  # restored after: this test's guards stay here
     servers = (
         ServedDepth(3, 8, 2, None, False),
         ServedDepth(4, 4, None, 1.0, False),
@@ -395,6 +396,9 @@ def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data() ->
         plugin.served_by_guard(unseen)
     for served, name in zip(servers, names):
         assert plugin.remember(served) == name and plugin.served_by_guard(name) is served
+    # A process vLLM starts (its engine core, another API server) inherits them through the environment.
+    monkeypatch.setattr(plugin, "_SERVED", {})
+    assert plugin.served_by_guard(names[3]) == servers[3]
 
 
 # --- vLLM's internals: one module lists them, and the installed vLLM has each ----------------------
