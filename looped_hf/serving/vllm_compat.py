@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,9 +249,9 @@ def step_requests(runner: Any) -> list[tuple[str, dict[str, Any] | None]]:
     ]
 
 
-def live_request_ids(runner: Any) -> set[str]:
-    """The ids of the requests the runner holds (finished ones are gone)."""
-    return set(runner.requests)
+def live_request_ids(runner: Any) -> Collection[str]:
+    """The ids of the requests the runner holds (finished ones are gone): a live view, not a copy."""
+    return runner.requests.keys()
 
 
 def step_query_starts(runner: Any, num_reqs: int) -> Any:
