@@ -427,7 +427,8 @@ def test_no_serving_module_but_vllm_compat_reaches_into_vllms_internals() -> Non
 
     private = ("vllm.v1.worker", "vllm.v1.attention", "vllm._custom_ops", "_custom_ops", "vllm.forward_context",
                "get_forward_context", "from vllm import envs", "_init_model_kwargs", "do_kv_cache_update",
-               "MODELS_CONFIG_MAP", "get_supported_head_sizes", "input_batch", "vllm.v1.core")  # fmt: skip
+               "MODELS_CONFIG_MAP", "get_supported_head_sizes", "input_batch", "vllm.v1.core", "torch.ops._C",
+               "import_kernels")  # fmt: skip
     root = Path(looped_hf.__file__).parent
     for path in sorted(root.rglob("*.py")):
         if path.name == "vllm_compat.py":
