@@ -27,20 +27,26 @@ def parameter_groups(base: nn.Module) -> dict[str, list[nn.Parameter]]:
     the post-loop norm's when it has its own (a norm that shares the final norm's weight adds no
     parameter). Norms inside the layers (sandwich, output norms, QK-norm scales) and the q/k
     biases count with their layer: N_once in the prelude and coda, N_rec in the block.
-    ``embedding``: the token embedding, apart (a lookup: no FLOPs).
+    ``embedding``: the token embedding, apart (a lookup: no FLOPs), and Parcae's value-embedding tables.
     Ouro's exit gate (``exit_gate``), a d -> 1 matmul on every recurrence's state, is ``recurrent``:
     it runs r times per token, as the block does (unlike the norm scales, it is a matmul).
     """
     once = [*base.prelude_layers.parameters(), *base.coda_layers.parameters(), *base.norm.parameters()]
     # getattr: a model built by an older modeling file (remote code) has no post_loop_norm.
-    for module in (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None)):
+    # Parcae's prelude norm and C (a d x d matmul after the loop) run once (parcae_looped.py).
+    for module in (base.embedding_norm, base.recurrence_norm, getattr(base, "post_loop_norm", None),
+                   getattr(base, "prelude_norm", None), getattr(base, "post_loop_projection", None)):  # fmt: skip
         if module is not None:
             once += list(module.parameters())
     recurrent = list(base.recurrent_layers.parameters())
     for module in (base.injection, base.hyperconnection, getattr(base, "exit_gate", None)):
         if module is not None:
             recurrent += list(module.parameters())
-    return {"once": once, "recurrent": recurrent, "embedding": list(base.embed_tokens.parameters())}
+    embedding = list(base.embed_tokens.parameters())
+    # Parcae's value-embedding tables are lookups too (no FLOPs); their gates count with their layer.
+    if getattr(base, "value_embeddings", None) is not None:
+        embedding += list(base.value_embeddings.parameters())
+    return {"once": once, "recurrent": recurrent, "embedding": embedding}
 
 
 def num_scaling_params(model: nn.Module) -> dict[str, int]:

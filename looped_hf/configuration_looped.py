@@ -48,7 +48,8 @@ from .config_rules_looped import (  # noqa: F401
     tensor_parallel_plan,
 )
 
-INPUT_INJECTIONS = ("linear", "add", "none", "hyperconnection")
+# "diagonal": Parcae's stable diagonal injection (parcae_looped.DiagonalInjection).
+INPUT_INJECTIONS = ("linear", "add", "none", "hyperconnection", "diagonal")
 # "after_rope": the study's parameter-free RMSNorm of q and k after RoPE (nanochat/gpt.py);
 # "learnable_before_rope": per-head RMSNorm with a learnable scale before RoPE (Qwen3);
 # "learnable_projection_before_rope": one RMSNorm over the whole q (and k) projection, all heads
@@ -86,7 +87,11 @@ MAX_PARAMETERS = 10**13
 MAX_UNIQUE_LAYERS = 4096
 # "truncated_normal": Huginn's h_0, a normal at state_init_std truncated at +-3 std, times the
 # embedding multiplier (seal-rg/recurrent-pretraining raven_modeling_minimal.py initialize_state).
-STATE_INITS = ("prelude", "zeros", "noise", "truncated_normal")
+# "like_init": Parcae's state_init="like-init", the same truncated normal drawn as Parcae draws it
+# (a randn, then trunc_normal_ over it: the same RNG calls, so a seed gives Parcae's state bit for bit).
+STATE_INITS = ("prelude", "zeros", "noise", "truncated_normal", "like_init")
+# qk_norm_eps: "torch_default" is F.rms_norm's eps=None, finfo(dtype).eps of q and k (Parcae's QK norm).
+QK_NORM_EPS_DEFAULTS = ("torch_default",)
 ROPE_TABLE_DTYPES = ("bfloat16", "float16", "float32")
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
@@ -272,6 +277,25 @@ class LoopedConfig(PreTrainedConfig):
         A learned bias added to q and k (``q_proj.bias`` / ``k_proj.bias``) right after their
         projections, before any QK-norm and RoPE (Huginn's ``qk_bias``); v and o stay without
         (``attention_bias`` gives all four a bias).
+    qk_norm_eps:
+        The eps of the parameter-free ``qk_norm="after_rope"``: ``None`` (default) ``rms_norm_eps``, a
+        number, or ``"torch_default"`` (``F.rms_norm``'s own, finfo(dtype).eps of q and k: Parcae's).
+    Parcae's design (Sandy Research, arXiv 2604.12946; the modules are ``parcae_looped.py``):
+        ``input_injection="diagonal"``: the stable diagonal injection
+        h <- exp(-softplus(dt_bias) exp(A_log)) * h + softplus(dt_bias) * (e B^T), whose decay lies in
+        (0, 1) (parameters ``model.injection.{A_log, dt_bias, B}``, Parcae's init: A = 1, decay
+        sqrt(1/5), B = I). ``state_init="like_init"``: Parcae's random h_0, N(0, ``state_init_std``)
+        truncated at +-3 std drawn with Parcae's RNG calls (a seed reproduces its state bit for bit).
+        ``prelude_norm``: an RMSNorm on the prelude's output (e is the normed output).
+        ``post_loop_projection``: a d x d linear map ``C`` on the loop's last state, before the coda.
+        ``mlp_activation_scale``: the squared-ReLU MLP computes down(s * relu(up x)^2) (Parcae: 0.5).
+        ``recurrent_num_key_value_heads``: the block layers' own KV heads (Parcae's core is MHA while
+        its prelude and coda may use GQA); ``None``: ``num_key_value_heads``.
+        ``value_embedding_layers``: the unique layers (0-based: prelude, then block, then coda) whose
+        values get a gated value embedding, v += 2 sigmoid(W x[..., :c]) * E_i[ids] (per KV head,
+        x the layer's normed input, c = ``value_embedding_gate_channels``; the table
+        ``model.value_embeddings.<i>``, the gate ``self_attn.value_gate``); a block layer's
+        embedding is the same at every recurrence. It needs ``input_ids``.
     looped_format:
         The forward semantics version (see the module docstring); set by loading, not by users.
 
@@ -359,6 +383,15 @@ class LoopedConfig(PreTrainedConfig):
     exit_gate_output: Literal[EXIT_GATE_OUTPUTS] = "last"
     exit_gate_threshold: int | float = validated_field(EXIT_GATE_THRESHOLD_RULE, default=0.5)
     exit_gate_entropy_beta: int | float | None = interval(0, None, why="None: the loss of the logits")(default=None)
+    # Parcae's design (parcae_looped.py): see the class docstring.
+    qk_norm_eps: int | float | Literal[QK_NORM_EPS_DEFAULTS] | None = interval(
+        0, None, low_open=True, why="None: rms_norm_eps; 'torch_default': finfo(dtype).eps")(default=None)
+    mlp_activation_scale: int | float = interval(0, None, low_open=True)(default=1.0)
+    prelude_norm: bool = False
+    post_loop_projection: bool = False
+    recurrent_num_key_value_heads: int | None = at_least(1, why="None: num_key_value_heads")(default=None)
+    value_embedding_layers: list[int] | None = None
+    value_embedding_gate_channels: int = at_least(1)(default=32)
     num_hidden_layers: int | None = None
     looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT
 
@@ -466,6 +499,27 @@ class LoopedConfig(PreTrainedConfig):
         if self.max_recurrences is not None and self.max_recurrences < r:
             raise self._bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
                                                f"integer >= num_recurrences={r}")  # fmt: skip
+
+    def validate_parcae_options(self) -> None:
+        """Parcae's options (``parcae_looped.py``) against the fields they depend on."""
+        if self.mlp_activation_scale != 1.0 and self.hidden_act != "relu2":
+            raise self._bad("mlp_activation_scale", f"scales the squared-ReLU MLP; hidden_act={self.hidden_act!r} "
+                                                    "is gated (use 1.0)")  # fmt: skip
+        kv = self.recurrent_num_key_value_heads
+        if kv is not None and self.num_attention_heads % kv != 0:
+            raise self._bad("recurrent_num_key_value_heads", f"must divide num_attention_heads="
+                                                             f"{self.num_attention_heads}")  # fmt: skip
+        layers = self.value_embedding_layers
+        if layers is not None:
+            n = self.num_unique_layers
+            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in layers):
+                raise self._bad("value_embedding_layers", f"must list unique-layer indices in [0, {n}) (prelude, "
+                                                          "then block, then coda layers)")  # fmt: skip
+            if len(set(layers)) != len(layers):
+                raise self._bad("value_embedding_layers", "names a layer twice")
+            if self.value_embedding_gate_channels > self.hidden_size:
+                raise self._bad("value_embedding_gate_channels", f"exceeds hidden_size={self.hidden_size} (the gate "
+                                                                 "reads the first channels of the layer's input)")  # fmt: skip
 
     def validate_exit_gate(self) -> None:
         """The gate's readout and loss against the loop: see ``exit_gate``."""

@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_looped import LoopedConfig
 from .interface_looped import CheckpointingLayer
+from .parcae_looped import add_value_embedding
 
 
 class LoopedRMSNorm(nn.Module):
@@ -103,6 +104,8 @@ class LoopedMLP(nn.Module):
             if proj is not None:
                 proj.looped_study_init = ("uniform", d**-0.5)
         self.down_proj.looped_study_init = ("uniform", f**-0.5)
+        # Parcae's squared ReLU is 0.5 relu(x)^2 (config.mlp_activation_scale; None: no scaling op).
+        self.activation_scale = config.mlp_activation_scale if config.mlp_activation_scale != 1.0 else None
 
     def forward(self, x: torch.Tensor, loop_deltas: nn.ModuleDict | None = None) -> torch.Tensor:
         d = loop_deltas
@@ -110,22 +113,27 @@ class LoopedMLP(nn.Module):
         if self.gated:
             return with_delta(self.down_proj, self.act_fn(with_delta(self.gate_proj, x, d, "gate_proj_delta")) * up,
                               d, "down_proj_delta")  # fmt: skip
+        if self.activation_scale is not None:
+            return with_delta(self.down_proj, F.relu(up).square().mul(self.activation_scale), d, "down_proj_delta")
         return with_delta(self.down_proj, F.relu(up).square(), d, "down_proj_delta")
 
 
 class LoopedAttention(nn.Module):
-    def __init__(self, config: LoopedConfig) -> None:
+    def __init__(self, config: LoopedConfig, num_key_value_heads: int | None = None) -> None:
+        """``num_key_value_heads``: this layer's own KV heads (the block's may differ: Parcae's core
+        is MHA), default ``config.num_key_value_heads``."""
         super().__init__()
         self.config = config
         self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        kv_heads = config.num_key_value_heads if num_key_value_heads is None else num_key_value_heads
+        self.num_key_value_groups = config.num_attention_heads // kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         d, h, kv, bias = (
             config.hidden_size,
             config.num_attention_heads,
-            config.num_key_value_heads,
+            kv_heads,
             config.attention_bias,
         )
         # qk_bias (Huginn): q and k get a bias, v and o do not. The projection's own bias adds the same
@@ -138,9 +146,11 @@ class LoopedAttention(nn.Module):
         # r times. The study (nanochat/gpt.py) normalises q and k after RoPE with no learnable scale;
         # "learnable_before_rope" is the Qwen3 placement (and looped_hf 0.1.0's), per head;
         # "learnable_projection_before_rope" is OLMo-2's, one norm over all heads of q (and of k).
+        # None: F.rms_norm's own eps, finfo(dtype).eps (qk_norm_eps="torch_default", Parcae's).
+        eps = config.qk_norm_eps
+        self.qk_norm_eps = config.rms_norm_eps if eps is None else (None if eps == "torch_default" else eps)
         # Chosen here, not branched in forward: ``heads`` splits q and k into heads with any QK-norm
         # that runs before RoPE, ``norm_after_rope`` is the one after it (or None).
-        self.qk_norm_eps = config.rms_norm_eps
         self.heads = self._split_heads
         self.norm_after_rope = None
         if config.qk_norm == "learnable_before_rope":
@@ -155,6 +165,10 @@ class LoopedAttention(nn.Module):
             self.norm_after_rope = self._weightless_head_norm
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.looped_study_init = ("uniform", d**-0.5)  # std 1/sqrt(d): read by _init_weights
+        # A gated value embedding (config.value_embedding_layers): parcae_looped.build_parcae_modules
+        # puts the gate here, and the index of the table the layer reads.
+        self.ve_gate: nn.Module | None = None
+        self.value_embedding_index: int | None = None
 
     # ``d``: the loop's per-loop deltas (``loop_lora_looped.py``), whose ``q_norm``/``k_norm`` entries
     # add to the learnable QK-norms; None outside a loop-LoRA block.
@@ -193,6 +207,7 @@ class LoopedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        value_embeddings = kwargs.pop("value_embeddings", None)  # parcae_looped.value_embedding_lookup
         d = loop_deltas
         query_states, key_states = self.heads(
             with_delta(self.q_proj, hidden_states, d, "q_proj_delta"),
@@ -209,9 +224,11 @@ class LoopedAttention(nn.Module):
             query_states, key_states = self.norm_after_rope(query_states, key_states)
         query_states = query_states.transpose(1, 2)
         key_states = key_states.transpose(1, 2)
-        value_states = (
-            with_delta(self.v_proj, hidden_states, d, "v_proj_delta").view(hidden_shape).transpose(1, 2)
-        )
+        value_states = with_delta(self.v_proj, hidden_states, d, "v_proj_delta").view(hidden_shape)
+        if self.ve_gate is not None:
+            value_states = add_value_embedding(self.ve_gate, hidden_states, value_states,
+                                               value_embeddings[self.value_embedding_index])  # fmt: skip
+        value_states = value_states.transpose(1, 2)
         if cache is not None:
             # A shared layer has one cache slot per application, not per module.
             key_states, value_states = cache.update(key_states, value_states, cache_index)
@@ -248,9 +265,9 @@ class LoopedDecoderLayer(CheckpointingLayer):
 
     norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
 
-    def __init__(self, config: LoopedConfig) -> None:
+    def __init__(self, config: LoopedConfig, num_key_value_heads: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LoopedAttention(config)
+        self.self_attn = LoopedAttention(config, num_key_value_heads)
         self.mlp = LoopedMLP(config)
         for name in self.norm_names:
             setattr(self, name, LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps))

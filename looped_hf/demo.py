@@ -38,7 +38,7 @@ BEST_DIR = "best-checkpoint"
 #: The sweep card's folder inside the sweep directory (``--card-dir``'s default).
 CARD_DIR = "card"
 #: How far the demo's figures move between machines, in every card it writes (measured on the default
-#: recipe: the same command, versions, seeds and data on two CPUs, issue 55).
+#: recipe: the same command, versions, seeds and data on two CPUs).
 MACHINE_NOTE = (
     "How far these figures move between machines: the committed example of this card "
     "(`model_cards/iso_depth_tiny`) has phi = 1.02217 with bootstrap interval [0.874, 1.139]; the same "

@@ -72,6 +72,7 @@ from .interface_looped import (
     check_token_ids,
     warn_past_positions,
 )
+from .parcae_looped import DiagonalInjection, build_parcae_modules, value_embedding_lookup
 from .recurrent_block_looped import (
     GateExit,
     LoopedHyperConnection,
@@ -217,6 +218,13 @@ class LoopedPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(LoopedAttention, index=1),
     }
 
+    def __init__(self, config: LoopedConfig, *inputs: object, **kwargs: object) -> None:
+        super().__init__(config, *inputs, **kwargs)
+        if config.state_init == "like_init":
+            # Parcae's h_0 is drawn by torch's own trunc_normal_ (Parcae's RNG calls, for its state bit
+            # for bit), whose rejection loop is a data-dependent branch: a graph break, so not fullgraph.
+            self._can_compile_fullgraph = False
+
     def _init_weights(self, module: nn.Module) -> None:
         """transformers' init (``init_scheme="hf"``) or the study's (``"study"``, nanochat/gpt.py
         ``init_weights``). Roles are tagged on the leaf modules when they are built
@@ -246,7 +254,7 @@ class LoopedPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=1.0)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
-        elif isinstance(module, LoopedHyperConnection):
+        elif isinstance(module, (LoopedHyperConnection, DiagonalInjection)):
             module.reset_parameters()
         else:
             super()._init_weights(module)
@@ -263,10 +271,12 @@ class LoopedModel(LoopedPreTrainedModel):
         self.embedding_norm = LoopedRMSNorm(config.hidden_size, config.rms_norm_eps) if config.embedding_norm else None
         layer = DECODER_LAYERS[config.norm_placement]
         self.prelude_layers = nn.ModuleList(layer(config) for _ in range(config.num_prelude_layers))
-        self.recurrent_layers = nn.ModuleList(layer(config) for _ in range(config.num_recurrent_layers))
+        self.recurrent_layers = nn.ModuleList(layer(config, config.recurrent_num_key_value_heads)
+                                              for _ in range(config.num_recurrent_layers))  # fmt: skip
         self.coda_layers = nn.ModuleList(layer(config) for _ in range(config.num_coda_layers))
         norm = lambda: LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
         build_loop_modules(self, config, norm, exit_gate=exit_gate)
+        build_parcae_modules(self, config, norm)  # prelude norm, C, value embeddings: each None unless set
         self.rotary_emb = LoopedRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -347,6 +357,8 @@ class LoopedModel(LoopedPreTrainedModel):
         )
         if positions_given:
             layer_kwargs["position_ids"] = position_ids
+        if self.value_embeddings is not None:
+            layer_kwargs["value_embeddings"] = value_embedding_lookup(self, input_ids)
 
         h = inputs_embeds
         if config.embedding_multiplier != 1.0:
@@ -355,6 +367,8 @@ class LoopedModel(LoopedPreTrainedModel):
             h = self.embedding_norm(h)
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, cache_index=plan.prelude(j), **layer_kwargs)[0]
+        if self.prelude_norm is not None:
+            h = self.prelude_norm(h)  # Parcae's ln_prelude: e is the normed prelude output
         num_new_tokens = inputs_embeds.shape[1]
         predict = None  # the distribution exit criteria's decoder: after_loop (coda cropped back), head
         if exit_rule is not None and exit_rule[0] == EXIT_GATE_CRITERION:

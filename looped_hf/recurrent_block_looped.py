@@ -31,6 +31,12 @@ from transformers import initialization as init
 from .configuration_looped import LoopedConfig
 from .generation_looped import KVSlotPlan, _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
+from .parcae_looped import (
+    DiagonalInjection,
+    diagonal_injection,
+    like_init_initial_state,
+    post_loop_projection,
+)
 
 
 class LoopedHyperConnection(nn.Module):
@@ -196,6 +202,7 @@ INITIAL_STATES: dict[str, Callable[[LoopedConfig, torch.Tensor], torch.Tensor]] 
     "prelude": prelude_state,
     "noise": noise_state,
     "truncated_normal": truncated_normal_state,
+    "like_init": like_init_initial_state,  # Parcae's (parcae_looped.py)
 }
 
 
@@ -227,6 +234,7 @@ INJECTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "add": additive_injection,
     "none": no_injection,
     "hyperconnection": no_injection,
+    "diagonal": diagonal_injection,  # Parcae's (parcae_looped.py)
 }
 
 
@@ -249,6 +257,8 @@ def build_loop_modules(
     if config.input_injection == "linear":
         model.injection = nn.Linear(2 * d, d, bias=False)
         model.injection.looped_study_init = "injection"  # [I | 0] at init, LoopedPreTrainedModel._init_weights
+    elif config.input_injection == "diagonal":
+        model.injection = DiagonalInjection(config)  # Parcae's (parcae_looped.py)
     model.hyperconnection = LoopedHyperConnection(config) if config.input_injection == "hyperconnection" else None
     own = config.recurrence_norm and config.recurrence_norm_weight == "own"
     model.recurrence_norm = norm() if own else None
@@ -295,6 +305,7 @@ def after_loop(
     readouts, the logit lens and the vLLM model all decode a state through this one function;
     ``coda`` runs the coda layers as the caller's cache needs (``None``: no coda pass)."""
     _, post_loop, final = loop_norms(model)
+    state = post_loop_projection(model, state)  # Parcae's C, where the model has one
     if post_loop is not None:
         state = post_loop(state)
     if coda is not None:

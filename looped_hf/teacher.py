@@ -41,7 +41,7 @@ def check_teacher(folder: str, config: Any) -> Any:
     causal LM (the class its config.json's ``architectures`` names is the one
     ``AutoModelForCausalLM`` builds, so a BERT folder or a bare ``LlamaModel`` with a random head
     is refused; an encoder config with ``is_decoder: false`` too) with the student's vocabulary.
-    A local folder goes through the foreign-folder checks (`convert.loader.Checkpoint`: the
+    A local folder goes through the foreign-folder checks (`checkpoint_reader.Checkpoint`: the
     layer count against the weight files, RoPE, the tie flag against the files,
     generation_config) and its weights are checked against the model (`weight_files.
     check_model_weights`: a tensor missing, one the model lacks as when the config drops a layer,
@@ -50,7 +50,7 @@ def check_teacher(folder: str, config: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from looped_hf.convert.loader import Checkpoint, ConversionError
+    from looped_hf.checkpoint_reader import Checkpoint, ConversionError
     from looped_hf.fileio import LOOPED_MODEL_TYPES, CheckpointError
     from looped_hf.model_types import check_weights, load_config
     from looped_hf.weight_files import WeightFiles, check_model_weights

@@ -333,4 +333,6 @@ def test_the_serving_package_has_no_circle_through_its_own_init():
     assert graph["looped_hf.serving.servable"] <= {
         "looped_hf.serving.loop_lora_vllm",
         "looped_hf.loop_lora_looped",
+        "looped_hf.serving.parcae_vllm",
+        "looped_hf.parcae_looped",
     }

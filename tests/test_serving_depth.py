@@ -343,7 +343,7 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     the default in silence. ``engine_args`` and the model's check build the same guard per platform."""
     from types import SimpleNamespace
 
-    from looped_hf.serving import plugin
+    from looped_hf.serving import depth
     from looped_hf.serving.engine import engine_args, engine_setting_problems, guard_processor
 
     config = serving_config(num_recurrences=3, kv_budget=2, max_num_recurrences=6)
@@ -361,8 +361,8 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     folder = tmp_path / "looped"
     config.save_pretrained(folder)
     gpu, cpu = (engine_args(folder, device=device)["logits_processors"] for device in ("cuda", "cpu"))
-    assert gpu != cpu and plugin.served_by_guard(cpu[0].split(":")[1]).per_request
-    assert plugin.served_by_guard(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
+    assert gpu != cpu and depth.served_by_guard(cpu[0].split(":")[1]).per_request
+    assert depth.served_by_guard(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=config, logits_processors=gpu),
         cache_config=SimpleNamespace(enable_prefix_caching=False),
@@ -373,13 +373,14 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     assert [guard_processor(served)] == gpu
 
 
-def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data() -> None:
+def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data(monkeypatch) -> None:
     """vLLM loads the guard as ``module:Name`` in each process (a dot in the name would be an attribute
     path): one name per server's bounds, a digest; the bounds are the ``ServedDepth`` kept by name
     (``remember``) in the process that built the engine's config, not read back from the name. A name
     this process has not seen the bounds of is refused in one line."""
-    from looped_hf.serving import plugin
+    from looped_hf.serving import depth
 
+    monkeypatch.delenv(depth.GUARDS_ENV, raising=False)  # restored after: this test's guards stay here
     servers = (
         ServedDepth(3, 8, 2, None, False),
         ServedDepth(4, 4, None, 1.0, False),
@@ -387,14 +388,17 @@ def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data() ->
         ServedDepth(4, 8, None, 0.5, False, False),
         ServedDepth(4, 8, None, 0.5, False, True),
     )
-    names = [plugin.guard_name(served) for served in servers]
+    names = [depth.guard_name(served) for served in servers]
     assert len(set(names)) == len(servers) and all("." not in name and ":" not in name for name in names)
-    assert names[0] == plugin.guard_name(ServedDepth(3, 8, 2, None, False))  # the same bounds, the same name
-    unseen = plugin.guard_name(ServedDepth(5, 9, 3, None, False))
+    assert names[0] == depth.guard_name(ServedDepth(3, 8, 2, None, False))  # the same bounds, the same name
+    unseen = depth.guard_name(ServedDepth(5, 9, 3, None, False))
     with pytest.raises(LookupError, match=f"logits processor '{unseen}': no looped server's depths"):
-        plugin.served_by_guard(unseen)
+        depth.served_by_guard(unseen)
     for served, name in zip(servers, names):
-        assert plugin.remember(served) == name and plugin.served_by_guard(name) is served
+        assert depth.remember(served) == name and depth.served_by_guard(name) is served
+    # A process vLLM starts (its engine core, another API server) inherits them through the environment.
+    monkeypatch.setattr(depth, "_SERVED", {})
+    assert depth.served_by_guard(names[3]) == servers[3]
 
 
 # --- vLLM's internals: one module lists them, and the installed vLLM has each ----------------------
@@ -423,7 +427,8 @@ def test_no_serving_module_but_vllm_compat_reaches_into_vllms_internals() -> Non
 
     private = ("vllm.v1.worker", "vllm.v1.attention", "vllm._custom_ops", "_custom_ops", "vllm.forward_context",
                "get_forward_context", "from vllm import envs", "_init_model_kwargs", "do_kv_cache_update",
-               "MODELS_CONFIG_MAP", "get_supported_head_sizes", "input_batch", "vllm.v1.core")  # fmt: skip
+               "MODELS_CONFIG_MAP", "get_supported_head_sizes", "input_batch", "vllm.v1.core", "torch.ops._C",
+               "import_kernels")  # fmt: skip
     root = Path(looped_hf.__file__).parent
     for path in sorted(root.rglob("*.py")):
         if path.name == "vllm_compat.py":

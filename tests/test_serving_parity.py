@@ -332,7 +332,8 @@ def test_registering_the_plugin_writes_into_vllms_tables_only_the_config_check()
     """``plugin.register`` uses vLLM's public registration, and one private table (``vllm_compat``):
     every dict, list and set at the top level of every loaded vLLM module holds the same keys after it,
     but ``MODELS_CONFIG_MAP``, which gains the looped architectures' config check and nothing else.
-    In a fresh process, so the registration is the first."""
+    In a fresh process, so the registration is the first; there, importing the vLLM model loads none of
+    vLLM's CPU attention backend (the model reaches it through ``vllm_compat`` on CPU only)."""
     import subprocess
     import sys
 
@@ -351,6 +352,8 @@ table = ("vllm.model_executor.models.config", "MODELS_CONFIG_MAP")
 assert changed == [table], changed
 from looped_hf.serving import VLLM_ARCHITECTURES
 assert set(after[table]) - set(before[table]) == set(map(repr, VLLM_ARCHITECTURES)), after[table]
+import looped_hf.serving.vllm_model  # its CPU-only parts load where they run, on CPU, not at import
+assert "vllm.v1.attention.backends.cpu_attn" not in sys.modules
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 

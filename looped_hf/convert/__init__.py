@@ -5,6 +5,7 @@
     looped-hf convert retrofit DIR                      # retrofitted recurrence, Llama or OLMo variant
     looped-hf convert ouro DIR                          # Ouro-1.4B / 2.6B (ByteDance)
     looped-hf convert nanbeige DIR                      # Nanbeige4.2-3B
+    looped-hf convert parcae DIR                        # Parcae (Sandy Research)
 
 One module per source format, as vLLM keeps one file per architecture: ``nanochat.py`` (the
 study's looped-lm-scaling), ``huginn_raven.py`` (Huginn and the retrofitted-recurrence models),

@@ -28,6 +28,8 @@ FORMATS: dict[str, tuple[str, str]] = {
     "huginn_raven": ("looped_hf.convert.huginn_raven", "any huginn_raven checkpoint: Huginn or a retrofit, detected"),
     "ouro": ("looped_hf.convert.ouro", "ByteDance's Ouro-1.4B / 2.6B (model_type ouro: config.json + safetensors)"),
     "nanbeige": ("looped_hf.convert.nanbeige", "Nanbeige4.2-3B (model_type nanbeige: config.json + safetensors)"),
+    "parcae": ("looped_hf.convert.parcae",
+               "Sandy Research's Parcae (ParcaeConfig config.json + pytorch_model.bin or model.safetensors)"),
 }  # fmt: skip
 #: The format-only flags (argparse dest -> flag), refused for a format whose module does not read them.
 FORMAT_FLAGS = {"step": "--step", "tokenizer": "--tokenizer", "state_init": "--state-init"}
@@ -49,9 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="NAME",
                    help="nanochat: tokenizer (Hub id or path) to ship with the model; its size must match vocab_size "
                         "(default: the checkpoint folder's own tokenizer, if it has one)")  # fmt: skip
-    p.add_argument("--state-init", default=None, choices=("zeros", "truncated_normal"),
+    p.add_argument("--state-init", default=None, choices=("zeros", "truncated_normal", "like_init"),
                    help="huginn_raven: the converted model's h_0, zeros (default: deterministic, the references' "
-                        "init_scale=0) or truncated_normal (Huginn's random start)")  # fmt: skip
+                        "init_scale=0) or truncated_normal (Huginn's random start); parcae: zeros (default) or "
+                        "like_init (Parcae's random start, seed-reproducible)")  # fmt: skip
     p.add_argument(
         "--repo-id", default=None, metavar="ORG/NAME", help="Hub id shown in the card's loading code"
     )

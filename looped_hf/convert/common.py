@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint_reader import ConversionError as ConversionError
 from ..fileio import LOOPED_MODEL_TYPES, first_line
 from ..publish import PathLike, PublishError
 
@@ -24,8 +25,6 @@ REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py"
 DEFAULT_OUT_SUFFIX = "-looped"
 
 
-class ConversionError(ValueError):
-    """A checkpoint that cannot be converted; the message names the file, key or field."""
 
 
 def default_out(ckpt_dir: PathLike) -> Path:

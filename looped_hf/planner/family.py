@@ -177,7 +177,7 @@ def _cached_family(path: str, _mtime_ns: int) -> ArchitectureFamily:
 #: accounting): a change to any of them makes every cached family stale.
 _ACCOUNTING_SOURCES = (
     "arguments.py", "run_arguments.py", "configuration_looped.py", "config_rules_looped.py", "modeling_looped.py", "interface_looped.py",
-    "generation_looped.py", "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "sweep",
+    "generation_looped.py", "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "parcae_looped.py", "sweep",
     "planner/family.py",
 )  # fmt: skip
 _FAMILY_FORMAT = "looped_hf.family/1"

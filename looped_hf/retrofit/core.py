@@ -35,16 +35,9 @@ from ..convert.loader import Checkpoint
 from ..fileio import first_line
 from ..publish import PathLike
 from .family import Family
-from .llama import LLAMA, MISTRAL
-from .olmo2 import OLMO2
-from .parent import open_parent, parent_name
+from .parent import FAMILIES, open_parent, parent_family, parent_name  # noqa: F401  (re-exported)
 from .plan import LayerPlan
-from .qwen import QWEN2, QWEN3
 
-#: ``architectures`` name -> the family that maps it (by name; nothing is guessed from the weights).
-FAMILIES: dict[str, Family] = {
-    arch: fam for fam in (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2) for arch in fam.architectures
-}
 ADAPTER_INITS = ("identity", "study")
 STATE_INITS = ("truncated_normal", "zeros", "prelude")
 DEFAULT_OUT_SUFFIX = "-retrofit"
@@ -57,19 +50,6 @@ def default_out(parent_dir: PathLike) -> Path:
     """``PARENT_DIR-retrofit`` beside the parent folder."""
     path = Path(parent_dir).resolve()
     return path.with_name(path.name + DEFAULT_OUT_SUFFIX)
-
-
-def parent_family(config: dict[str, Any], where: Path) -> Family:
-    """The family of the parent's ``architectures`` (by name), or a refusal naming the value."""
-    archs = config.get("architectures")
-    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
-        raise ConversionError(f"{where / 'config.json'} architectures={archs!r}: expected a list naming the model "
-                              "class (save_pretrained writes it)")  # fmt: skip
-    for arch in archs:
-        if arch in FAMILIES:
-            return FAMILIES[arch]
-    raise ConversionError(f"{where / 'config.json'} architectures={archs!r}: not a parent class retrofit maps "
-                          f"(it maps {', '.join(sorted(FAMILIES))})")  # fmt: skip
 
 
 def parent_config(parent: Checkpoint) -> Any:

@@ -21,16 +21,21 @@ in bfloat16 they multiply by the weight before rounding to bfloat16 once, where 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from vllm import ir
-from vllm.platforms import current_platform
 
+from . import vllm_compat
 from .servable import CPU_NORM_PROVIDER
 
 #: The row width the CPU kernels take a multiple of (vLLM's CPU ``vec_t``: 8 numbers for each dtype).
 KERNEL_WIDTH = 8
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: vLLM's CPU kernels (``rms_norm``, ``fused_add_rms_norm``: ``vllm_compat.cpu_norm_kernels``), bound by
+#: ``register`` where they run; nothing calls the functions below before (vLLM dispatches to them only then).
+_KERNELS: tuple[Any, Any] | None = None
 
 
 def _takes(x: Tensor, weight: Tensor | None, variance_size: int | None) -> bool:
@@ -58,11 +63,11 @@ def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: in
     """``vllm.ir.ops.rms_norm`` on the CPU kernel (rows of a strided ``x`` copied first)."""
     if x.dim() == 2 and x.is_contiguous():  # the common case, without the reshapes (a few us a call)
         out = torch.empty_like(x)
-        torch.ops._C.rms_norm(out, x, weight, epsilon)
+        _KERNELS[0](out, x, weight, epsilon)
         return out
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
-    torch.ops._C.rms_norm(out, rows, weight, epsilon)
+    _KERNELS[0](out, rows, weight, epsilon)
     return out.view(x.shape)
 
 
@@ -71,21 +76,19 @@ def fused_add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """``vllm.ir.ops.fused_add_rms_norm`` on the CPU kernel, in place: ``x_residual`` becomes
     ``x + x_residual`` and ``x`` its norm (vLLM's GPU kernel does the same)."""
-    torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+    _KERNELS[1](x, x_residual, weight, epsilon)
     return x, x_residual
 
 
 def register() -> None:
     """Add the kernels to vLLM's IR ops under ``CPU_NORM_PROVIDER`` (idempotent). Supported where vLLM
-    runs on CPU and its build has the kernels (``current_platform.import_kernels()`` loads them, as
-    vLLM's own kernel module does); nothing runs them until an engine's ``ir_op_priority`` names
-    the provider."""
+    runs on CPU and its build has the kernels (``vllm_compat.cpu_norm_kernels`` loads them, as vLLM's
+    own kernel module does); nothing runs them until an engine's ``ir_op_priority`` names the provider."""
+    global _KERNELS
     if CPU_NORM_PROVIDER in ir.ops.rms_norm.impls:
         return
-    supported = current_platform.is_cpu()
-    if supported:
-        current_platform.import_kernels()
-        supported = hasattr(torch.ops._C, "rms_norm") and hasattr(torch.ops._C, "fused_add_rms_norm")
+    _KERNELS = vllm_compat.cpu_norm_kernels()
+    supported = _KERNELS is not None
     ir.ops.rms_norm.register_impl(CPU_NORM_PROVIDER, supported=supported, supports_args=_rms_norm_takes)(
         rms_norm
     )

@@ -27,8 +27,12 @@ vLLM or torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -226,4 +230,76 @@ class ServedDepth:
                 )
 
 
-__all__ = ["MAX_KEY", "REQUEST_KEYS", "DepthError", "RequestDepth", "ServedDepth", "misspelt_key"]
+# --- the request guard's bounds, by its name ----------------------------------------------------------
+# vLLM loads a logits processor by name in each process (``plugin``'s guard): the name is a digest of the
+# server's bounds, and the bounds are this data, kept from the served config.
+#: The request guard's class name starts so (``plugin``'s logits processor; ``guard_name``).
+GUARD_PREFIX = "DepthGuard_"
+#: Each guard's bounds by its name, in this process (``remember``).
+_SERVED: dict[str, ServedDepth] = {}
+#: The same, as JSON in the environment, which every process vLLM starts from this one inherits (its engine
+#: core, further API servers: they get the engine's config without building it, so its check never runs there).
+GUARDS_ENV = "LOOPED_HF_DEPTH_GUARDS"
+
+
+def guard_name(served: ServedDepth) -> str:
+    """The request guard's class name for a server's depths: a digest of ``served`` (the same bounds, the
+    same name, in every process), no dot (vLLM reads one as an attribute path). The name identifies the
+    guard; its bounds are ``served`` itself, kept by ``remember``."""
+    data = json.dumps(dataclasses.asdict(served), sort_keys=True)
+    return GUARD_PREFIX + hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def _inherited() -> dict[str, dict[str, Any]]:
+    try:
+        known = json.loads(os.environ.get(GUARDS_ENV) or "{}")
+    except ValueError:
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def remember(served: ServedDepth) -> str:
+    """Keep ``served`` as the bounds of its guard (``guard_name``) in this process and the processes it
+    starts (``GUARDS_ENV``); return the name."""
+    name = guard_name(served)
+    if name not in _SERVED:
+        _SERVED[name] = served
+        os.environ[GUARDS_ENV] = json.dumps(
+            {**_inherited(), name: dataclasses.asdict(served)}, sort_keys=True
+        )
+    return name
+
+
+def served_by_guard(name: str) -> ServedDepth:
+    """The bounds of the guard ``name`` (``remember``, here or in the process that started this one). A
+    ``LookupError`` when neither has seen them: vLLM built the engine's config without the looped check
+    (``engine.check_engine_config``)."""
+    served = _SERVED.get(name)
+    if served is None:
+        try:
+            served = ServedDepth(**_inherited()[name])
+        except (KeyError, TypeError):
+            served = None
+        if served is not None and guard_name(served) == name:  # a tampered entry is no entry
+            _SERVED[name] = served
+            return served
+        raise LookupError(
+            f"logits processor {name!r}: no looped server's depths in this process have this guard; build the "
+            "engine with looped_hf.serving.engine_args(FOLDER) or serve it with `looped-hf serve`"
+        )
+    return served
+
+
+__all__ = [
+    "GUARDS_ENV",
+    "GUARD_PREFIX",
+    "MAX_KEY",
+    "REQUEST_KEYS",
+    "DepthError",
+    "RequestDepth",
+    "ServedDepth",
+    "guard_name",
+    "misspelt_key",
+    "remember",
+    "served_by_guard",
+]

@@ -45,8 +45,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .depth import MAX_KEY, ServedDepth
-from .plugin import remember
+from .depth import MAX_KEY, ServedDepth, remember
 from .servable import CPU_NORM_OPS, CPU_NORM_PROVIDER, check_servable
 
 #: The CPU worker that hands each request's depth to the model (``worker.LoopedCPUWorker``).
@@ -118,8 +117,8 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
 
 def guard_processor(served: ServedDepth) -> str:
     """The request guard of a server of ``served`` depths, as vLLM loads a logits processor by name (its
-    bounds kept in this process: ``plugin.remember``)."""
-    return f"{remember.__module__}:{remember(served)}"
+    bounds kept in this process: ``depth.remember``)."""
+    return f"{__package__}.plugin:{remember(served)}"
 
 
 def _flag(name: str) -> str:
@@ -216,7 +215,7 @@ def check_engine_config(vllm_config: Any) -> None:
     ``vllm.LLM``, before any engine process starts. Refuses, in one ``LoopedEngineError`` line, a config
     the model cannot serve (``check_servable``) or one built without ``engine_args``' settings
     (``engine_setting_problems``), naming ``looped-hf serve`` and ``engine_args(FOLDER)``; keeps the
-    served depths as the request guard's bounds in this process (``plugin.remember``). Changes nothing."""
+    served depths as the request guard's bounds in this process (``depth.remember``). Changes nothing."""
     model_config = vllm_config.model_config
     on_cpu = vllm_config.device_config.device_type == "cpu"
     parallel = vllm_config.parallel_config

@@ -61,7 +61,8 @@ def build_loop_lora(config: Any, num_layers: int) -> Any:
     from ..loop_lora_looped import LoopLoRA
 
     with torch.device("meta"):  # the HF layers only give the shapes and the norm paths
-        hf_layers = nn.ModuleList(DECODER_LAYERS[config.norm_placement](config) for _ in range(num_layers))
+        hf_layers = nn.ModuleList(DECODER_LAYERS[config.norm_placement](config, config.recurrent_num_key_value_heads)
+                                  for _ in range(num_layers))  # fmt: skip
     return LoopLoRA(config, hf_layers)
 
 

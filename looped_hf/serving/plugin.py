@@ -37,55 +37,21 @@ another depth in silence. Two guards do it:
 - a logits processor whose ``validate_params`` runs ``ServedDepth.resolve`` at admission on
   ``SamplingParams.extra_args`` (``vllm_xargs``; the offline ``vllm.LLM``). Its ``apply`` changes
   nothing. vLLM loads a logits processor by name in each process, so each server's guard is a
-  class named for a digest of its bounds (``guard_name``), made on demand by this module's
-  ``__getattr__``; the bounds themselves are data (``ServedDepth``), kept by name (``remember``) from
-  the served config when vLLM builds the engine's config (``engine.check_engine_config``), and by
-  ``engine.engine_args``.
+  class named for a digest of its bounds (``depth.guard_name``), made on demand by this module's
+  ``__getattr__``; the bounds themselves are data (``ServedDepth``), kept by name (``depth.remember``)
+  from the served config when vLLM builds the engine's config (``engine.check_engine_config``), and
+  by ``engine.engine_args``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
 
-from .depth import REQUEST_KEYS, DepthError, ServedDepth, misspelt_key
+from .depth import GUARD_PREFIX, REQUEST_KEYS, DepthError, ServedDepth, misspelt_key, served_by_guard
 from .servable import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS
-
-_GUARD_PREFIX = "DepthGuard_"
-#: Each guard's bounds by its name, in this process (``remember``).
-_SERVED: dict[str, ServedDepth] = {}
-
-
-def guard_name(served: ServedDepth) -> str:
-    """The request guard's class name for a server's depths: a digest of ``served`` (the same bounds, the
-    same name, in every process), no dot (vLLM reads one as an attribute path). The name identifies the
-    guard; its bounds are ``served`` itself, kept by ``remember``."""
-    data = json.dumps(dataclasses.asdict(served), sort_keys=True)
-    return _GUARD_PREFIX + hashlib.sha256(data.encode()).hexdigest()[:16]
-
-
-def remember(served: ServedDepth) -> str:
-    """Keep ``served`` as the bounds of its guard (``guard_name``) in this process; return the name."""
-    name = guard_name(served)
-    _SERVED[name] = served
-    return name
-
-
-def served_by_guard(name: str) -> ServedDepth:
-    """The bounds of the guard ``name`` (``remember``). A ``LookupError`` when this process has not seen
-    them: vLLM built the engine's config elsewhere, without the looped check (``engine.check_engine_config``)."""
-    served = _SERVED.get(name)
-    if served is None:
-        raise LookupError(
-            f"logits processor {name!r}: no looped server's depths in this process have this guard; build the "
-            "engine with looped_hf.serving.engine_args(FOLDER) or serve it with `looped-hf serve`"
-        )
-    return served
-
 
 # Fields whose keys are the user's data, not options: a JSON schema may well have a property named
 # num_recurrences, and a message's content is text.
@@ -240,8 +206,8 @@ def _make_guard(name: str) -> type:
 
 
 def __getattr__(name: str) -> type:
-    # vLLM loads logits processors by "module:name" in each process (``guard_name``).
-    if name.startswith(_GUARD_PREFIX) and len(name) == len(_GUARD_PREFIX) + 16:
+    # vLLM loads logits processors by "module:name" in each process (``depth.guard_name``).
+    if name.startswith(GUARD_PREFIX) and len(name) == len(GUARD_PREFIX) + 16:
         return _make_guard(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

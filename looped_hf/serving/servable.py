@@ -37,7 +37,9 @@ def servable_problems(
     heads, GQA, padded vocabularies, both looped formats, every hidden_act, rope_table_dtype,
     kv_budget, r from hf_overrides, the deterministic truncated-normal state (std 0), and on CPU every
     head_dim up to the largest head size vLLM's CPU attention runs (padded to one it runs)."""
-    problems = []
+    from .parcae_vllm import parcae_servable_problems
+
+    problems = parcae_servable_problems(config, tensor_parallel_size)
     if config.state_init == "noise":
         problems.append(
             "state_init='noise': h_0 is drawn from the global RNG on every forward, so vLLM's forward calls "

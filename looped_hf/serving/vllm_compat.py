@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +185,13 @@ INTERNALS: tuple[Internal, ...] = (
         lambda: 64 in _attr(f"{_CPU_ATTN}:CPUAttentionBackend.get_supported_head_sizes")(),
     ),
     Internal(
+        "torch.ops._C.rms_norm / fused_add_rms_norm (the CPU build's kernels), current_platform.import_kernels()",
+        "cpu_norm",
+        "vLLM's CPU RMSNorm kernels, which vLLM registers as an IR implementation for GPUs only; cpu_norm adds "
+        "them through IrOp.register_impl, vLLM's extension point",
+        lambda: cpu_norm_kernels() is not None or not _attr("vllm.platforms:current_platform").is_cpu(),
+    ),
+    Internal(
         "MODELS_CONFIG_MAP[architecture].verify_and_update_config(vllm_config)",
         "plugin",
         "vLLM's per-architecture check of an engine's config, run while the config is built, before any engine "
@@ -249,9 +256,9 @@ def step_requests(runner: Any) -> list[tuple[str, dict[str, Any] | None]]:
     ]
 
 
-def live_request_ids(runner: Any) -> set[str]:
-    """The ids of the requests the runner holds (finished ones are gone)."""
-    return set(runner.requests)
+def live_request_ids(runner: Any) -> Collection[str]:
+    """The ids of the requests the runner holds (finished ones are gone): a live view, not a copy."""
+    return runner.requests.keys()
 
 
 def step_query_starts(runner: Any, num_reqs: int) -> Any:
@@ -350,6 +357,23 @@ def cpu_attention_head_sizes() -> list[int]:
     return list(_attr(f"{_CPU_ATTN}:CPUAttentionBackend").get_supported_head_sizes())
 
 
+# --- kernels ----------------------------------------------------------------------------------------
+def cpu_norm_kernels() -> tuple[Callable[..., None], Callable[..., None]] | None:
+    """(``rms_norm(out, x, weight, epsilon)``, ``fused_add_rms_norm(x, residual, weight, epsilon)``, in
+    place), vLLM's CPU build's kernels, loaded as vLLM loads them; None where vLLM does not run on CPU
+    or its build lacks them."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    current_platform.import_kernels()
+    ops = torch.ops._C
+    if not (hasattr(ops, "rms_norm") and hasattr(ops, "fused_add_rms_norm")):
+        return None
+    return ops.rms_norm, ops.fused_add_rms_norm
+
+
 # --- the engine config ----------------------------------------------------------------------------
 def check_config_on_build(architectures: tuple[str, ...], check: Callable[[Any], None]) -> None:
     """Have vLLM run ``check(vllm_config)`` while it builds the config of an engine of any of
@@ -375,6 +399,7 @@ __all__ = [
     "attention_for",
     "check_config_on_build",
     "cpu_attention_head_sizes",
+    "cpu_norm_kernels",
     "cpu_worker_classes",
     "eager_forward",
     "has_attention_metadata",

@@ -114,6 +114,15 @@ from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
 from .loop_lora_vllm import WEIGHT_PREFIX, build_loop_lora, has_loop_lora, plus, plus_packed
+from .parcae_vllm import (
+    add_value_rows,
+    build_parcae_vllm,
+    end_forward,
+    expand_kv_heads,
+    qk_norm_eps,
+    serve_kv_heads,
+    start_forward,
+)
 from .servable import check_servable
 
 # hidden_act -> vLLM's activation of the gate/up halves (the gated MLPs); relu2 is not gated.
@@ -184,9 +193,14 @@ class _LoopedAttention(nn.Module):
             # whole projection: check_servable refuses tensor parallelism with it.
             self.q_norm, self.k_norm = _norm(config, self.q_size), _norm(config, self.kv_size)
             self.norm_before_rope = self._projection_norm
-        elif config.qk_norm == "after_rope":  # the study's: per head, no weight
-            self.qk_rms = RMSNorm(self.head_dim, eps=config.rms_norm_eps, has_weight=False)
+        elif config.qk_norm == "after_rope":  # the study's: per head, no weight (Parcae's eps: parcae_vllm)
+            self.qk_rms = RMSNorm(self.head_dim, eps=qk_norm_eps(config, vllm_config.model_config.dtype),
+                                  has_weight=False)  # fmt: skip
             self.norm_after_rope = self._after_rope_norm
+        # Parcae's gated value embedding: build_parcae_vllm puts the gate, its table's index and the
+        # forward's rows (value_rows) here.
+        self.ve_gate: nn.Module | None = None
+        self.value_embedding_index: int | None = None
 
     def _heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm`` over each head of ``x`` (tokens, heads * head_dim)."""
@@ -226,6 +240,8 @@ class _LoopedAttention(nn.Module):
         qkv, _ = self.qkv_proj(hidden_states)
         qkv = plus_packed(qkv, deltas, "qkv_proj", hidden_states, (self.q_size, self.kv_size, self.kv_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.ve_gate is not None:
+            v = add_value_rows(self, hidden_states, v)
         if self.norm_before_rope is not None:
             q, k = self.norm_before_rope(q, k, deltas)
         q, k = self.rotary_emb(positions, q, k)
@@ -265,6 +281,9 @@ class _LoopedMLP(nn.Module):
                 d, f, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up_proj"
             )
             self.act_fn = ReLUSquaredActivation()
+            # Parcae's 0.5 relu(x)^2 (config.mlp_activation_scale; None: no scaling op).
+            scale = getattr(config, "mlp_activation_scale", 1.0)
+            self.activation_scale = scale if scale != 1.0 else None
         else:
             self.gate_up_proj = MergedColumnParallelLinear(
                 d, [f, f], bias=bias, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
@@ -283,6 +302,8 @@ class _LoopedMLP(nn.Module):
             up, _ = self.up_proj(x)
             up = plus(up, deltas, "up_proj", x)
         hidden = self.act_fn(up)
+        if not self.gated and self.activation_scale is not None:
+            hidden = hidden.mul(self.activation_scale)
         out, _ = self.down_proj(hidden)
         return plus(out, deltas, "down_proj", hidden)
 
@@ -410,6 +431,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         super().__init__(model, model.default_plan, layer_kwargs={}, num_new_tokens=0)
         self.default_plan = model.default_plan
         self.kv_slots = model.kv_slots
+        self.value_rows = model.value_rows
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
         self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once loaded
@@ -463,9 +485,13 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
                 sub_split = (split[0][idx], split[1]) if split is not None else None
                 sub_lanes = lanes[:, idx] if lanes is not None else None
                 self.positions = positions[idx]
+                if self.value_rows is not None:
+                    self.value_rows.select(idx)  # Parcae's value embeddings of these tokens (parcae_vllm)
                 with depth.attend(group, attention, e.dtype, stopped):
                     sub_h, sub_lanes = self.recurrence(step, h[idx], sub_lanes, e[idx], sub_split)
                 self.positions = positions
+                if self.value_rows is not None:
+                    self.value_rows.select(None)
                 if stopped is not None:  # a stopped token's state stays frozen
                     sub_h = torch.where(stopped[:, None], h[idx], sub_h)
                     if lanes is not None:
@@ -553,6 +579,8 @@ class LoopedVllmModel(nn.Module):
                        device="cpu" if current_platform.is_cpu() else None)  # fmt: skip
         # Before any weight loads: an engine built without engine_args' settings is refused here.
         check_engine_settings(vllm_config, on_cpu=current_platform.is_cpu())
+        # Parcae's MHA block beside a GQA prelude / coda: every layer at the block's KV heads (parcae_vllm).
+        self.kv_heads_served_from = serve_kv_heads(config)
         self.config = config
         served = ServedDepth.from_config(config)
         self.plan = served.plan(config)  # the engine's slots: the deepest request's (depth.py)
@@ -575,6 +603,8 @@ class LoopedVllmModel(nn.Module):
         # The injection, lanes, norms and exit gate under LoopedModel's names and sharing (a "final"
         # norm is model.norm itself), from LoopedModel's own builder, with vLLM's RMSNorm.
         build_loop_modules(self, config, norm)
+        # Parcae's prelude norm, C and value embeddings (parcae_vllm), each None unless configured.
+        self.value_rows = build_parcae_vllm(self, config, norm)
         # W_e and W_h of the linear injection as vLLM layers, so they run vLLM's GEMM (prepacked on CPU) like
         # every other projection; filled from ``injection.weight`` when the weights load (``keep_injection``).
         # Not in float32, where vLLM's GEMM would round differently from the matmul generate() runs.
@@ -627,8 +657,11 @@ class LoopedVllmModel(nn.Module):
             h = h * multiplier  # after the lookup: the tied head reads the table unscaled
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
+        start_forward(self, input_ids)  # Parcae's value-embedding rows of these tokens
         for j, layer in enumerate(self.prelude_layers):
             h = layer(h, positions, self.kv_slots[plan.prelude(j)].attn)
+        if self.prelude_norm is not None:
+            h = self.prelude_norm(h)
         h, states = self.loop.run(h, positions, depth, keep_states=self.exit_threshold is not None)
         if self.exit_threshold is not None:
             # generate()'s threshold readout (threshold_readout, as LoopedForCausalLM's), per token: the
@@ -646,7 +679,9 @@ class LoopedVllmModel(nn.Module):
                 x = layer(x, positions, self.kv_slots[plan.coda(j)].attn)
             return x
 
-        return after_loop(self, h, coda)  # the modules after the loop, as LoopedModel's forward
+        h = after_loop(self, h, coda)  # the modules after the loop, as LoopedModel's forward
+        end_forward(self)
+        return h
 
 
 class LoopedForCausalLM(nn.Module, SupportsLoRA):
@@ -720,6 +755,7 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         fused_of = {part: fused for fused, parts in self.packed_modules_mapping.items() for part in parts}
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        weights = expand_kv_heads(config, self.model.kv_heads_served_from, weights)  # Parcae's GQA prelude / coda
         for name, weight in weights:
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the head is the embedding

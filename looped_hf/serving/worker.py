@@ -18,8 +18,8 @@ the dummy runs (profiling, warm-up): the model then runs every token at the defa
 vLLM compiled (unless eager), with no per-request work.
 
 ``_init_model_kwargs`` and the runner's request state are private to vLLM: reached through
-``vllm_compat`` (listed there with the version they were read from, and tested). ``engine.engine_args`` names it (``worker_cls``, ``--worker-cls``) on CPU
-for a server of more than one depth. On GPU, Model Runner V2's public ``ModelState`` is the path (docs/serving.md).
+``vllm_compat`` (listed there with the version they were read from, and tested). ``engine.engine_args``
+names this worker (``worker_cls``, ``--worker-cls``) on CPU for a server of more than one depth. On GPU, Model Runner V2's public ``ModelState`` is the path (docs/serving.md).
 """
 
 from __future__ import annotations
