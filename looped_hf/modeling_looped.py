@@ -71,6 +71,7 @@ from .interface_looped import (
     check_token_ids,
     warn_past_positions,
 )
+from .loop_attention_looped import build_loop_attention
 from .recurrent_block_looped import (
     GateExit,
     LoopedHyperConnection,
@@ -258,6 +259,7 @@ class LoopedModel(LoopedPreTrainedModel):
         self.prelude_layers = nn.ModuleList(layer(config) for _ in range(config.num_prelude_layers))
         self.recurrent_layers = nn.ModuleList(layer(config) for _ in range(config.num_recurrent_layers))
         self.coda_layers = nn.ModuleList(layer(config) for _ in range(config.num_coda_layers))
+        build_loop_attention(self, config)  # IQuest's gated loop attention, or nothing
         norm = lambda: LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
         build_loop_modules(self, config, norm, exit_gate=exit_gate)
         self.rotary_emb = LoopedRotaryEmbedding(config)
