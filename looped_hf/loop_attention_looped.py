@@ -163,10 +163,14 @@ class GatedLoopAttention(LoopedAttention):
     def forward(self, hidden_states, position_embeddings, attention_mask, cache, cache_index,
                 loop_attention: LoopAttentionCall | None = None, **kwargs):  # fmt: skip
         if loop_attention is None:
-            raise ValueError("GatedLoopAttention runs inside the loop only (LoopedRecurrentBlock gives it its call)")
+            raise ValueError(
+                "GatedLoopAttention runs inside the loop only (LoopedRecurrentBlock gives it its call)"
+            )
         if loop_attention.step == 0:
             recording = _RecordingCache(loop_attention, cache)
-            return super().forward(hidden_states, position_embeddings, attention_mask, recording, cache_index, **kwargs)
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, recording, cache_index, **kwargs
+            )
         if cache is not None and not isinstance(cache, Cache):
             raise ValueError("loop_attention: adaptive exit (exit_criterion) is not supported (recurrences >= 2 "
                              "read recurrence 1's KV of every token)")  # fmt: skip

@@ -142,7 +142,9 @@ def iquest_weights(ckpt: Checkpoint) -> dict[str, Any]:
     model level and inside its layer, is refused naming the key."""
     unknown = sorted(k for k in ckpt.keys() if iquest_key(k) is None)
     if unknown:
-        raise ConversionError(f"{ckpt.folder}: unknown IQuest LoopCoder weight {unknown[0]!r} (not converted)")
+        raise ConversionError(
+            f"{ckpt.folder}: unknown IQuest LoopCoder weight {unknown[0]!r} (not converted)"
+        )
     source: dict[str, str] = {}
     for key in ckpt.keys():
         name = iquest_key(key)
