@@ -409,6 +409,33 @@ def write_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
     return write_result_triple(out_dir, CURVE_STEM, curve, text, plot)
 
 
+_CARD_CURVE_BEGIN, _CARD_CURVE_END = "<!-- looped-hf test-time -->", "<!-- /looped-hf test-time -->"
+
+
+def add_curve_to_converted_card(curve: Mapping[str, Any], folder: PathLike) -> Path | None:
+    """Put the curve into the card of a folder ``looped-hf convert`` wrote (its README.md names
+    ``converted_from``): a section between markers, replaced when measured again. A run's own card
+    is ``looped-hf publish``'s (it reads the JSON), so any other README is left alone: ``None``."""
+    card = Path(folder) / "README.md"
+    if not card.is_file():
+        return None
+    text = card.read_text(encoding="utf-8")
+    if "converted_from" not in text.split("\n---", 1)[0]:
+        return None
+    section = (
+        f"{_CARD_CURVE_BEGIN}\n## Test-time scaling\n\n{summary_sentence(curve)} Held-out loss on "
+        f"{curve['heldout_blocks']} blocks of {curve['seq_len']} tokens (`looped-hf test-time`).\n\n"
+        f"{markdown_table(curve)}\n\n![held-out loss vs r]({CURVE_PNG})\n{_CARD_CURVE_END}\n"
+    )
+    if _CARD_CURVE_BEGIN in text and _CARD_CURVE_END in text:
+        head, rest = text.split(_CARD_CURVE_BEGIN, 1)
+        text = head + section + rest.split(_CARD_CURVE_END, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    card.write_text(text, encoding="utf-8")
+    return card
+
+
 def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> dict[str, Any] | None:
     """The curve saved next to a checkpoint, or None when there is none (or it was measured on other
     weights: ``weights_sha256`` given and different)."""
@@ -487,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
             )
             paths = write_curve(curve, run_dir)
+            card = add_curve_to_converted_card(curve, run_dir)  # a converted folder's card shows it
+            if card is not None:
+                paths.append(card)
             print(
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"
             )

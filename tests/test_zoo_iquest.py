@@ -369,3 +369,54 @@ def test_the_cli_writes_a_folder_with_a_card_the_code_and_the_config(tmp_path: P
         2,
     )
     assert iquest_config(json.loads((DATA / "config.json").read_text())).num_recurrent_layers == 2
+
+
+# --- any r downstream: test-time, eval, the card -------------------------------------------------
+def test_test_time_and_eval_at_1_to_4_loops_and_the_card_shows_the_curve(tmp_path: Path, monkeypatch) -> None:
+    import lzma
+
+    from conftest import REPO
+    from zoo_helpers import save_char_tokenizer
+
+    from looped_hf.cli import main as cli
+    from looped_hf.evaluation.report import RESULTS_JSON
+    from looped_hf.recurrence_curves import CURVE_JSON
+
+    monkeypatch.setenv("LOOPED_HF_CACHE", str(tmp_path / "cache"))
+    src, out = tmp_path / "src", tmp_path / "converted"
+    shutil.copytree(DATA, src)
+    save_char_tokenizer(src, 256)
+    assert main(["iquest", str(src), "--out", str(out)]) == 0
+    heldout = tmp_path / "heldout.jsonl"
+    with lzma.open(REPO / "looped_hf" / "assets" / "corpus.jsonl.xz", "rt", encoding="utf-8") as corpus:
+        rows = [json.loads(line)["text"][:600] for _, line in zip(range(8), corpus, strict=False)]
+    heldout.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows), encoding="utf-8")
+
+    argv = [
+        "test-time",
+        str(out),
+        "--data",
+        str(heldout),
+        "--seq-len",
+        "24",
+        "--eval-blocks",
+        "2",
+        "--max-factor",
+        "2",
+    ]
+    assert cli(argv) == 0
+    curve = json.loads((out / CURVE_JSON).read_text())
+    assert [row["num_recurrences"] for row in curve["rows"]] == [1, 2, 3, 4]
+    losses = [row["loss"] for row in curve["rows"]]
+    assert len(set(losses)) == 4 and all(np.isfinite(losses))
+    card = (out / "README.md").read_text()
+    assert "## Test-time scaling" in card and "| 4 |" in card and "format: iquest" in card
+    assert cli(argv) == 0  # measured again: the card's section is replaced, not appended
+    assert (out / "README.md").read_text().count("## Test-time scaling") == 1
+
+    evaluated = tmp_path / "eval"
+    assert cli(["eval", str(out), "--bundle", "builtin", "--builtin-examples", "6", "--device", "cpu", "--tasks",
+                "addition_2d", "--out", str(evaluated), "--recurrences", "1", "2", "3", "4"]) == 0  # fmt: skip
+    results = json.loads((evaluated / RESULTS_JSON).read_text())
+    assert results["recurrences"] == [1, 2, 3, 4]
+    assert len({row["tasks"]["addition_2d"]["loss"] for row in results["rows"]}) == 4

@@ -189,8 +189,9 @@ def _card(model: Any, folder: Path, repo_id: str, license: str | None) -> Any:
         f"model = AutoModelForCausalLM.from_pretrained({repo_id!r}, trust_remote_code=True)\n"
         "model.generate(input_ids, num_recurrences=3)  # any r up to the ceiling\n```\n\n"
         "Decoding with the cache gives the logits of a full forward (loop 1 keeps every position's K/V, "
-        f"later loops the last {config.loop_window_size - 1}). `looped-hf test-time` and `looped-hf eval` "
-        "draw the curve over r = 1..4.\n"
+        f"later loops the last {config.loop_window_size - 1}). `looped-hf test-time DIR --data TEXT --max-factor 2` "
+        "measures the held-out loss at r = 1..4 and adds the curve to this card; `looped-hf eval DIR "
+        "--recurrences 1 2 3 4` scores tasks at each r.\n"
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 
