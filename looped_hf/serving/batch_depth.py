@@ -59,6 +59,12 @@ class StepGroup:
     tokens: torch.Tensor | None
 
 
+def _window(layer: torch.nn.Module) -> int:
+    """The sliding window the layer's kernel applies (-1: none), as vLLM's metadata builder reads it."""
+    window = getattr(layer.impl, "sliding_window", None)
+    return -1 if window is None else int(window)
+
+
 def subset_metadata(
     meta: CPUAttentionMetadata, requests: torch.Tensor, tokens: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype
 ) -> CPUAttentionMetadata:
@@ -72,7 +78,7 @@ def subset_metadata(
     scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(requests), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
         seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=meta.causal,
-        sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+        sliding_window_size=_window(layer), isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
         kv_cache_dtype=layer.kv_cache_dtype,
     )  # fmt: skip
     return dataclasses.replace(
@@ -93,7 +99,9 @@ class BatchDepth:
         context = get_forward_context()
         metadata = context.attn_metadata
         self.context = context
-        self.meta: CPUAttentionMetadata = next(iter(metadata.values()))  # one KV-cache group: one metadata
+        # Every KV-cache group's metadata has the same requests and query layout; the groups differ in
+        # their block tables (full-attention and sliding-window layers: loop_attention_vllm).
+        self.meta: CPUAttentionMetadata = next(iter(metadata.values()))
         starts = self.meta.query_start_loc.tolist()
         self.starts = starts
         first = torch.tensor(starts[:-1], dtype=torch.long)
@@ -103,7 +111,8 @@ class BatchDepth:
         self.engine_plan = plan
         self.num_tokens = num_tokens
         self.max_recurrences = max(self.recurrences)
-        self._metadata: dict[tuple[int, ...], tuple[CPUAttentionMetadata, torch.Tensor]] = {}
+        # (requests, id of a KV-cache group's metadata) -> that group's metadata of the requests alone
+        self._metadata: dict[tuple[tuple[int, ...], int], CPUAttentionMetadata] = {}
         asks = token_gate_exit[first].tolist() if token_gate_exit is not None else None
         self.gate_exit = asks or [False] * len(self.recurrences)  # per request: does the gate stop it
         self.stops: GateStops | None = None  # set by stop_with_gate
@@ -148,16 +157,18 @@ class BatchDepth:
         if group.tokens is None:
             yield
             return
-        cached = self._metadata.get(group.requests)
-        if cached is None:
-            requests = torch.tensor(group.requests, dtype=torch.long)
-            cached = (subset_metadata(self.meta, requests, group.tokens, layers[0], dtype), group.tokens)
-            self._metadata[group.requests] = cached
-        meta, tokens = cached
+        tokens = group.tokens
         attn_metadata, slot_mapping = self.context.attn_metadata, self.context.slot_mapping
         saved = [(layer.layer_name, attn_metadata[layer.layer_name], slot_mapping.get(layer.layer_name)) for layer in layers]
+        subsets = []
+        for layer, (_, source, _) in zip(layers, saved, strict=True):
+            key = (group.requests, id(source))  # each layer's own KV-cache group
+            if key not in self._metadata:
+                requests = torch.tensor(group.requests, dtype=torch.long)
+                self._metadata[key] = subset_metadata(source, requests, tokens, layer, dtype)
+            subsets.append(self._metadata[key])
         try:
-            for name, _, slots in saved:
+            for (name, _, slots), meta in zip(saved, subsets, strict=True):
                 attn_metadata[name] = meta
                 if slots is not None:
                     own = slots[tokens]
