@@ -420,3 +420,25 @@ def test_test_time_and_eval_at_1_to_4_loops_and_the_card_shows_the_curve(tmp_pat
     results = json.loads((evaluated / RESULTS_JSON).read_text())
     assert results["recurrences"] == [1, 2, 3, 4]
     assert len({row["tasks"]["addition_2d"]["loss"] for row in results["rows"]}) == 4
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle_only", "missing_shard"])
+def test_the_loaders_refusals_reach_the_iquest_converter_in_one_line(
+    tmp_path: Path, capsys, damage: str
+) -> None:
+    """The classes every format refuses (through the one loader): a truncated weight file, a folder with
+    only a pickled ``pytorch_model.bin``, an index naming a shard that is not there."""
+    src, out = _copy(tmp_path), tmp_path / "out"
+    weights = src / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    elif damage == "pickle_only":
+        weights.rename(src / "pytorch_model.bin")
+    else:
+        index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+        weights.rename(src / "model-00001-of-00002.safetensors")
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["iquest", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("looped-hf convert: error: ") and "\n" not in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
