@@ -188,6 +188,10 @@ class GatedLoopAttention(LoopedAttention):
         allowed = _allowed(attention_mask, q_len, kv_len, query.device)
         if cache is not None:
             slot = cache.layers[cache_index]
+            if not isinstance(slot, DynamicLayer):
+                # A static or quantised layer keeps positions at fixed places, not the last window.
+                raise ValueError(f"loop_attention: a {type(slot).__name__} cache slot cannot hold a windowed "
+                                 "loop's KV; use the default DynamicCache")  # fmt: skip
             if not isinstance(slot, LoopWindowLayer):
                 if slot.is_initialized:
                     raise ValueError(f"loop_attention: cache slot {cache_index} was filled by another model's "

@@ -353,6 +353,12 @@ def test_per_call_settings_the_loop_attention_cannot_run_are_refused_in_one_line
         with pytest.raises(ValueError) as err:
             model(ids, **kwargs)
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    # A cache that keeps positions at fixed places, and assisted decoding (it crops the cache back).
+    for kwargs, message in (({"cache_implementation": "static"}, "StaticLayer cache slot cannot hold"),
+                            ({"draft_num_recurrences": 1}, "cannot be cropped")):  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            model.generate(ref["p1_input_ids"], max_new_tokens=6, do_sample=False, **kwargs)
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 def test_the_cli_writes_a_folder_with_a_card_the_code_and_the_config(tmp_path: Path, capsys) -> None:
