@@ -19,7 +19,8 @@ True)`` at a fixed r); an unknown keyword raises ``TypeError``. Beside it, shipp
 checkpoint as remote code: ``decoder_layers_looped.py`` (the layers), ``recurrent_block_looped.py``
 (the loop), ``interface_looped.py``
 (outputs, keywords, the attention mask), ``generation_looped.py`` (KV budget, adaptive exit,
-self-drafting) and ``accounting_looped.py`` (parameters and FLOPs). It imports only torch,
+self-drafting), ``accounting_looped.py`` (parameters and FLOPs) and ``loop_attention_looped.py``
+(IQuest's gated loop attention, ``config.loop_attention``). It imports only torch,
 transformers and those modules.
 """
 
