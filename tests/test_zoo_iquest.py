@@ -448,3 +448,27 @@ def test_the_loaders_refusals_reach_the_iquest_converter_in_one_line(
     err = capsys.readouterr().err.strip()
     assert err.startswith("looped-hf convert: error: ") and "\n" not in err, err
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_the_released_40b_loop_config_maps_onto_the_config() -> None:
+    """IQuest-Coder-V1-40B-Loop's config.json keys and values (as its published copies list them):
+    80 layers looped twice, GQA 40/8 heads of 128, window 64, three EOS ids. Built on the meta device."""
+    native = {
+        "architectures": ["IQuestLoopCoderForCausalLM"], "model_type": "iquestloopcoder", "attention_bias": False,
+        "attention_dropout": 0.0, "eos_token_id": [2, 75864, 75869], "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 27648, "loop_num": 2,
+        "loop_window_size": 64, "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 40,
+        "num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 76800,
+    }  # fmt: skip
+    config = iquest_config(native)
+    assert (config.num_recurrent_layers, config.num_recurrences, config.loop_window_size) == (80, 2, 64)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (40, 8, 128)
+    assert config.rope_parameters["rope_theta"] == 500000 and config.eos_token_id == [2, 75864, 75869]
+    with torch.device("meta"):
+        model = LoopedForCausalLM(config)
+    assert tuple(model.model.gate_projections[79].weight.shape) == (40, 128)
+    assert model.num_scaling_params()["recurrent"] > 20e9  # the 80 shared layers (~20B parameters) loop twice
+    # An MLX-quantised copy of it is refused by name: its weights are not the checkpoint's floats.
+    with pytest.raises(Exception, match="quantization"):
+        iquest_config({**native, "quantization": {"group_size": 64, "bits": 4}})
