@@ -87,10 +87,11 @@ class LoopAttentionKV:
     """One forward's view of the loop attention: the gates, the window, and the first recurrence's
     K/V of each block layer (all positions the call's queries see, cached ones included)."""
 
-    def __init__(self, gates: nn.ModuleList, window: int, shares_slots: bool) -> None:
-        if shares_slots:
-            raise ValueError("kv_budget: refused with loop_attention (recurrence 1's KV is read by every later "
-                             "recurrence, so each recurrence keeps its own cache slots)")  # fmt: skip
+    def __init__(self, gates: nn.ModuleList, window: int, kv_budget: int | None = None) -> None:
+        """``kv_budget``: the call's effective budget when it shares slots (below r), refused."""
+        if kv_budget is not None:
+            raise ValueError(f"kv_budget={kv_budget}: refused with loop_attention (recurrence 1's KV is read by "
+                             "every later recurrence, so each recurrence keeps its own cache slots)")  # fmt: skip
         self.gates, self.window = gates, window
         self.first: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -229,7 +230,9 @@ def loop_attention_kv(model: nn.Module, plan: object) -> LoopAttentionKV | None:
     gates = getattr(model, "gate_projections", None)
     if gates is None:
         return None
-    return LoopAttentionKV(gates, model.config.loop_window_size, plan.shares_slots)
+    return LoopAttentionKV(
+        gates, model.config.loop_window_size, plan.kv_budget if plan.shares_slots else None
+    )
 
 
 __all__ = ["GatedLoopAttention", "LoopAttentionKV", "LoopGate", "LoopWindowLayer", "build_loop_attention",

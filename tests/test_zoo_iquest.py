@@ -347,7 +347,7 @@ def test_the_config_refuses_what_the_loop_attention_cannot_run_in_one_line(field
 
 def test_per_call_settings_the_loop_attention_cannot_run_are_refused_in_one_line(model, ref) -> None:
     ids = ref["p0_input_ids"]
-    for kwargs, message in (({"kv_budget": 1, "num_recurrences": 3}, "kv_budget"),
+    for kwargs, message in (({"kv_budget": 1, "num_recurrences": 3}, "kv_budget=1: refused"),
                             ({"exit_criterion": "kl"}, "exit_criterion='kl'"),
                             ({"num_recurrences": 10**6}, "num_recurrences=1000000: exceeds")):  # fmt: skip
         with pytest.raises(ValueError) as err:
