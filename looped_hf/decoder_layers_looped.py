@@ -122,16 +122,43 @@ class LoopedAttention(nn.Module):
         # r times. The study (nanochat/gpt.py) normalises q and k after RoPE with no learnable scale;
         # "learnable_before_rope" is the Qwen3 placement (and looped_hf 0.1.0's), per head;
         # "learnable_projection_before_rope" is OLMo-2's, one norm over all heads of q (and of k).
-        self.qk_norm = config.qk_norm
+        # Chosen here, not branched in forward: ``heads`` splits q and k into heads with any QK-norm
+        # that runs before RoPE, ``norm_after_rope`` is the one after it (or None).
         self.qk_norm_eps = config.rms_norm_eps
-        if self.qk_norm == "learnable_before_rope":
+        self.heads = self._split_heads
+        self.norm_after_rope = None
+        if config.qk_norm == "learnable_before_rope":
             self.q_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        elif self.qk_norm == "learnable_projection_before_rope":
+            self.heads = self._split_then_norm_heads
+        elif config.qk_norm == "learnable_projection_before_rope":
             self.q_norm = LoopedRMSNorm(h * self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LoopedRMSNorm(kv * self.head_dim, eps=config.rms_norm_eps)
+            self.heads = self._norm_projections_then_split
+        elif config.qk_norm == "after_rope":
+            self.norm_after_rope = self._weightless_head_norm
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             proj.looped_study_init = ("uniform", d**-0.5)  # std 1/sqrt(d): read by _init_weights
+
+    def _split_heads(self, q: torch.Tensor, k: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as (batch, seq, heads, head_dim), no QK-norm before RoPE."""
+        return q.view(shape), k.view(shape)
+
+    def _split_then_norm_heads(self, q: torch.Tensor, k: torch.Tensor, shape: tuple[int, ...],
+                               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``qk_norm="learnable_before_rope"`` (Qwen3's, 0.1.0's): a learnable norm per head."""
+        return self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
+
+    def _norm_projections_then_split(self, q: torch.Tensor, k: torch.Tensor, shape: tuple[int, ...],
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``qk_norm="learnable_projection_before_rope"`` (OLMo-2's): one norm over all heads."""
+        return self.q_norm(q).view(shape), self.k_norm(k).view(shape)
+
+    def _weightless_head_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qk_norm="after_rope"``: RMS over head_dim with no weights, as the study (its fused kernel
+        accumulates in fp32)."""
+        return (F.rms_norm(q, (self.head_dim,), eps=self.qk_norm_eps),
+                F.rms_norm(k, (self.head_dim,), eps=self.qk_norm_eps))  # fmt: skip
 
     def forward(
         self,
@@ -144,21 +171,14 @@ class LoopedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, key_states = self.q_proj(hidden_states), self.k_proj(hidden_states)
-        if self.qk_norm == "learnable_projection_before_rope":
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-        query_states, key_states = query_states.view(hidden_shape), key_states.view(hidden_shape)
-        if self.qk_norm == "learnable_before_rope":
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = self.heads(self.q_proj(hidden_states), self.k_proj(hidden_states), hidden_shape)
         # RoPE and the QK-norm run on the projections' own (batch, seq, heads, head_dim) layout and
         # only then turn into attention's (batch, heads, seq, head_dim) view: the same values bit for
         # bit (elementwise ops and a norm over head_dim), without norming a strided view.
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, unsqueeze_dim=2)
-        if self.qk_norm == "after_rope":
-            # RMS over head_dim with no weights, as the study (its fused kernel accumulates in fp32).
-            query_states = F.rms_norm(query_states, (self.head_dim,), eps=self.qk_norm_eps)
-            key_states = F.rms_norm(key_states, (self.head_dim,), eps=self.qk_norm_eps)
+        if self.norm_after_rope is not None:
+            query_states, key_states = self.norm_after_rope(query_states, key_states)
         query_states = query_states.transpose(1, 2)
         key_states = key_states.transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)

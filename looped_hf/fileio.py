@@ -17,6 +17,22 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
+#: The files a transformers tokenizer is saved as: the one list every reader of a folder uses (publish,
+#: serve and eval need a tokenizer, ``has_tokenizer``; a converter checks and copies each the source has).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")  # fmt: skip
+#: Those that describe a tokenizer only beside one of the others (a BPE's merges need its vocabulary).
+_TOKENIZER_COMPANIONS = frozenset(
+    {"merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"}
+)
+#: The ones a folder needs one of to have a tokenizer, in ``TOKENIZER_FILES``' order (for messages).
+TOKENIZER_DEFINING_FILES = tuple(name for name in TOKENIZER_FILES if name not in _TOKENIZER_COMPANIONS)
+
+
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a tokenizer: one of ``TOKENIZER_DEFINING_FILES``."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_DEFINING_FILES)
+
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temp file beside ``path``, fsync it, then ``os.replace`` it into place."""

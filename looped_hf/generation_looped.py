@@ -25,7 +25,9 @@ relative import), so it imports only torch, transformers and ``.configuration_lo
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -35,6 +37,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .configuration_looped import EXIT_GATE_CRITERION, KV_BUDGET_RULE, R_RULE, LoopedConfig, check_override
 from .interface_looped import (
@@ -450,6 +453,57 @@ class RecurrenceDraftCandidateGenerator(AssistedCandidateGenerator):
 
 _SELF_DRAFT_DEFAULTS = {"num_assistant_tokens": 4, "assistant_confidence_threshold": 0.0}
 
+#: The depth settings of a generation: a keyword of ``generate()``, else a field of its generation
+#: config (``model.generation_config``, a passed ``GenerationConfig``, ``generation_config.json``),
+#: else the model config's (``generation_depth``).
+DEPTH_SETTINGS = ("num_recurrences", "draft_num_recurrences", "kv_budget")
+
+
+def saved_generation_depth(path: str | os.PathLike) -> dict[str, int]:
+    """The depth settings (``DEPTH_SETTINGS``) that a ``generation_config.json`` sets, not None; ``path``:
+    the file or its checkpoint folder ({} without one). Read from the JSON itself: transformers'
+    ``GenerationConfig`` drops a file's own fields when it says ``"_from_model_config": true``, which
+    ``save_pretrained`` writes for a generation config that started from the model's."""
+    path = os.path.join(path, GENERATION_CONFIG_NAME) if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    return {key: saved[key] for key in DEPTH_SETTINGS if isinstance(saved, dict) and saved.get(key) is not None}
+
+
+def generation_depth(config: LoopedConfig, *generation_configs: GenerationConfig | None,
+                     **call: int | None) -> dict[str, int | None]:  # fmt: skip
+    """The depth a generation runs at, the one rule of ``generate()``, the pipeline, ``test-time``,
+    ``eval`` and serving: each of ``DEPTH_SETTINGS`` from ``call`` where it is given (not None), else
+    from the first of ``generation_configs`` that sets it (a passed config before the model's), else
+    the model config's: ``num_recurrences`` (resolved, an int), ``kv_budget`` (``config.kv_budget``,
+    None for none), ``draft_num_recurrences`` (None: no drafting). A generation config's value that
+    the model cannot run is refused in one line naming it (``generation_config.num_recurrences=0:
+    ...``); the call's own values are checked where they are used, as before."""
+    depth: dict[str, int | None] = {}
+    for key in DEPTH_SETTINGS:
+        value = call.get(key)
+        for generation_config in generation_configs if value is None else ():
+            value = getattr(generation_config, key, None) if generation_config is not None else None
+            if value is not None:
+                try:  # the model config's own rules, under the name the value came from
+                    if key == "num_recurrences":
+                        config.resolve_num_recurrences(value)
+                    elif key == "kv_budget":
+                        check_override(key, value, KV_BUDGET_RULE)
+                    else:
+                        check_override(key, value, R_RULE)
+                except ValueError as err:
+                    raise ValueError(f"generation_config.{err}") from None
+                break
+        depth[key] = value
+    if depth["num_recurrences"] is None:
+        depth["num_recurrences"] = config.resolve_num_recurrences()
+    if depth["kv_budget"] is None:
+        depth["kv_budget"] = config.kv_budget
+    return depth
+
 
 @dataclass
 class _GenerationRun:
@@ -520,9 +574,30 @@ class LoopedGenerationMixin(GenerationMixin):
             if kwargs.get("past_key_values") is not None:
                 raise ValueError("past_key_values and cache are the same argument (the KV cache): pass only cache")
             kwargs["past_key_values"] = kwargs.pop("cache")
+        outer = self.__dict__.get("_looped_generation")
+        # The depth: the keywords, else the passed generation config's fields, else the model's
+        # generation config's (generation_config.json), else the model config's (generation_depth).
+        # Passed on as keywords of their own (``_prepare_generation_config``): transformers'
+        # GenerationConfig.update would take a keyword that names one of its fields, and the forward
+        # would run at config.num_recurrences. A drafting run's own draft calls (``outer``) never draft.
+        passed = args[1] if len(args) > 1 else kwargs.get("generation_config")
+        call = {"num_recurrences": kwargs.get("num_recurrences"), "kv_budget": kwargs.get("kv_budget"),
+                "draft_num_recurrences": draft_num_recurrences if outer is None else None}  # fmt: skip
+        depth = generation_depth(self.config, passed, self.generation_config, **call)
+        kwargs["num_recurrences"], kwargs["kv_budget"] = depth["num_recurrences"], depth["kv_budget"]
+        from_config = draft_num_recurrences is None and outer is None and depth["draft_num_recurrences"] is not None
+        if from_config and kwargs.get("assistant_model") is not None:
+            from_config = False  # a drafter passed to the call wins over the configured self-drafting
+        elif outer is None:
+            draft_num_recurrences = depth["draft_num_recurrences"]
         run = _GenerationRun(draft_num_recurrences=draft_num_recurrences)
         if draft_num_recurrences is not None:
-            self._check_draft(draft_num_recurrences, kwargs)
+            try:
+                self._check_draft(draft_num_recurrences, kwargs)
+            except ValueError as err:
+                if from_config:  # name where the value came from
+                    raise ValueError(f"generation_config.{err}") from None
+                raise
             kwargs["assistant_model"] = self
             # transformers' assistant defaults (20 tokens, stop below 0.4 confidence) suit a small
             # separate model; a k-recurrence draft of the model itself is cheap and usually right,
@@ -544,7 +619,6 @@ class LoopedGenerationMixin(GenerationMixin):
                     kwargs["generation_config"] = passed
             else:
                 kwargs.update(defaults)
-        outer = self.__dict__.get("_looped_generation")
         self.__dict__["_looped_generation"] = run
         try:
             out = super().generate(*args, **kwargs)
@@ -563,6 +637,35 @@ class LoopedGenerationMixin(GenerationMixin):
                 extras["num_accepted_draft_tokens"] = run.drafter.num_accepted_draft_tokens
             out = LoopedGenerateOutput(**out, **extras)
         return out
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             *args, **kwargs) -> None:  # fmt: skip
+        # Hook: from_pretrained loads generation_config.json here. transformers keeps a file's own
+        # fields only when it lacks "_from_model_config": true, which save_pretrained writes for a
+        # generation config that started from the model's: a saved num_recurrences would be dropped.
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                                     *args, **kwargs)  # fmt: skip
+        if generation_config is not None or pretrained_model_name_or_path is None:
+            return
+        names = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+        download = {key: kwargs[key] for key in names if kwargs.get(key) is not None}
+        try:
+            path = cached_file(pretrained_model_name_or_path, GENERATION_CONFIG_NAME,
+                               _raise_exceptions_for_missing_entries=False, **download)  # fmt: skip
+        except OSError:
+            return
+        for key, value in (saved_generation_depth(path) if path is not None else {}).items():
+            if getattr(self.generation_config, key, None) is None:
+                setattr(self.generation_config, key, value)
+
+    def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs) -> tuple:
+        # Hook: transformers moves every keyword that names a field of the generation config into it
+        # (GenerationConfig.update), and a generation_config.json with num_recurrences makes it one:
+        # the depth would never reach the forward. generate() resolved it; it goes to the model as is.
+        depth = {key: kwargs.pop(key) for key in ("num_recurrences", "kv_budget") if key in kwargs}
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        model_kwargs.update({key: value for key, value in depth.items() if value is not None})
+        return generation_config, model_kwargs
 
     def _validate_generated_length(self, generation_config: GenerationConfig, input_ids_length: int,
                                    has_default_max_length: bool) -> None:  # fmt: skip

@@ -15,9 +15,10 @@ looped_hf is not). Eval, test-time, publish and serve read a checkpoint through
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .fileio import CheckpointError, check_model_type
+from .fileio import check_model_type
 
 
 def looped_classes() -> dict[str, tuple[type, type]]:
@@ -50,6 +51,23 @@ def config_from_dict(config: dict[str, Any], where: str | os.PathLike) -> Any:
     return classes_for(config, where)[0].from_dict(config)
 
 
+def with_overrides(config: Any, overrides: Mapping[str, Any], *, extra: Iterable[str] = ()) -> Any:
+    """A copy of ``config`` with ``overrides`` applied: the one way looped_hf changes a loaded config's
+    fields (``looped-hf serve``'s flags, ``engine_args``' ``hf_overrides``, train's ``init_from``
+    settings). The copy is built by the config's own class from its dict merged with ``overrides``, so
+    every rule of the class checks the result and derived fields follow (``num_hidden_layers`` from
+    ``num_recurrences``), and ``config`` itself is unchanged. A key that is not a field of the config
+    (nor one of ``extra``, settings the caller reads beside the fields) is a ``ValueError`` naming it:
+    nothing would read it. A value the class refuses raises its own one-line error."""
+    fields = config.to_dict()
+    allowed = set(extra)
+    for key, value in overrides.items():
+        if key not in fields and key not in allowed:
+            also = f" (nor {', '.join(sorted(allowed))})" if allowed else ""
+            raise ValueError(f"{key}={value!r}: not a {type(config).__name__} field{also}")
+    return type(config).from_dict({**fields, **overrides})
+
+
 def _raw_config(source: str | os.PathLike) -> dict[str, Any]:
     from transformers import PreTrainedConfig
 
@@ -76,37 +94,26 @@ def load_causal_lm(source: str | os.PathLike, **kwargs: Any) -> Any:
 
 def check_weights(folder: str | os.PathLike, config: Any) -> None:
     """Refuse, in one ``CheckpointError`` line, a folder whose safetensors do not hold exactly the
-    weights that the causal LM of ``config`` (`causal_lm_class`) has, each in its shape (read from the headers and the
-    model built on the meta device: nothing is allocated or read).
+    weights that the causal LM of ``config`` (`causal_lm_class`) has, each in its shape and in a
+    floating dtype (read from the headers and the model built on the meta device: nothing is
+    allocated or read; `weight_files.check_model_weights`).
 
     transformers' ``from_pretrained`` would load such a folder with a report and go on: a weight
     the files lack is initialised at random, one the model lacks is dropped (config.json edited to
-    fewer layers), and only a shape mismatch raises. Each of these makes eval, test-time and
-    publish score a model that is not the one saved. A tied weight (``lm_head`` of a model with
-    ``tie_word_embeddings``) may be absent, as transformers saves it. The files are read through
-    `weight_files.WeightFiles`, the converters' reader too, which refuses a sharded folder whose
-    index and shards disagree."""
+    fewer layers), an int8 tensor is cast, and only a shape mismatch raises. Each of these makes
+    eval, test-time and publish score a model that is not the one saved. A tied weight (``lm_head``
+    of a model with ``tie_word_embeddings``) may be absent, as transformers saves it. The files
+    are read through `weight_files.WeightFiles`, the converters' reader too, which refuses a
+    sharded folder whose index and shards disagree."""
     import torch
 
-    from .weight_files import WeightFiles, first_of
+    from .weight_files import WeightFiles, check_model_weights
 
     files = WeightFiles(folder).entries
     with torch.device("meta"):
         model = causal_lm_class(config)(config)
-    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     where = f"checkpoint {str(folder)!r}: the weights are not the model its config.json builds"
-    missing = [name for name in want if name not in files and name not in tied]
-    if missing:
-        raise CheckpointError(f"{where}: {first_of(missing)} is in no weight file")
-    extra = [name for name in files if name not in want]
-    if extra:
-        raise CheckpointError(f"{where}: {first_of(extra)} is not a weight of that model")
-    for name, shape in want.items():  # in the model's order: the first layer's weight is named first
-        if name in files and files[name][2] != shape:
-            path, _, stored = files[name]
-            raise CheckpointError(f"{where}: {name!r} has shape {list(stored)} in {path.name}, the config "
-                                  f"makes {list(shape)}")  # fmt: skip
+    check_model_weights(files, model, where)
 
 
 __all__ = [
@@ -117,4 +124,5 @@ __all__ = [
     "load_causal_lm",
     "load_config",
     "looped_classes",
+    "with_overrides",
 ]

@@ -514,6 +514,52 @@ def plot_metric_vs_r(
     return _save(fig, path)
 
 
+def plot_depth_grid(
+    values: Sequence[Sequence[float]],
+    rows: Sequence[int],
+    cols: Sequence[int],
+    path: PathLike,
+    *,
+    row_label: str,
+    col_label: str,
+    title: str,
+    trained: tuple[int, int] | None = None,
+    value_label: str = "held-out loss (nats/token)",
+) -> Path:
+    """A heat map of a metric over two depth axes (HRM-Text's H_cycles x L_cycles): ``values[i][j]``
+    at (``rows[i]``, ``cols[j]``), each cell annotated, lower = darker; the trained cell boxed."""
+    grid = np.asarray(values, float)
+    if grid.shape != (len(rows), len(cols)) or grid.size == 0:
+        raise ValueError(
+            f"plot_depth_grid: values of shape {list(grid.shape)} for {len(rows)} x {len(cols)} cells"
+        )
+    fig = _new_figure(1.6 + 0.62 * len(cols), 1.4 + 0.5 * len(rows))
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
+    fig.colorbar(image, ax=ax, label=value_label)
+    finite = grid[np.isfinite(grid)]
+    middle = float(np.median(finite)) if finite.size else 0.0
+    for i in range(len(rows)):
+        for j in range(len(cols)):
+            ax.text(j, i, f"{grid[i, j]:.3f}", ha="center", va="center", fontsize=7,
+                    color="white" if grid[i, j] < middle else "black")  # fmt: skip
+    if trained is not None and trained[0] in rows and trained[1] in cols:
+        i, j = list(rows).index(trained[0]), list(cols).index(trained[1])
+        ax.add_patch(_rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    ax.set_xlabel(col_label)
+    ax.set_ylabel(row_label)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _rectangle(*args: Any, **kwargs: Any) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(*args, **kwargs)
+
+
 def write_result_triple(
     out_dir: PathLike, stem: str, result: Mapping[str, Any], markdown: str, plot: Callable[[Path], Path]
 ) -> list[Path]:

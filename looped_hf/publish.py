@@ -40,6 +40,7 @@ from looped_hf.fileio import (
     check_finished_run,
     check_output_path,
     follow_umask,
+    has_tokenizer,
     make_temp_dir,
 )
 
@@ -48,10 +49,9 @@ PathLike = str | os.PathLike[str]
 #: The folder written inside the run directory when ``--out`` is not given.
 DEFAULT_OUT = "publish"
 WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 #: Files every published folder has (plus README.md and at least one tokenizer file).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
-                   "interface_looped.py", "generation_looped.py", "accounting_looped.py",
+                   "config_rules_looped.py", "interface_looped.py", "generation_looped.py", "accounting_looped.py",
                    "recurrent_block_looped.py", "decoder_layers_looped.py", "loop_attention_looped.py",
                    "generation_config.json", "tokenizer_config.json", "README.md")  # fmt: skip
 # A Hub user access token: "hf_" + 30+ letters/digits. Checked before any upload.
@@ -110,7 +110,7 @@ def check_run_dir(run_dir: PathLike) -> RunDir:
         missing.append("config.json")
     if not any((path / name).is_file() for name in WEIGHTS_FILES):
         missing.append("model.safetensors (the trained weights)")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         missing.append("tokenizer.json / tokenizer_config.json (the tokenizer)")
     if not (path / RECORD_NAME).is_file():
         missing.append(f"{RECORD_NAME} (the run record)")
@@ -386,6 +386,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="upload the folder with huggingface_hub (an existing complete --out is uploaded as it is)",
     )
+    p.add_argument(
+        "--tokenizer", default=None, metavar="NAME",
+        help="saved into the folder of a transformers looped class's checkpoint that has none (HRM-Text, "
+        "Inkling2Loop: looped_hf.depth_tools)",
+    )  # fmt: skip
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--commit-message", default=None, help="commit message for --push")
     return p
@@ -394,7 +399,25 @@ def _parser() -> argparse.ArgumentParser:
 def _folder_for(args: argparse.Namespace) -> Path:
     """Build the folder, or, for ``--push`` onto an existing complete folder without
     ``--overwrite``, reuse it as it is: you upload exactly the folder you inspected."""
+    from looped_hf.depth_tools import build_native_folder, native_entry
+
     dest = Path(args.out) if args.out is not None else Path(args.run_dir) / DEFAULT_OUT
+    if native_entry(args.run_dir) is not None:  # a looped class transformers ships: its files as they are
+        for flag, value in (("--fit", args.fit), ("--verify", args.verify)):
+            if value:
+                name = native_entry(args.run_dir).name
+                raise PublishError(f"{flag} applies to a run directory, not a transformers {name} folder")
+        try:
+            folder = build_native_folder(args.run_dir, args.repo_id or default_repo_id(args.run_dir), args.out,
+                                         tokenizer=args.tokenizer, overwrite=args.overwrite, license=args.license)  # fmt: skip
+        except ValueError as err:  # DepthToolError, CheckpointError: one line naming the value
+            raise PublishError(str(err)) from None
+        print(f"[publish] wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+        return folder
+    if args.tokenizer is not None:
+        raise PublishError(
+            "--tokenizer applies to a transformers looped class's folder only (a run has its own)"
+        )
     if args.push and dest.is_dir() and not args.overwrite:
         _check_output(dest)
         print(f"[publish] pushing the existing folder {dest} as it is (pass --overwrite to rebuild it first)")

@@ -58,6 +58,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .configuration_looped import MAX_NUM_RECURRENCES
+
 #: Values of the recipe field ``recurrence_sampling``.
 RECURRENCE_SAMPLINGS = ("fixed", "poisson_lognormal")
 #: Shapes of the recipe field ``recurrence_curriculum`` ("none": no curriculum).
@@ -141,12 +143,13 @@ class RecurrenceCurriculum:
                 "warmup_steps": self.warmup_steps}  # fmt: skip
 
 
-def draw_num_recurrences(mean: int, step: int, seed: int, scheme: str) -> int:
+def draw_num_recurrences(mean: int, step: int, seed: int, scheme: str, ceiling: int | None = None) -> int:
     """`sample_num_recurrences`, and r = 1 for a mean of 1 (a curriculum's first steps): the only
-    draw with r >= 1 and mean 1."""
-    if mean == 1 and scheme != "fixed":
-        return 1
-    return sample_num_recurrences(mean, step, seed, scheme)
+    draw with r >= 1 and mean 1; clamped to ``ceiling`` (the model's: ``config.recurrence_ceiling``,
+    which ``resolve_num_recurrences`` refuses any r above). The Poisson-lognormal draw has no upper
+    bound, so without the clamp a run would die at the first step that draws past it."""
+    r = 1 if mean == 1 and scheme != "fixed" else sample_num_recurrences(mean, step, seed, scheme)
+    return r if ceiling is None else min(r, ceiling)
 
 
 def sampled_recurrences_summary(
@@ -155,15 +158,18 @@ def sampled_recurrences_summary(
     seed: int,
     scheme: str = "poisson_lognormal",
     curriculum: RecurrenceCurriculum | None = None,
+    ceiling: int | None = None,
 ) -> dict[str, Any]:
     """What a run of ``steps`` optimizer steps ran: mean, min, max of r and how often each r came up;
-    with a curriculum also the curriculum and the r of every step (``per_step``).
+    with a curriculum also the curriculum and the r of every step (``per_step``); with a
+    ``ceiling``, it and the steps whose draw it clamped (``clamped``).
 
     Computed from the sampler itself (r is a function of the step), so it covers the steps
     trained before a resume too.
     """
     means = [mean if curriculum is None else curriculum.mean_at(step) for step in range(steps)]
-    draws = [draw_num_recurrences(m, step, seed, scheme) for step, m in enumerate(means)]
+    raw = [draw_num_recurrences(m, step, seed, scheme) for step, m in enumerate(means)]
+    draws = raw if ceiling is None else [min(r, ceiling) for r in raw]
     if not draws:
         return {"scheme": scheme, "steps": 0}
     values, counts = np.unique(draws, return_counts=True)
@@ -175,6 +181,8 @@ def sampled_recurrences_summary(
         "max": int(values[-1]),
         "counts": {str(int(v)): int(c) for v, c in zip(values, counts)},
     }
+    if ceiling is not None:
+        out.update(ceiling=ceiling, clamped=sum(r > ceiling for r in raw))
     if curriculum is not None:
         out.update(curriculum=curriculum.to_dict(), per_step=draws)
     return out
@@ -195,6 +203,11 @@ class RecurrenceSamplingCallback(TrainerCallback):
         mean: the mean r; ``None`` = the model's ``config.num_recurrences``.
         curriculum: a `RecurrenceCurriculum`: step s draws around ``curriculum.mean_at(s)`` instead
             of ``mean``.
+
+    Every draw is clamped to the model's ceiling (``config.recurrence_ceiling``: ``max_recurrences``,
+    the loops of a per-loop LoRA retrofit, else 64 x the trained r), read at the start of training:
+    the sampler has no upper bound, and the model refuses any r above it. ``summary`` records the
+    ceiling and how many steps it clamped.
     """
 
     def __init__(
@@ -213,6 +226,8 @@ class RecurrenceSamplingCallback(TrainerCallback):
         self._state: TrainerState | None = None
         self._hook: Any = None
         self._model: torch.nn.Module | None = None
+        #: The model's ceiling on r (``config.recurrence_ceiling``), read at the start of training.
+        self.ceiling: int | None = None
         #: r of every optimizer step trained in this process (step -> r), for logs and tests.
         self.history: dict[int, int] = {}
 
@@ -222,9 +237,8 @@ class RecurrenceSamplingCallback(TrainerCallback):
             raise RuntimeError(
                 "RecurrenceSamplingCallback: mean r unknown before training starts (pass mean=)"
             )
-        if self.curriculum is not None:
-            return draw_num_recurrences(self.curriculum.mean_at(step), step, self.seed, self.scheme)
-        return sample_num_recurrences(self.mean, step, self.seed, self.scheme)
+        mean = self.mean if self.curriculum is None else self.curriculum.mean_at(step)
+        return draw_num_recurrences(mean, step, self.seed, self.scheme, self.ceiling)
 
     def _hook_fn(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not module.training or self._state is None or kwargs.get("num_recurrences") is not None:
@@ -256,6 +270,11 @@ class RecurrenceSamplingCallback(TrainerCallback):
             )
         if self.mean is None:
             self.mean = int(config.num_recurrences)
+        self.ceiling = int(getattr(config, "recurrence_ceiling", None) or MAX_NUM_RECURRENCES)
+        top = self.mean if self.curriculum is None else self.curriculum.maximum
+        if top > self.ceiling:  # the mean itself is past the ceiling: refused before step 0, not clamped
+            raise ValueError(f"num_recurrences={top}: the mean r is above this model's ceiling of {self.ceiling} "
+                             "recurrences (config.recurrence_ceiling)")  # fmt: skip
         self.num_recurrences_at(0)  # a bad mean fails here, before the first step
         self._remove_hook()
         self._model = model
@@ -274,7 +293,9 @@ class RecurrenceSamplingCallback(TrainerCallback):
         """`sampled_recurrences_summary` of the first ``steps`` optimizer steps of this run."""
         if self.mean is None:
             raise RuntimeError("RecurrenceSamplingCallback.summary: mean r unknown (training never started)")
-        return sampled_recurrences_summary(self.mean, steps, self.seed, self.scheme, self.curriculum)
+        return sampled_recurrences_summary(
+            self.mean, steps, self.seed, self.scheme, self.curriculum, self.ceiling
+        )
 
 
 __all__ = [

@@ -29,7 +29,8 @@ the trained r is the config's ``num_recurrences``. ``--data`` on a run directory
 text instead of the run's split (the run record's loss is then not shown beside it).
 
 The checkpoint card (`looped_hf.cards.render_checkpoint_card`) shows the table when the JSON is
-next to the checkpoint. Models whose parameters are indexed by recurrence step (hyperconnections)
+next to the checkpoint; a converted folder's card (``looped-hf convert``'s) gets it as a section
+(`looped_hf.convert.card_curve`). Models whose parameters are indexed by recurrence step (hyperconnections)
 run only at their trained r and are refused (`LoopedConfig.resolve_num_recurrences` owns every r
 rule, the ceiling included).
 """
@@ -49,6 +50,7 @@ from typing import Any
 from looped_hf.cli import positive_int
 from looped_hf.fileio import (
     RECORD_NAME,
+    CheckpointError,
     check_checkpoint_dir,
     check_finished_run,
     check_output_path,
@@ -220,9 +222,15 @@ def decoding_heldout_loss(
     import torch
     from transformers import DynamicCache
 
+    from looped_hf.generation_looped import generation_depth
+
     rows = dataset[: len(dataset) if max_blocks is None else int(max_blocks)]["input_ids"]
     device = next(model.parameters()).device
-    r = call_kwargs.get("num_recurrences") or model.config.num_recurrences
+    # Decoding's defaults are generate()'s: the keywords, else the generation config's, else the config's.
+    depth = generation_depth(model.config, getattr(model, "generation_config", None),
+                             num_recurrences=call_kwargs.get("num_recurrences"), kv_budget=call_kwargs.get("kv_budget"))  # fmt: skip
+    call_kwargs = {**call_kwargs, "num_recurrences": depth["num_recurrences"], "kv_budget": depth["kv_budget"]}
+    r = depth["num_recurrences"]
     nll, tokens, recurrences = 0.0, 0, 0.0
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
@@ -268,6 +276,7 @@ def evaluate_recurrences(
     import torch
 
     from looped_hf.fileio import weights_sha256
+    from looped_hf.generation_looped import generation_depth
     from looped_hf.train import versions
 
     path = Path(run_dir)
@@ -279,8 +288,10 @@ def evaluate_recurrences(
             check_curve_recurrences(config, [max_factor * trained])
         except TestTimeError as err:
             raise TestTimeError(f"max_factor={max_factor}: {err}") from None
+    # The r generate() runs by default (a generation_config.json's num_recurrences) is on the default grid.
+    default_r = generation_depth(config, model.generation_config)["num_recurrences"]
     grid = check_curve_recurrences(
-        config, recurrence_grid(trained, max_factor) if recurrences is None else recurrences
+        config, sorted({*recurrence_grid(trained, max_factor), default_r}) if recurrences is None else recurrences
     )
     recipe = record.get("recipe") or {}
     batch = int(batch_size or recipe.get("per_device_eval_batch_size") or 8)
@@ -297,6 +308,7 @@ def evaluate_recurrences(
         "run_id": record.get("run_id") or path.name,
         "run_dir": str(path),
         "trained_num_recurrences": trained,
+        "default_num_recurrences": default_r,
         "recurrence_sampling": record.get("recurrence_sampling") or "fixed",
         "sampled_recurrences": record.get("sampled_recurrences"),
         "variant": record.get("variant") or "base",
@@ -409,33 +421,6 @@ def write_curve(curve: Mapping[str, Any], out_dir: PathLike) -> list[Path]:
     return write_result_triple(out_dir, CURVE_STEM, curve, text, plot)
 
 
-_CARD_CURVE_BEGIN, _CARD_CURVE_END = "<!-- looped-hf test-time -->", "<!-- /looped-hf test-time -->"
-
-
-def add_curve_to_converted_card(curve: Mapping[str, Any], folder: PathLike) -> Path | None:
-    """Put the curve into the card of a folder ``looped-hf convert`` wrote (its README.md names
-    ``converted_from``): a section between markers, replaced when measured again. A run's own card
-    is ``looped-hf publish``'s (it reads the JSON), so any other README is left alone: ``None``."""
-    card = Path(folder) / "README.md"
-    if not card.is_file():
-        return None
-    text = card.read_text(encoding="utf-8")
-    if "converted_from" not in text.split("\n---", 1)[0]:
-        return None
-    section = (
-        f"{_CARD_CURVE_BEGIN}\n## Test-time scaling\n\n{summary_sentence(curve)} Held-out loss on "
-        f"{curve['heldout_blocks']} blocks of {curve['seq_len']} tokens (`looped-hf test-time`).\n\n"
-        f"{markdown_table(curve)}\n\n![held-out loss vs r]({CURVE_PNG})\n{_CARD_CURVE_END}\n"
-    )
-    if _CARD_CURVE_BEGIN in text and _CARD_CURVE_END in text:
-        head, rest = text.split(_CARD_CURVE_BEGIN, 1)
-        text = head + section + rest.split(_CARD_CURVE_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    card.write_text(text, encoding="utf-8")
-    return card
-
-
 def load_curve(checkpoint_dir: PathLike, weights_sha256: str | None = None) -> dict[str, Any] | None:
     """The curve saved next to a checkpoint, or None when there is none (or it was measured on other
     weights: ``weights_sha256`` given and different)."""
@@ -476,6 +461,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare", default=None, metavar="PNG", help="also draw every run's curve in one plot here"
     )
+    p.add_argument(
+        "--tokenizer", default=None, metavar="NAME",
+        help="with --data: the tokenizer of a folder that has none (a transformers looped class's, e.g. "
+        "HRM-Text: looped_hf.depth_tools); a Hub name, a folder or a tokenizer.json",
+    )  # fmt: skip
     return p
 
 
@@ -489,11 +479,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq_len is not None and args.seq_len < 2:
         print(f"looped-hf test-time: --seq-len {args.seq_len}: must be >= 2", file=sys.stderr)
         return 2
+    from looped_hf.depth_tools import check_native_folder, native_entry
+
+    native = {run_dir for run_dir in args.run_dirs if native_entry(run_dir) is not None}
     try:  # every run and output path before any curve is measured, not after the first
         for run_dir in args.run_dirs:
-            _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
-            check_checkpoint_dir(run_dir)  # looped, weights not truncated
+            if run_dir in native:  # a looped class transformers ships: its depth through at_depth
+                if args.data is None:
+                    raise TestTimeError(f"{run_dir}: a transformers {native_entry(run_dir).name} folder has no "
+                                        "run record: pass --data with held-out text")  # fmt: skip
+                check_native_folder(run_dir, args.tokenizer)  # its tokenizer too: --tokenizer for one without
+            else:
+                _read_record(Path(run_dir), required=args.data is None)  # a finished run (a missing folder is named here too)
+                check_checkpoint_dir(run_dir)  # looped, weights not truncated
             check_output_path(run_dir, "RUN_DIR", directory=True)
+        if args.tokenizer is not None and not native:
+            raise TestTimeError("--tokenizer applies to a folder without a tokenizer of a transformers looped "
+                                "class only (a looped checkpoint measures with its own)")  # fmt: skip
         if args.data is not None:
             check_data_files(args.data)
         if args.compare is not None:
@@ -510,20 +512,41 @@ def main(argv: list[str] | None = None) -> int:
     curves = []
     try:
         for run_dir in args.run_dirs:
+            if run_dir in native:
+                from looped_hf.depth_tools import (
+                    grid_markdown_table,
+                    native_curve,
+                    native_markdown_table,
+                    native_summary,
+                    write_native_curve,
+                )
+
+                try:
+                    curve = native_curve(run_dir, data, max_factor=args.max_factor, batch_size=args.batch_size,
+                                         tokenizer=args.tokenizer)  # fmt: skip
+                except ValueError as err:  # DepthToolError, CheckpointError: one line naming the value
+                    raise TestTimeError(str(err)) from None
+                paths = write_native_curve(curve, run_dir)
+                grid = grid_markdown_table(curve)
+                print(f"[test-time] {native_summary(curve)}\n{native_markdown_table(curve)}\n"
+                      f"{grid + chr(10) if grid else ''}-> {', '.join(map(str, paths))}")  # fmt: skip
+                curves.append(curve)
+                continue
             curve = evaluate_recurrences(
                 run_dir, max_factor=args.max_factor, batch_size=args.batch_size, data=data
             )
             paths = write_curve(curve, run_dir)
-            card = add_curve_to_converted_card(curve, run_dir)  # a converted folder's card shows it
-            if card is not None:
-                paths.append(card)
+            from looped_hf.convert.card_curve import add_curve_to_converted_card
+
+            if add_curve_to_converted_card(run_dir, curve):  # a converted folder's card shows its curve
+                paths.append(Path(run_dir) / "README.md")
             print(
                 f"[test-time] {summary_sentence(curve)}\n{markdown_table(curve)}\n-> {', '.join(map(str, paths))}"
             )
             curves.append(curve)
         if args.compare:
             print(f"-> {plot_test_time_scaling(curves, args.compare)}")
-    except (TestTimeError, FileNotFoundError) as err:
+    except (TestTimeError, CheckpointError, FileNotFoundError) as err:
         print(f"looped-hf test-time: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # checked before measuring, but a disk can fill or a folder vanish meanwhile

@@ -19,6 +19,7 @@ import), so it imports only torch, transformers and the looped modules it names.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -152,13 +153,92 @@ def threshold_readout(values: list[torch.Tensor], probabilities: torch.Tensor, t
     return stacked.gather(-2, index).squeeze(-2), steps
 
 
+def zeros_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
+    """``state_init="zeros"``: h_0 = 0."""
+    return torch.zeros_like(e)
+
+
+def prelude_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
+    """``state_init="prelude"``: h_0 = e, the prelude's output (the embedding without a prelude)."""
+    return e
+
+
+def noise_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
+    """``state_init="noise"``: h_0 ~ N(0, state_init_std), from the global RNG, which
+    Trainer/set_seed seed."""
+    return torch.randn_like(e) * config.state_init_std
+
+
+#: erf(3 / sqrt 2) = 2 Phi(3) - 1: the truncated normal's cut at +-3 std, on erfinv's scale.
+_ERF_CUT = math.erf(3 / math.sqrt(2))
+
+
+def truncated_normal_state(config: LoopedConfig, e: torch.Tensor) -> torch.Tensor:
+    """``state_init="truncated_normal"``, Huginn's initialize_state: N(0, std) truncated at +-3 std,
+    times the embedding scale. std 0 is its deterministic zero state (init_scale=0), without drawing.
+
+    Drawn by the inverse CDF, x = std sqrt(2) erfinv(u) with u uniform on (-erf(3/sqrt 2), erf(3/sqrt 2)),
+    i.e. Phi^-1 of a uniform on (Phi(-3), Phi(3)): the same distribution as ``torch.nn.init.trunc_normal_``
+    with one draw per element. torch's own draws by rejection (``if not mask.any()``), a data-dependent
+    branch that ``torch.compile(fullgraph=True)`` cannot trace. In float32 whatever e's dtype (erfinv
+    near the cut needs the digits); the clamp only catches rounding at the ends."""
+    std = config.state_init_std
+    if std == 0:
+        return torch.zeros_like(e)
+    u = (2 * torch.rand_like(e, dtype=torch.float32) - 1) * _ERF_CUT
+    h = (torch.erfinv(u) * (std * math.sqrt(2))).clamp(-3 * std, 3 * std).to(e.dtype)
+    multiplier = config.embedding_multiplier
+    return h * multiplier if multiplier != 1.0 else h
+
+
+#: ``LoopedConfig.state_init`` -> h_0 = f(config, e), picked once when the model is built.
+INITIAL_STATES: dict[str, Callable[[LoopedConfig, torch.Tensor], torch.Tensor]] = {
+    "zeros": zeros_state,
+    "prelude": prelude_state,
+    "noise": noise_state,
+    "truncated_normal": truncated_normal_state,
+}
+
+
+def linear_injection(block: LoopedRecurrentBlock, h: torch.Tensor, e: torch.Tensor,
+                     split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+    """``input_injection="linear"``: u = W [e; h] (0.1.0's [h; e]), as W_e e + W_h h where the block
+    split W (``LoopedRecurrentBlock.injection_split``)."""
+    if split is not None:
+        e_part, w_h = split
+        return e_part + F.linear(h, w_h)
+    return block.injection(torch.cat([h, e] if block.legacy else [e, h], dim=-1))
+
+
+def additive_injection(block: LoopedRecurrentBlock, h: torch.Tensor, e: torch.Tensor,
+                       split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+    """``input_injection="add"``: u = h + e."""
+    return h + e
+
+
+def no_injection(block: LoopedRecurrentBlock, h: torch.Tensor, e: torch.Tensor,
+                 split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+    """``input_injection="none"`` (and ``"hyperconnection"``, whose lanes read e instead): u = h."""
+    return h
+
+
+#: ``LoopedConfig.input_injection`` -> u = f(block, h, e, split), picked once when the model is built.
+INJECTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "linear": linear_injection,
+    "add": additive_injection,
+    "none": no_injection,
+    "hyperconnection": no_injection,
+}
+
+
 def build_loop_modules(
     model: nn.Module, config: LoopedConfig, norm: Callable[[], nn.Module], exit_gate: bool = True
 ) -> None:
     """Build the loop's modules on ``model`` under the names every checkpoint has: the linear
     injection adapter (``injection``), the hyperconnection lanes (``hyperconnection``), the
     recurrence and post-loop norms of their own, the final norm (``norm``) and Ouro's exit gate
-    (``exit_gate``), each ``None`` where the config has none. The one builder of ``LoopedModel``
+    (``exit_gate``), each ``None`` where the config has none, and the loop's rules without parameters,
+    h_0 (``initial_state_rule``, from ``INITIAL_STATES``) and u (``injection_rule``, ``INJECTIONS``). The one builder of ``LoopedModel``
     and the vLLM model: ``norm()`` makes an RMSNorm of width ``hidden_size`` (each its own
     kernel); ``exit_gate=False`` leaves a gated config's gate out (a head that never reads it). A
     norm whose weight is the final norm's (``"final"``) is no module of its own: one
@@ -177,6 +257,10 @@ def build_loop_modules(
     model.norm = norm()
     # Ouro's exit gate (LoopedConfig.exit_gate): one logit per token on each recurrence's state.
     model.exit_gate = nn.Linear(d, 1, bias=True) if config.exit_gate and exit_gate else None
+    # The rules without parameters, picked here once so the loop runs no string branch: plain
+    # functions of the config (not closures over it), so a deep copy runs its own config.
+    model.initial_state_rule = INITIAL_STATES[config.state_init]
+    model.injection_rule = INJECTIONS[config.input_injection]
 
 
 class LoopNorms(NamedTuple):
@@ -244,24 +328,13 @@ class LoopedRecurrentBlock:
         self.legacy = self.config.looped_format == 1
         # Gated global + local loop attention (loop_attention_looped.py): None without the option.
         self.loop_attention = loop_attention_kv(model, plan)
+        # The rules without parameters, chosen once by ``build_loop_modules`` (no string branch here).
+        self.initial_state_rule, self.injection_rule = model.initial_state_rule, model.injection_rule
 
     def initial_state(self, e: torch.Tensor) -> torch.Tensor:
-        state_init = self.config.state_init
-        if state_init == "zeros":
-            return torch.zeros_like(e)
-        if state_init == "noise":
-            # A random state: draws from the global RNG, which Trainer/set_seed seed.
-            return torch.randn_like(e) * self.config.state_init_std
-        if state_init == "truncated_normal":
-            # Huginn's initialize_state: N(0, std) truncated at +-3 std, times the embedding scale.
-            # std 0 is its deterministic zero state (init_scale=0), without drawing.
-            std = self.config.state_init_std
-            if std == 0:
-                return torch.zeros_like(e)
-            h = torch.nn.init.trunc_normal_(torch.empty_like(e), mean=0.0, std=std, a=-3 * std, b=3 * std)
-            multiplier = self.config.embedding_multiplier
-            return h * multiplier if multiplier != 1.0 else h
-        return e
+        """h_0 from the prelude output e: the config's ``state_init``, chosen when the model was
+        built (``INITIAL_STATES``)."""
+        return self.initial_state_rule(self.config, e)
 
     def injection_split(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(W_e e, W_h) for the linear injection u = W [e; h] = W_e e + W_h h, or ``None``.
@@ -273,7 +346,7 @@ class LoopedRecurrentBlock:
         looped_format 1 (0.1.0) checkpoints either: their logits are pinned to 1e-6, and the split's
         two matmuls round differently from the one concatenated matmul they were saved with.
         """
-        injection = self.injection
+        injection = self.injection  # None without a linear injection: no split
         if self.legacy or type(injection) is not nn.Linear or injection.bias is not None:
             return None
         d = self.config.hidden_size
@@ -281,16 +354,9 @@ class LoopedRecurrentBlock:
         return F.linear(e, injection.weight[:, :d]), injection.weight[:, d:]
 
     def inject(self, h: torch.Tensor, e: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The block's input u from the state h and the prelude output e (see LoopedConfig)."""
-        mode = self.config.input_injection
-        if mode == "linear":
-            if split is not None:
-                e_part, w_h = split
-                return e_part + F.linear(h, w_h)
-            return self.injection(torch.cat([h, e] if self.legacy else [e, h], dim=-1))
-        if mode == "add":
-            return h + e
-        return h
+        """The block's input u from the state h and the prelude output e: the config's
+        ``input_injection``, chosen when the model was built (``INJECTIONS``)."""
+        return self.injection_rule(self, h, e, split)
 
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         """Block layer j at recurrence ``step``, in its planned slot. The study writes a slot at
@@ -338,7 +404,7 @@ class LoopedRecurrentBlock:
         r, hc = self.plan.num_recurrences, self.hyperconnection
         h = self.initial_state(e)
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        split = self.injection_split(e) if self.config.input_injection == "linear" else None
+        split = self.injection_split(e)
         # Truncated backprop: without truncation no grad-mode switch is entered at all.
         k = self.config.backprop_recurrences
         no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
@@ -381,6 +447,8 @@ class LoopedRecurrentBlock:
 
 
 __all__ = [
+    "INITIAL_STATES",
+    "INJECTIONS",
     "GateExit",
     "LoopNorms",
     "LoopedHyperConnection",

@@ -169,9 +169,13 @@ class DistillingTrainer(LoopedTrainer):
 
     The teacher (a dense transformers causal LM with the student's vocabulary) runs forward only,
     in eval mode, without gradients, on the same input ids; evaluation keeps the plain CE. The loss
-    is a mean over each micro-batch's tokens (as the paper's), so the Trainer divides it by the
-    accumulation steps (``loss_is_scaled_for_ga = False``). The distillation term of the last
-    logged steps is logged as ``distill_kl``.
+    is a mean over each micro-batch's tokens (as the paper's), so the Trainer must divide it by the
+    accumulation steps. transformers >= 5.19 reads that from ``loss_is_scaled_for_ga = False``;
+    5.16-5.18 divide only when ``model_accepts_loss_kwargs`` is False, and set it True for a model
+    whose forward takes ``**kwargs`` (every looped one), which left the loss and the gradients
+    GA times too large. Both are set, so every version the package accepts divides once (and
+    neither passes ``num_items_in_batch`` to the forward, which this loss does not read). The
+    distillation term of the last logged steps is logged as ``distill_kl``.
     """
 
     def __init__(
@@ -180,7 +184,8 @@ class DistillingTrainer(LoopedTrainer):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
         self.alpha, self.temperature = float(alpha), float(temperature)
-        self.loss_is_scaled_for_ga = False
+        self.loss_is_scaled_for_ga = False  # transformers >= 5.19
+        self.model_accepts_loss_kwargs = False  # 5.16-5.18 (the class docstring)
         self._kl_sum, self._kl_count = 0.0, 0
 
     def compute_loss(

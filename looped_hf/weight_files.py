@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from .fileio import CheckpointError, check_safetensors, first_line, read_json_object
 
@@ -33,6 +34,9 @@ SHARD_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: A tensor's entry: its file, its safetensors dtype name ("F32", "BF16", ...) and its shape.
 Entry = tuple[Path, str, tuple[int, ...]]
+#: The dtypes a model's weights may be stored in: floating point. No quantized format is read (an
+#: int8 file would be cast to the model's dtype by ``from_pretrained`` and scored as if trained so).
+WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def first_of(names: list[str]) -> str:
@@ -139,3 +143,28 @@ class WeightFiles:
             by_shard.setdefault(shard, set()).add(name)
         for shard, names in by_shard.items():
             self._add_file(inside(self.folder, shard, "shard"), names)
+
+
+def check_model_weights(entries: dict[str, Entry], model: Any, where: str) -> None:
+    """Refuse, in one `CheckpointError` line starting with ``where``, weight files (``entries``, a
+    `WeightFiles`' index) that do not hold exactly the weights of ``model`` (built on the meta
+    device: only names and shapes are read), each in its shape and in a ``WEIGHT_DTYPES`` dtype.
+    A tied weight (the model's ``all_tied_weights_keys``) may be absent, as transformers saves it."""
+    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [name for name in want if name not in entries and name not in tied]
+    if missing:
+        raise CheckpointError(f"{where}: {first_of(missing)} is in no weight file")
+    extra = [name for name in entries if name not in want]
+    if extra:
+        raise CheckpointError(f"{where}: {first_of(extra)} is not a weight of that model")
+    for name, shape in want.items():  # in the model's order: the first layer's weight is named first
+        if name not in entries:
+            continue
+        path, dtype, stored = entries[name]
+        if stored != shape:
+            raise CheckpointError(f"{where}: {name!r} has shape {list(stored)} in {path.name}, the config "
+                                  f"makes {list(shape)}")  # fmt: skip
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{where}: {name!r} has dtype {dtype} in {path.name}: weights must be floating "
+                                  f"point ({', '.join(WEIGHT_DTYPES)}; no quantized format is read)")  # fmt: skip

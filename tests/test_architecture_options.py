@@ -117,3 +117,37 @@ def test_qk_bias_and_the_whole_projection_qk_norm_are_attention_parameters() -> 
     with torch.no_grad():
         attn.k_proj.bias.add_(1.0)
     assert not torch.allclose(before, model(IDS).logits)
+
+
+def test_the_truncated_normal_state_keeps_its_distribution_in_a_compilable_draw() -> None:
+    """``state_init="truncated_normal"``: N(0, std) cut at +-3 std, times embedding_multiplier, drawn by
+    the inverse CDF (no rejection loop, so fullgraph compile traces it). 204,800 draws against the exact
+    moments and CDF of the standard normal truncated to [-3, 3], tolerances from their standard errors."""
+    import math
+
+    std, scale, n = 0.05, 2.0, 204_800
+    model = _model(state_init="truncated_normal", state_init_std=std, embedding_multiplier=scale)
+    torch.manual_seed(0)
+    h = model.model.initial_state_rule(model.config, torch.zeros(4, n // 128, 32))
+    x = h.flatten().double() / (std * scale)  # the standard truncated normal, if right
+    assert x.numel() == n
+    # Exact moments of N(0, 1) on [-3, 3] (symmetric, so the odd ones are 0), on a fine grid.
+    grid = torch.linspace(-3, 3, 600_001, dtype=torch.float64)
+    pdf = torch.exp(-(grid**2) / 2)
+    pdf /= torch.trapezoid(pdf, grid)
+    var = torch.trapezoid(grid**2 * pdf, grid).item()
+    fourth = torch.trapezoid(grid**4 * pdf, grid).item()
+    assert math.isclose(var, 1 - 6 * math.exp(-4.5) / math.sqrt(2 * math.pi) / math.erf(3 / math.sqrt(2)), rel_tol=1e-9)
+    assert abs(x.mean().item()) < 5 * math.sqrt(var / n)
+    assert abs(x.var().item() - var) < 5 * math.sqrt((fourth - var**2) / n)
+    # Bounds: none past the cut; the last 1% of each tail is drawn (about 18 expected, P(none) ~ e^-18).
+    assert x.abs().max().item() <= 3 + 1e-6 and (x > 2.97).any() and (x < -2.97).any()
+    # The whole CDF: Kolmogorov-Smirnov distance under its 1e-6 critical value, sqrt(ln(2e6) / 2n).
+    xs = x.sort().values
+    cdf = (torch.erf(xs / math.sqrt(2)) / math.erf(3 / math.sqrt(2)) + 1) / 2
+    ranks = torch.arange(1, n + 1, dtype=torch.float64) / n
+    distance = torch.maximum(ranks - cdf, cdf - (ranks - 1 / n)).max().item()
+    assert distance < math.sqrt(math.log(2e6) / (2 * n))
+    # std 0 is Huginn's deterministic zero state; other dtypes get the same draw, cast.
+    assert h.dtype == torch.float32
+    assert model.model.initial_state_rule(model.config, torch.zeros(2, 3, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16

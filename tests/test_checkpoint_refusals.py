@@ -300,3 +300,48 @@ def test_test_time_checks_every_run_before_measuring_the_first(run_dir, tmp_path
     line = _one_line(capsys)
     assert "failed-run/run_record.json: status='failed'" in line and "only finished runs" in line
     assert not (good / "test_time_scaling.json").exists()
+
+
+# --- one owner for config overrides, one tokenizer-file list -----------------------------------------
+def test_config_overrides_have_one_owner_that_checks_and_copies() -> None:
+    """``model_types.with_overrides`` is how serve, ``engine_args`` and train's ``init_from`` change a
+    loaded config: a copy built by the config's class (its rules run, derived fields follow), the
+    original unchanged; a key that is no field is one line naming it (unless the caller reads it)."""
+    from looped_hf.configuration_looped import LoopedConfig
+    from looped_hf.model_types import with_overrides
+
+    config = LoopedConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_prelude_layers=1,
+                          num_recurrent_layers=2, num_coda_layers=1, num_recurrences=2)  # fmt: skip
+    deeper = with_overrides(config, {"num_recurrences": 4})
+    assert type(deeper) is LoopedConfig and config.num_recurrences == 2 and deeper.num_recurrences == 4
+    assert deeper.num_hidden_layers == 1 + 2 * 4 + 1 != config.num_hidden_layers  # derived: follows
+    with pytest.raises(ValueError, match=r"^kv_budgte=2: not a LoopedConfig field$"):
+        with_overrides(config, {"kv_budgte": 2})
+    with pytest.raises(ValueError, match=r"^max_recurences=8: not a LoopedConfig field \(nor max_num_recurrences\)$"):
+        with_overrides(config, {"max_recurences": 8}, extra=("max_num_recurrences",))
+    assert with_overrides(config, {"max_num_recurrences": 8}, extra=("max_num_recurrences",)).max_num_recurrences == 8
+    with pytest.raises(ValueError, match="num_recurrences"):  # the class's own rule refuses the value
+        with_overrides(config, {"num_recurrences": 0})
+    assert config.num_recurrences == 2
+
+
+def test_every_reader_of_a_folders_tokenizer_uses_the_one_list(tmp_path: Path) -> None:
+    """publish, serve, eval and the converters read ``fileio.TOKENIZER_FILES``; a folder has a
+    tokenizer when it holds one file that defines one (a BPE's merges.txt alone does not)."""
+    from looped_hf import fileio
+    from looped_hf.convert import loader
+
+    assert loader.TOKENIZER_FILES is fileio.TOKENIZER_FILES
+    assert set(fileio.TOKENIZER_DEFINING_FILES) < set(fileio.TOKENIZER_FILES)
+    assert not fileio.has_tokenizer(tmp_path)
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    (tmp_path / "special_tokens_map.json").write_text("{}")
+    assert not fileio.has_tokenizer(tmp_path)
+    for name in fileio.TOKENIZER_DEFINING_FILES:
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_text("{}")
+        assert fileio.has_tokenizer(folder), name
+    for module in ("publish", "serving/cli", "evaluation/runner", "convert/loader"):
+        source = (REPO / "looped_hf" / f"{module}.py").read_text()
+        assert "tokenizer.json\"" not in source, f"{module} names tokenizer files itself"

@@ -17,13 +17,14 @@ import torch
 from conftest import fixture_path
 from safetensors.torch import load_file, save_file
 
+from looped_hf.configuration_looped import MAX_NUM_RECURRENCES
 from looped_hf.convert import ConversionError
 from looped_hf.convert.loader import (
     Checkpoint,
     check_known_keys,
+    check_recurrences,
     config_bool,
     config_rope_parameters,
-    max_num_recurrences,
     rope_parameters,
     token_ids,
 )
@@ -168,7 +169,10 @@ def test_flags_and_unknown_keys_are_checked_by_one_rule() -> None:
         ConversionError, match=r"config.json zeta=1: unknown demo config key \(keys \['zeta'\]"
     ):
         check_known_keys({"width": 3, "zeta": 1}, {"width"}, "demo")
-    assert max_num_recurrences() >= 64
+    # The ceiling is LoopedConfig's own: r at it converts, one more is refused naming the key.
+    assert check_recurrences(MAX_NUM_RECURRENCES, "num_loops") == MAX_NUM_RECURRENCES
+    with pytest.raises(ConversionError, match=rf"config.json num_loops={MAX_NUM_RECURRENCES + 1}: above the ceiling"):
+        check_recurrences(MAX_NUM_RECURRENCES + 1, "num_loops")
 
 
 def test_a_transformers_5_config_gives_its_rope_parameters_checked_alike() -> None:

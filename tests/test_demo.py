@@ -51,11 +51,14 @@ def fake_finished_sweep(sweep_dir: Path) -> str:
 
 
 def test_demo_resumes_a_finished_sweep_and_writes_fit_card_and_checkpoint(tmp_path: Path, capsys):
+    """Everything it writes is inside the sweep directory: the card (by default ``OUT/card``, saying how
+    far its figures move between machines) and the checkpoint folder."""
     sweep_dir = tmp_path / "runs" / "micro_sweep"
     best_id = fake_finished_sweep(sweep_dir)
-    card_dir = tmp_path / "model_cards" / "micro_sweep"
+    card_dir = sweep_dir / demo.CARD_DIR
     # verify=False: the fake run's recorded loss is made up (the end-to-end test verifies for real).
-    result = demo.run_demo(MICRO, sweep_dir, card_dir, bootstrap=6, repo_id="me/looped-micro", verify=False)
+    result = demo.run_demo(MICRO, sweep_dir, bootstrap=6, repo_id="me/looped-micro", verify=False)
+    assert result["card"] == card_dir / "README.md" and {p.name for p in tmp_path.iterdir()} == {"runs"}
     out = capsys.readouterr().out
     assert "8 already recorded, 0 to run" in out  # resumed: nothing retrained
     fit = result["fit"]
@@ -68,6 +71,7 @@ def test_demo_resumes_a_finished_sweep_and_writes_fit_card_and_checkpoint(tmp_pa
     for link in ("plots/loss_vs_flops.png", "plots/residuals.png", "plots/phi_bootstrap.png"):
         assert f"]({link})" in card.text and (card_dir / link).is_file()
     assert "looped-hf demo --recipe" in card.text  # the reproducibility block has the command
+    assert demo.MACHINE_NOTE in card.text and "1.02232 [0.878, 1.143]" in card.text
     # The best looped run as a Hub-ready folder, with phi in its card.
     checkpoint = result["checkpoint"]
     assert checkpoint == sweep_dir / demo.BEST_DIR
@@ -75,6 +79,27 @@ def test_demo_resumes_a_finished_sweep_and_writes_fit_card_and_checkpoint(tmp_pa
     meta = ModelCard.load(checkpoint / "README.md").data.to_dict()
     assert meta["looped"]["phi"] == pytest.approx(phi, rel=1e-5)
     assert best_id in card.text
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None, reason="needs make and git")
+def test_make_demo_in_a_clone_writes_only_git_ignored_folders() -> None:
+    """A newcomer's ``make demo`` changes no tracked file: its sweep folder and its card folder are
+    git-ignored and hold no tracked file; ``make example-card`` (maintainers) is what rewrites the
+    committed example card."""
+    import shlex
+
+    def dry_run(target: str) -> str:
+        return subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    command = shlex.split(next(line for line in dry_run("demo").splitlines() if "looped_hf demo" in line))
+    written = [command[command.index(flag) + 1] for flag in ("--out", "--card-dir")]
+    assert written == ["runs/iso_depth_tiny", "runs/iso_depth_tiny/card"]
+    for folder in written:
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{folder}/README.md"], cwd=REPO)
+        assert ignored.returncode == 0, f"{folder} is not git-ignored"
+        tracked = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True, check=True)
+        assert tracked.stdout == ""
+    assert "--card-dir model_cards/iso_depth_tiny" in dry_run("example-card")
 
 
 def test_demo_with_a_missing_recipe_fails_clearly(tmp_path: Path, capsys):

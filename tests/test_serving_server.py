@@ -390,6 +390,11 @@ def test_a_real_failed_start_ends_with_vllms_root_cause(tmp_path, capfd, monkeyp
         ({"prompt": "x", "num_recurrences": 4, "kv_budget": None}, None),  # within the server's bounds: served
         ({"prompt": "x", "num_recurrences": 1}, None),
         ({"prompt": "x", "max_tokens": 2}, None),
+        # A misspelt depth key would be dropped and served at the default depth with 200: refused.
+        ({"prompt": "x", "num_recurrence": 2}, "num_recurrence=2"),
+        ({"prompt": "x", "vllm_xargs": {"kv-budget": 1}}, "vllm_xargs.kv-budget=1"),
+        ({"prompt": "x", "vllm_xargs": {"num_recurrences": 2, "exit_treshold": 0.5}}, "vllm_xargs.exit_treshold=0.5"),
+        ({"messages": [{"role": "user", "content": "hi"}], "Num_Recurrences": 3}, "Num_Recurrences=3"),
         # Keys in the user's data are not options: a JSON schema's property, a message.
         ({"messages": [{"role": "user", "content": "hi", "num_recurrences": 9}],
           "response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": {

@@ -191,15 +191,47 @@ def _prefill_and_decode(forward, config: LoopedConfig, ids: torch.Tensor, steps:
     return logits
 
 
-def test_forward_compiles_with_fullgraph_and_a_static_cache():
-    model, ids = tiny_model(), prompts()
+# Every h_0 the config allows; the random ones at a retrofit's std (sqrt(2 / 5d)).
+STATE_INIT_CASES = {"prelude": {}, "zeros": {"input_injection": "add"}, "noise": {"state_init_std": 0.1},
+                    "truncated_normal": {"state_init_std": (2 / (5 * 32)) ** 0.5}}  # fmt: skip
+
+
+@pytest.mark.parametrize("state_init", sorted(STATE_INIT_CASES))
+def test_every_state_init_traces_in_one_graph(state_init):
+    """h_0 is the one part of the forward that differs between state inits (``INITIAL_STATES``, chosen
+    when the model is built), so each rule traced alone with fullgraph=True, against its eager draw,
+    covers every init; the whole forward compiles below for the study's and a retrofit's."""
+    from looped_hf.configuration_looped import STATE_INITS
+    from looped_hf.recurrent_block_looped import INITIAL_STATES
+
+    assert set(STATE_INIT_CASES) == set(STATE_INITS) == set(INITIAL_STATES)
+    config = tiny_looped_config(state_init=state_init, embedding_multiplier=2.0, **STATE_INIT_CASES[state_init])
+    e = torch.randn(2, 5, config.hidden_size)
+    torch._dynamo.reset()
+    rule = torch.compile(INITIAL_STATES[state_init], fullgraph=True, backend="eager")
+    torch.manual_seed(0)
+    graphed = rule(config, e)
+    torch.manual_seed(0)
+    torch.testing.assert_close(graphed, INITIAL_STATES[state_init](config, e), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("state_init", ["prelude", "truncated_normal"])
+def test_forward_compiles_with_fullgraph_and_a_static_cache(state_init):
+    # truncated_normal: a retrofit's default h_0, drawn anew at every forward (seeded alike for the
+    # eager and the compiled run: the eager backend draws in the same order), at a cheaper shape.
+    cheap = {} if state_init == "prelude" else {"num_recurrences": 2}
+    model = tiny_model(state_init=state_init, **STATE_INIT_CASES[state_init], **cheap)
+    ids, steps = prompts(), 3 if state_init == "prelude" else 1
     assert type(model)._can_compile_fullgraph
     with torch.no_grad():
-        eager = _prefill_and_decode(model, model.config, ids)
+        torch.manual_seed(0)
+        eager = _prefill_and_decode(model, model.config, ids, steps)
         torch._dynamo.reset()
         # fullgraph=True raises on any graph break; the eager backend traces without codegen.
         compiled = torch.compile(model, fullgraph=True, backend="eager")
-        graphed = _prefill_and_decode(compiled, model.config, ids)
+        torch.manual_seed(0)
+        graphed = _prefill_and_decode(compiled, model.config, ids, steps)
     torch._dynamo.reset()
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -225,20 +257,27 @@ def test_the_cache_r_check_never_reads_the_cache_length_at_a_fixed_r(monkeypatch
     assert cache.looped_num_recurrences == 2
 
 
-def test_static_cache_generation_equals_dynamic_and_compiles_where_asked():
-    model, ids = tiny_model(), prompts()
-    dynamic = greedy(model, ids)
-    assert torch.equal(greedy(model, ids, cache_implementation="static"), dynamic)
+@pytest.mark.parametrize("state_init", ["prelude", "truncated_normal"])
+def test_static_cache_generation_equals_dynamic_and_compiles_where_asked(state_init):
+    # truncated_normal: a retrofit's default h_0, drawn anew at every step, so each run is seeded alike.
+    model, ids = tiny_model(state_init=state_init, **STATE_INIT_CASES[state_init]), prompts()
+
+    def seeded(*args, **kwargs):
+        torch.manual_seed(0)
+        return greedy(*args, **kwargs)
+
+    dynamic = seeded(model, ids)
+    assert torch.equal(seeded(model, ids, cache_implementation="static"), dynamic)
     # transformers compiles the decoding steps on GPU by itself; on CPU only when told to.
     config = CompileConfig(fullgraph=True, backend="eager", mode=None)
     config._compile_all_devices = True
     torch._dynamo.reset()
-    compiled = greedy(model, ids, cache_implementation="static", compile_config=config)
+    compiled = seeded(model, ids, cache_implementation="static", compile_config=config)
     torch._dynamo.reset()
     assert torch.equal(compiled, dynamic)
     # generate() reuses (and resets) its static cache: another r may run in it when it fits.
-    assert torch.equal(greedy(model, ids, cache_implementation="static", num_recurrences=2),
-                       greedy(model, ids, num_recurrences=2))  # fmt: skip
+    assert torch.equal(seeded(model, ids, cache_implementation="static", num_recurrences=2),
+                       seeded(model, ids, num_recurrences=2))  # fmt: skip
 
 
 def test_growing_past_a_static_cache_keeps_its_clear_error():

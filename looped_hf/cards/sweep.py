@@ -316,10 +316,12 @@ def render_sweep_card(
     license: str = "apache-2.0",
     plan: str | None = None,
     evaluation: str | None = None,
+    machine_note: str | None = None,
 ) -> ModelCard:
     """The sweep's card (``plots``: template entries from :func:`_plots`, paths relative to the card;
     ``plan``: the markdown of :func:`plan_section`; ``evaluation``: the markdown of
-    :func:`evaluation_section`, placed before the citation)."""
+    :func:`evaluation_section`, placed before the citation; ``machine_note``: how far the card's figures
+    move between machines, a paragraph of its Reproduce section)."""
     from looped_hf import __version__
     from looped_hf.sweep import RECIPE_COPY, RESULTS_NAME, read_jsonl
 
@@ -379,6 +381,7 @@ def render_sweep_card(
                 for k in ("seed", "starts", "n_starts", "bootstrap", "bootstrap_method")
                 if k in fit.settings
             ),
+            "machine_note": machine_note,
         },  # fmt: skip
         looped_hf_link=_project_link(),
         looped_hf_version=__version__,
@@ -431,8 +434,10 @@ def write_sweep_card(
     license: str = "apache-2.0",
     isoflop_style: str = "law",
     compare: Mapping[str, ScalingLawFit] | None = None,
+    machine_note: str | None = None,
 ) -> Path:
     """Write ``out_dir/README.md`` + ``plots/*.png`` + ``fit.json``; returns the card's path.
+    ``machine_note``: how far the figures move between machines (``render_sweep_card``).
 
     ``isoflop_style``: ``"law"`` (the default: a panel per budget, loss against N_eff with the
     fitted law) or ``"study"`` (as the paper's figure, to hold beside it); ``compare``: probe fits
@@ -460,7 +465,7 @@ def write_sweep_card(
         evaluation = evaluation_section(sweep, tmp / PLOTS_DIR)
         card = render_sweep_card(
             sweep, fit, plots, commands=commands, best=best, best_where=best_where, license=license, plan=plan,
-            evaluation=evaluation,
+            evaluation=evaluation, machine_note=machine_note,
         )  # fmt: skip
         card.save(tmp / CARD_NAME)
         fit.to_json(tmp / FIT_NAME)

@@ -4,11 +4,12 @@
     looped-hf convert huginn DIR                        # Huginn-0125 (huginn_raven)
     looped-hf convert retrofit DIR                      # retrofitted recurrence, Llama or OLMo variant
     looped-hf convert ouro DIR                          # Ouro-1.4B / 2.6B (ByteDance)
+    looped-hf convert nanbeige DIR                      # Nanbeige4.2-3B
     looped-hf convert iquest DIR                        # IQuest-Coder-V1-Loop
 
 One module per source format, as vLLM keeps one file per architecture: ``nanochat.py`` (the
 study's looped-lm-scaling), ``huginn_raven.py`` (Huginn and the retrofitted-recurrence models),
-``ouro.py`` (Ouro), ``iquest.py`` (IQuest LoopCoder), each only its mapping (names, reshapes, config keys); ``loader.py`` reads every
+``ouro.py`` (Ouro), ``nanbeige.py`` (Nanbeige4.2), ``iquest.py`` (IQuest LoopCoder), each only its mapping (names, reshapes, config keys); ``loader.py`` reads every
 safetensors checkpoint folder (``Checkpoint``: config.json, the weights single or sharded, read
 lazily, generation token ids, the tokenizer; everything checked, one policy for unknown config
 keys), ``common.py`` holds the rest they share (the error type, the output folder's checks, the

@@ -27,6 +27,7 @@ FORMATS: dict[str, tuple[str, str]] = {
     "retrofit-olmo": ("looped_hf.convert.huginn_raven", "the OLMo-2-style retrofit, named"),
     "huginn_raven": ("looped_hf.convert.huginn_raven", "any huginn_raven checkpoint: Huginn or a retrofit, detected"),
     "ouro": ("looped_hf.convert.ouro", "ByteDance's Ouro-1.4B / 2.6B (model_type ouro: config.json + safetensors)"),
+    "nanbeige": ("looped_hf.convert.nanbeige", "Nanbeige4.2-3B (model_type nanbeige: config.json + safetensors)"),
     "iquest": ("looped_hf.convert.iquest",
                "IQuest-Coder-V1-Loop (model_type iquestloopcoder: config.json + safetensors)"),
 }  # fmt: skip

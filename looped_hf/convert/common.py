@@ -35,9 +35,18 @@ def default_out(ckpt_dir: PathLike) -> Path:
     return path.with_name(path.name + DEFAULT_OUT_SUFFIX)
 
 
-def is_looped_output(folder: Path) -> bool:
-    """Whether ``folder`` holds an earlier looped_hf output (a config.json whose ``model_type`` is in
-    ``LOOPED_MODEL_TYPES``): the only non-empty folder ``--overwrite`` may replace."""
+def is_looped_output(folder: Path, written_by: str | None = None) -> bool:
+    """Whether ``folder`` holds an earlier output of the same command (a config.json whose
+    ``model_type`` is in ``LOOPED_MODEL_TYPES``; with ``written_by``, a file of that name beside it,
+    e.g. retrofit's ``retrofit.json``; without, none of the files another command leaves there):
+    the only non-empty folder ``--overwrite`` may replace. A training run (``run_record.json``,
+    ``checkpoints/``) is never one: its config.json is looped too, but it holds hours of work."""
+    if any((folder / name).exists() for name in RUN_MARKERS):
+        return False
+    if written_by is not None and not (folder / written_by).is_file():
+        return False
+    if written_by is None and any((folder / name).exists() for name in OTHER_COMMANDS_RECORDS):
+        return False
     try:
         config = json.loads((folder / "config.json").read_bytes())
     except (OSError, ValueError):
@@ -45,12 +54,21 @@ def is_looped_output(folder: Path) -> bool:
     return isinstance(config, dict) and config.get("model_type") in LOOPED_MODEL_TYPES
 
 
-def check_target(ckpt_dir: PathLike, out: PathLike, *, overwrite: bool, repo_id: str | None) -> Path:
+#: What a training run holds (``looped_hf.train``): a folder with either is never replaced.
+RUN_MARKERS = ("run_record.json", "checkpoints")
+#: The records other commands write into their output folder (``retrofit.json``): ``convert
+#: --overwrite`` does not replace their folders.
+OTHER_COMMANDS_RECORDS = ("retrofit.json",)
+
+
+def check_target(ckpt_dir: PathLike, out: PathLike, *, overwrite: bool, repo_id: str | None,
+                 written_by: str | None = None) -> Path:  # fmt: skip
     """``out`` as a path after the checks made before any work, each refused with one line:
     ``out`` can be made (not under a file, not in /proc or /sys: ``check_output_path``); it is not
     ``.``, ``..``, the working directory or a folder holding it, nor the checkpoint folder or one
     holding it; it does not exist, or ``overwrite`` is given and it is empty or an earlier
-    looped_hf output (a user's other folder is never replaced); ``repo_id`` is a Hub id."""
+    output of the same command (`is_looped_output`: ``written_by`` names the record that command
+    leaves; a user's other folder and a training run are never replaced); ``repo_id`` is a Hub id."""
     from looped_hf.fileio import OutputPathError, check_output_path
     from looped_hf.publish import check_repo_id
 
@@ -68,9 +86,15 @@ def check_target(ckpt_dir: PathLike, out: PathLike, *, overwrite: bool, repo_id:
         raise PublishError(str(err)) from None
     if dest.exists() and not overwrite:
         raise PublishError(f"--out {dest} already exists; pass --overwrite to replace it")
-    if dest.exists() and any(dest.iterdir()) and not is_looped_output(dest):
+    if dest.exists() and any((dest / name).exists() for name in RUN_MARKERS):
+        raise PublishError(f"--out {dest}: a training run ({' or '.join(RUN_MARKERS)} inside); --overwrite never "
+                           "replaces one, choose another folder")  # fmt: skip
+    if dest.exists() and any(dest.iterdir()) and not is_looped_output(dest, written_by):
+        what = f"config.json with model_type in {LOOPED_MODEL_TYPES}" + (
+            f" and {written_by}" if written_by else f", no {' or '.join(OTHER_COMMANDS_RECORDS)}"
+        )
         raise PublishError(f"--out {dest}: --overwrite replaces only an empty folder or an earlier looped_hf "
-                           f"output (config.json with model_type in {LOOPED_MODEL_TYPES}); this folder is neither")  # fmt: skip
+                           f"output of this command ({what}); this folder is neither")  # fmt: skip
     if repo_id is not None:
         check_repo_id(repo_id)
     return dest

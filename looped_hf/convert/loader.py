@@ -9,6 +9,10 @@
     ckpt.check_tokenizer()                  # the tokenizer files load, and fit the vocabulary
     ckpt.copy_tokenizer(dst)                # ... copied byte for byte
     ckpt.sha256()                           # {weight file: digest}, for cards and run records
+    ckpt.check_foreign()                    # a transformers folder looped_hf did not write, before it is built:
+    ckpt.check_layer_count(key, prefix)     #   the layer count against the layers the files hold,
+    ckpt.check_tied_head(tied, emb, head)   #   a tied flag against a saved head that differs,
+    ckpt.check_generation_config()          #   generation_config.json's ids, lengths, temperature, ...
     config_rope_parameters(ckpt.config)     # transformers-5 rope_parameters, from either generation
 
 (the vocabulary the token ids and the tokenizer are checked against is config.json's
@@ -40,6 +44,13 @@ runs and is silently wrong; the line names the key so a user can look it up. The
 transformers ``config.json`` may carry without changing the forward (``architectures``,
 ``transformers_version``, ``torch_dtype``, ...) are accepted everywhere (``HF_BOOKKEEPING_KEYS``).
 
+**One set of checks for every foreign folder.** A retrofit parent (`retrofit.parent.open_parent`) and a
+distillation teacher (`teacher.check_teacher`) go through :meth:`Checkpoint.check_foreign` (the layer count,
+RoPE, the tie flag, generation_config.json), and are then built on the meta device and checked against the
+headers (keys, shapes, floating dtypes: `weight_files.check_model_weights`) before anything is allocated; a
+converter whose source names its fields otherwise calls the parts with its own names. eval, test-time,
+publish, serve and ``init_from`` read looped folders through `model_types.check_weights`, the same check.
+
 Nothing here writes, except :meth:`Checkpoint.copy_tokenizer` into the folder it is given.
 """
 
@@ -58,17 +69,14 @@ import torch
 
 from .. import fileio
 from ..configuration_looped import MAX_NUM_RECURRENCES
-from ..fileio import CheckpointError, first_line, sha256_file
+from ..fileio import TOKENIZER_FILES, CheckpointError, first_line, sha256_file
 from ..weight_files import WeightFiles
 from .common import ConversionError
 
 PathLike = str | os.PathLike
-#: Files a tokenizer may consist of: checked, and copied when the source has them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")  # fmt: skip
+# Files a tokenizer may consist of (``fileio.TOKENIZER_FILES``): checked, and copied when the source has them.
 #: The tokenizer files that hold a JSON object.
-_JSON_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                   "vocab.json", "added_tokens.json"})  # fmt: skip
+_JSON_TOKENIZER_FILES = frozenset(name for name in TOKENIZER_FILES if name.endswith(".json"))
 #: Keys any transformers config.json may carry that change nothing in the forward: accepted by
 #: every converter beside the keys it maps (the unknown-key policy in the module docstring).
 HF_BOOKKEEPING_KEYS = frozenset({
@@ -95,11 +103,28 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def max_num_recurrences() -> int:
-    """The largest trained ``num_recurrences`` a converter accepts: ``LoopedConfig``'s own ceiling
-    (``MAX_NUM_RECURRENCES``), so a config.json saying r = 10**12 is refused here, naming its file,
-    rather than by the config after the mapping (each recurrence is K layer applications per token)."""
-    return MAX_NUM_RECURRENCES
+def _positive_int(value: Any) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _non_negative_int(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+#: ``generation_config.json`` fields checked (:meth:`Checkpoint.check_generation_config`): a check
+#: and what it expects. Token ids are checked against the vocabulary (:func:`token_ids`).
+GENERATION_FIELDS: dict[str, tuple[Any, str]] = {
+    "max_length": (_positive_int, "an integer >= 1"),
+    "max_new_tokens": (_positive_int, "an integer >= 1"),
+    "min_length": (_non_negative_int, "an integer >= 0"),
+    "min_new_tokens": (_non_negative_int, "an integer >= 0"),
+    "num_beams": (_positive_int, "an integer >= 1"),
+    "top_k": (_non_negative_int, "an integer >= 0"),
+    "temperature": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,8 +193,10 @@ def config_bool(cfg: Mapping[str, Any], key: str, default: bool, where: str = "c
 
 
 def check_recurrences(r: int, key: str, where: str = "config.json") -> int:
-    """A trained r within :func:`max_num_recurrences` (the forward of a larger one never ends)."""
-    ceiling = max_num_recurrences()
+    """A trained r within ``LoopedConfig``'s own ceiling (``MAX_NUM_RECURRENCES``), refused here naming
+    its file rather than by the config after the mapping: the forward of a larger one never ends
+    (each recurrence is K layer applications per token)."""
+    ceiling = MAX_NUM_RECURRENCES
     if r > ceiling:
         raise ConversionError(f"{_named(where, key)}={r}: above the ceiling of {ceiling} recurrences (each is a pass "
                               "through the recurrent block for every token; is the config corrupt?)")  # fmt: skip
@@ -374,6 +401,60 @@ class Checkpoint:
     def _digests(self) -> dict[str, str]:
         return {str(path.relative_to(self.folder)): sha256_file(path) for path in self.files}
 
+    # ---- the checks of a foreign folder (a retrofit parent, a distillation teacher) -----------
+    def check_layer_count(self, key: str = "num_hidden_layers", prefix: str = "model.layers.") -> int:
+        """``config.json``'s layer count as an integer >= 1 that equals the layers the weight files
+        hold (``prefix`` + index), checked from the headers before anything is built: a count of
+        10**12 would otherwise be a loop of module builds that never ends."""
+        layers = config_int(self.config, key, 1)
+        held = {name[len(prefix) :].split(".", 1)[0] for name in self._entries if name.startswith(prefix)}
+        if held and layers != len(held):
+            raise ConversionError(f"{self.folder / 'config.json'} {key}={layers}: the weight files hold {len(held)} "
+                                  f"layers ({prefix}N)")  # fmt: skip
+        return layers
+
+    def check_tied_head(self, tied: bool, embedding: str = "model.embed_tokens.weight",
+                        head: str = "lm_head.weight", key: str = "tie_word_embeddings") -> None:  # fmt: skip
+        """A config that says tied (``tied``, its flag ``key``) whose files hold a head of their own:
+        the head must equal the embedding. transformers would untie and use that head; a retrofit
+        or a teacher built tied would drop it in silence, so one that differs is refused."""
+        if not tied or head not in self._entries or embedding not in self._entries:
+            return
+        same = self.shape(head) == self.shape(embedding) and torch.equal(
+            self.get_tensor(head), self.get_tensor(embedding)
+        )
+        if not same:
+            raise ConversionError(f"{self.folder / 'config.json'} {key}=True, but {head} differs from {embedding} in "
+                                  "the weight files: a tied model has one tensor for both (set the flag false to "
+                                  "keep the saved head, or fix the checkpoint)")  # fmt: skip
+
+    def check_generation_config(self, vocab_size: int | None = None) -> dict[str, Any]:
+        """``generation_config.json`` ({} without it), checked before it is copied anywhere: a JSON
+        object whose token ids are in the vocabulary (:meth:`generation_token_ids`) and whose
+        lengths, temperature, top-k / top-p and flags have their types and ranges
+        (``GENERATION_FIELDS``); transformers' ``GenerationConfig`` accepts ``max_length: -5`` and
+        ``temperature: "hot"`` with a warning at most."""
+        path = self.folder / "generation_config.json"
+        if not path.is_file():
+            return {}
+        value = read_json_object(path)
+        self.generation_token_ids(vocab_size)
+        for key, (check, expected) in GENERATION_FIELDS.items():
+            if value.get(key) is not None and not check(value[key]):
+                raise ConversionError(f"{path} {key}={value[key]!r}: expected {expected}")
+        return value
+
+    def check_foreign(self, tie_default: bool = False) -> None:
+        """The checks every folder that looped_hf did not write goes through before a model is built
+        from it (a retrofit parent, a distillation teacher; the converters make the same ones with
+        their own key names): config.json's layer count against the weight files, its RoPE
+        settings (:func:`config_rope_parameters`), its tie flag against the files
+        (:meth:`check_tied_head`, ``tie_default`` when absent) and ``generation_config.json``."""
+        self.check_layer_count()
+        config_rope_parameters(self.config)
+        self.check_tied_head(config_bool(self.config, "tie_word_embeddings", tie_default))
+        self.check_generation_config()
+
     # ---- generation config and tokenizer ---------------------------------------------------------
     def _vocab_size(self, vocab_size: int | None) -> int:
         return config_int(self.config, "vocab_size", 1) if vocab_size is None else vocab_size
@@ -440,6 +521,7 @@ def _tokenizer_size(files: tuple[Path, ...], vocab_size: int) -> int:
 
 
 __all__ = [
+    "GENERATION_FIELDS",
     "HF_BOOKKEEPING_KEYS",
     "ROPE_REQUIRED_KEYS",
     "TOKENIZER_FILES",
@@ -450,7 +532,6 @@ __all__ = [
     "config_rope_parameters",
     "config_int",
     "config_number",
-    "max_num_recurrences",
     "read_json_object",
     "rope_parameters",
     "token_ids",

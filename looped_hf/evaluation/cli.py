@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lm-eval-include", default=None, metavar="DIR", help="a folder of lm-eval task YAMLs")
     p.add_argument("--lm-eval-batch-size", type=positive_int("--lm-eval-batch-size"), default=8)
+    p.add_argument("--tokenizer", default=None, metavar="NAME",
+                   help="the tokenizer of a folder that has none (a transformers looped class's, e.g. HRM-Text: "
+                   "looped_hf.depth_tools); a Hub name, a folder or a tokenizer.json")  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="DIR", help="where the results go")
     return p
@@ -97,11 +100,12 @@ def check_exit_flags(
                         "this model's config has exit_criterion=None)")  # fmt: skip
 
 
-def default_recurrences(config: Any) -> list[int]:
+def default_recurrences(config: Any, default_r: int | None = None) -> list[int]:
     """1, 2, 4, ... up to 2x the trained r (at most the model's ceiling: a per-loop LoRA retrofit
-    runs only the loops that have a LoRA), plus the trained r itself."""
+    runs only the loops that have a LoRA), plus the trained r itself and ``default_r``, the r that
+    ``generate()`` runs by default (a generation_config.json's ``num_recurrences``)."""
     trained = int(config.num_recurrences)
-    grid, r = {trained}, 1
+    grid, r = {trained} | ({int(default_r)} if default_r is not None else set()), 1
     while r <= min(2 * trained, config.recurrence_ceiling):
         grid.add(r)
         r *= 2
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    from looped_hf.generation_looped import generation_depth, saved_generation_depth
+
     from .report import summary_line, write_results
     from .runner import check_lm_eval_tasks, check_recurrences, evaluate_model, load_checkpoint
 
@@ -129,14 +135,32 @@ def main(argv: list[str] | None = None) -> int:
         device = _check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         local = Path(args.checkpoint).is_dir()
         exit_flags = (args.exit_criterion, args.exit_threshold, args.min_recurrences)
-        if local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
+        from looped_hf.depth_tools import check_native_folder, native_entry
+
+        native = local and native_entry(args.checkpoint) is not None
+        if args.tokenizer is not None and not native:
+            raise EvalError(
+                "--tokenizer applies to a folder without a tokenizer of a transformers looped class only"
+            )
+        if native:  # a looped class transformers ships: each r through looped_hf.at_depth
+            from transformers import AutoConfig
+
+            from looped_hf.depth_tools import DepthConfig
+
+            entry = check_native_folder(args.checkpoint, args.tokenizer)
+            config = DepthConfig(AutoConfig.from_pretrained(args.checkpoint), entry)
+            check_exit_flags(config, *exit_flags)
+            check_recurrences(config, args.recurrences or default_recurrences(config), args.kv_budget)
+        elif local:  # before the builtin bundle is written into --out: a refused folder leaves nothing
             check_checkpoint_dir(args.checkpoint)
             from looped_hf.model_types import check_weights, load_config
 
             config = load_config(args.checkpoint)
             check_weights(args.checkpoint, config)
             check_exit_flags(config, *exit_flags)
-            check_recurrences(config, args.recurrences or default_recurrences(config), args.kv_budget)
+            saved = generation_depth(config, argparse.Namespace(**saved_generation_depth(args.checkpoint)))
+            check_recurrences(config, args.recurrences or default_recurrences(config, saved["num_recurrences"]),
+                              args.kv_budget if args.kv_budget is not None else saved["kv_budget"])  # fmt: skip
         out = check_output_path(Path(args.out) if args.out else (
             Path(args.checkpoint) if local else Path("eval") / args.checkpoint.replace("/", "__")
         ), "--out", directory=True)  # fmt: skip
@@ -157,17 +181,25 @@ def main(argv: list[str] | None = None) -> int:
             bundles = [b.select([t.label for t in b.tasks if t.label in wanted]) for b in bundles]
             bundles = [b for b in bundles if any(t.label in wanted for t in b.tasks)]
         # The bundles and --tasks are read first: a bad one is refused without loading the model.
-        model, tokenizer, info = load_checkpoint(args.checkpoint)
+        if native:
+            from looped_hf.depth_tools import native_checkpoint
+
+            model, tokenizer, info = native_checkpoint(args.checkpoint, args.tokenizer)
+        else:
+            model, tokenizer, info = load_checkpoint(args.checkpoint)
         check_exit_flags(model.config, *exit_flags)  # a Hub id's config is read only now
         model.to(device)
+        # The defaults generate() reads (a generation_config.json's num_recurrences and kv_budget).
+        depth = generation_depth(model.config, model.generation_config)
         settings = {
             "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,
-            "min_recurrences": args.min_recurrences, "kv_budget": args.kv_budget,
+            "min_recurrences": args.min_recurrences,
+            "kv_budget": args.kv_budget if args.kv_budget is not None else depth["kv_budget"],
         }  # fmt: skip
         trained = int(model.config.num_recurrences)
-        recurrences = args.recurrences or default_recurrences(model.config)
+        recurrences = args.recurrences or default_recurrences(model.config, depth["num_recurrences"])
         # Every r and the KV budget, through the model's config, before any r is scored.
-        _warn_cost(check_recurrences(model.config, recurrences, args.kv_budget), trained)
+        _warn_cost(check_recurrences(model.config, recurrences, settings["kv_budget"]), trained)
         results = evaluate_model(
             model, tokenizer, bundles, recurrences,
             max_per_task=args.max_per_task, batch_tokens=args.batch_tokens, settings=settings,

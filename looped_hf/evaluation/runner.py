@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from looped_hf.fileio import CheckpointError, check_checkpoint_dir, check_finished_run, first_line
+from looped_hf.fileio import (
+    TOKENIZER_DEFINING_FILES,
+    CheckpointError,
+    check_checkpoint_dir,
+    check_finished_run,
+    first_line,
+    has_tokenizer,
+)
 
 from .bundle import Bundle
 from .scoring import (
@@ -29,14 +36,6 @@ from .scoring import (
 )
 
 PathLike = str | os.PathLike[str]
-#: Files any transformers tokenizer is saved as; a local folder with none of them has no tokenizer.
-TOKENIZER_FILE_NAMES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-)
 #: The settings of generate()/forward that change what the model computes per token at a given r.
 CALL_SETTINGS = ("exit_criterion", "exit_threshold", "min_recurrences", "kv_budget")
 
@@ -67,9 +66,9 @@ def load_pretrained(checkpoint: PathLike) -> tuple[Any, Any]:
         check_checkpoint_dir(checkpoint)
         # Said before the model loads, in words a user can act on: transformers' own error for an
         # absent tokenizer ("Couldn't instantiate the backend tokenizer from one of: ...") names neither.
-        if not any((Path(checkpoint) / name).is_file() for name in TOKENIZER_FILE_NAMES):
+        if not has_tokenizer(checkpoint):
             raise CheckpointError(
-                f"checkpoint {str(checkpoint)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILE_NAMES)}): "
+                f"checkpoint {str(checkpoint)!r} has no tokenizer (none of {', '.join(TOKENIZER_DEFINING_FILES)}): "
                 "save the model's tokenizer into it with tokenizer.save_pretrained (looped-hf convert copies "
                 "the source folder's)"
             )

@@ -176,7 +176,7 @@ def _cached_family(path: str, _mtime_ns: int) -> ArchitectureFamily:
 #: Sources whose code decides a family's numbers (the recipe parser, the sweep plan, the model's
 #: accounting): a change to any of them makes every cached family stale.
 _ACCOUNTING_SOURCES = (
-    "arguments.py", "configuration_looped.py", "modeling_looped.py", "interface_looped.py",
+    "arguments.py", "run_arguments.py", "configuration_looped.py", "config_rules_looped.py", "modeling_looped.py", "interface_looped.py",
     "generation_looped.py", "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "sweep",
     "planner/family.py", "loop_attention_looped.py",
 )  # fmt: skip

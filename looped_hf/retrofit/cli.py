@@ -83,17 +83,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--state-init", default=None, choices=STATE_INITS,
                    help="h_0: truncated_normal (default, the paper's: std sqrt(2/(5d))), zeros (deterministic, "
                         "needed to serve with vLLM) or prelude (h_0 = e)")  # fmt: skip
-    p.add_argument("--seed", default=0, type=int, help="seed of the study adapter init (default 0)")
+    p.add_argument("--seed", default=None, help="seed of the study adapter init (default 0; only with "
+                                                             "--adapter-init study, the one random init)")  # fmt: skip
     p.add_argument("--repo-id", default=None, metavar="ORG/NAME", help="Hub id shown in the card")
     p.add_argument("--license", default=None, help="license id for the card metadata (default: none stated)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     return p
 
 
+def _seed(text: str) -> int:
+    """``--seed`` as an integer in 0 .. 2**32 - 1; anything else (9e22, 10**30, -1) one
+    ``ConversionError`` line (read after argparse, whose type errors print the usage too)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise ConversionError(f"--seed={text!r}: must be an integer in [0, 2**32 - 1]")
+    return value
+
+
 def _given(args: argparse.Namespace, *names: str) -> list[str]:
     flags = {"layers": "--layers", "prelude": "--prelude", "recurrent": "--recurrent", "coda": "--coda",
              "loop_in_place": "--loop-in-place", "lora_rank": "--lora-rank", "num_recurrences": "--num-recurrences",
-             "adapter_init": "--adapter-init", "state_init": "--state-init", "blocks": "--blocks"}  # fmt: skip
+             "adapter_init": "--adapter-init", "state_init": "--state-init", "blocks": "--blocks", "seed": "--seed"}  # fmt: skip
     return [flags[n] for n in names if getattr(args, n) not in (None, False)]
 
 
@@ -102,7 +115,7 @@ def plan_from_args(args: argparse.Namespace) -> Callable[[int], LayerPlan]:
     that do not combine (a flag that would be ignored is an error, not a silent default)."""
     if args.share is not None:
         clash = _given(args, "layers", "prelude", "recurrent", "coda", "loop_in_place", "num_recurrences",
-                       "adapter_init", "state_init")  # fmt: skip
+                       "adapter_init", "state_init", "seed")  # fmt: skip
         if clash:
             raise ConversionError(f"{clash[0]}: not an option of --share={args.share} (the shared stack spans every "
                                   "layer, loops L/K times and reads the previous loop's output)")  # fmt: skip
@@ -112,6 +125,12 @@ def plan_from_args(args: argparse.Namespace) -> Callable[[int], LayerPlan]:
     stray = _given(args, "blocks", "lora_rank")
     if stray:
         raise ConversionError(f"{stray[0]}: only with --share (per-loop LoRA relaxes a shared stack)")
+    if args.seed is not None:
+        args.seed = _seed(args.seed)
+    if args.seed is not None and args.adapter_init != "study":
+        # Only the study adapter is random; a seed that changes nothing is refused, not ignored.
+        raise ConversionError(f"--seed={args.seed}: seeds only --adapter-init study (the adapter is "
+                              f"{args.adapter_init or 'identity'}: nothing random to seed)")  # fmt: skip
     r = args.num_recurrences or 1
     ranges = _given(args, "prelude", "recurrent", "coda")
     if args.layers is not None and ranges:
@@ -129,12 +148,17 @@ def plan_from_args(args: argparse.Namespace) -> Callable[[int], LayerPlan]:
     elif ranges:
         if args.recurrent is None:
             raise ConversionError(f"{ranges[0]}: explicit ranges need --recurrent A-B too")
-        prelude = parse_range("--prelude", args.prelude) if args.prelude else []
+        prelude = parse_range("--prelude", args.prelude) if args.prelude else None
         recurrent = parse_range("--recurrent", args.recurrent)
-        coda = parse_range("--coda", args.coda) if args.coda else []
+        coda = parse_range("--coda", args.coda) if args.coda else None
 
         def base(n: int) -> LayerPlan:
-            return explicit(n, prelude, recurrent, coda, num_recurrences=r)
+            # With --loop-in-place nothing is dropped, so one range says it all: a prelude or a coda
+            # not given is every layer before or after the block (--recurrent 2-3 of 6: 0-1 / 4-5).
+            before = list(range(recurrent[0])) if args.loop_in_place else []
+            after = list(range(recurrent[-1] + 1, n)) if args.loop_in_place else []
+            return explicit(n, before if prelude is None else prelude, recurrent, after if coda is None else coda,
+                            num_recurrences=r)  # fmt: skip
     elif args.loop_in_place:
 
         def base(n: int) -> LayerPlan:
@@ -157,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                           repo_id=args.repo_id, license=args.license, overwrite=args.overwrite)  # fmt: skip
         else:
             folder = retrofit(args.parent_dir, args.out, plan_for, adapter_init=args.adapter_init or "identity",
-                              state_init=args.state_init or "truncated_normal", seed=args.seed, repo_id=args.repo_id,
+                              state_init=args.state_init or "truncated_normal", seed=args.seed or 0, repo_id=args.repo_id,
                               license=args.license, overwrite=args.overwrite)  # fmt: skip
     except (ConversionError, PublishError) as err:
         print(f"looped-hf retrofit: error: {err}", file=sys.stderr)

@@ -32,11 +32,12 @@ import torch
 
 from ..convert.common import ConversionError, check_target, write_folder
 from ..convert.loader import Checkpoint
+from ..fileio import first_line
 from ..publish import PathLike
 from .family import Family
 from .llama import LLAMA, MISTRAL
 from .olmo2 import OLMO2
-from .parent import open_parent
+from .parent import open_parent, parent_name
 from .plan import LayerPlan
 from .qwen import QWEN2, QWEN3
 
@@ -168,6 +169,18 @@ def check_parent_keys(parent: Checkpoint, sources: dict[str, list[str]], plan: L
                               f"{' ...' if len(unknown) > 4 else ''}")  # fmt: skip
 
 
+def check_parent_shapes(parent: Checkpoint, shell: torch.nn.Module, sources: dict[str, list[str]]) -> None:
+    """Every parent tensor has the shape of the looped parameter it fills (``shell``: the model on
+    the meta device), from the headers: a config.json size the files do not hold is refused here."""
+    params = dict(shell.named_parameters())
+    for name, keys in sources.items():
+        for key in keys:
+            if parent.shape(key) != tuple(params[name].shape):
+                raise ConversionError(f"{parent.folder}: {key} has shape {parent.shape(key)}, the config.json sizes "
+                                      f"make {tuple(params[name].shape)} (vocab_size, hidden_size, "
+                                      "intermediate_size, heads)")  # fmt: skip
+
+
 @torch.no_grad()
 def fill_from_parent(model: torch.nn.Module, parent: Checkpoint, sources: dict[str, list[str]],
                      adapter: Callable[[], torch.Tensor] | None) -> None:  # fmt: skip
@@ -217,12 +230,25 @@ def build_retrofit(parent: Checkpoint, plan: LayerPlan, *, adapter_init: str = "
     config = looped_config(cfg, family, plan, adapter_init=adapter_init, state_init=state_init, extra=extra_config,
                            config_class=model_class.config_class)  # fmt: skip
     dtype = parent.floating_dtype()
+    # Built on the meta device first and checked against the parent's headers: a config whose sizes
+    # the files do not hold (vocab_size 10**10, intermediate_size 10**9) is refused naming the
+    # tensor, before anything is allocated.
+    try:
+        with torch.device("meta"), no_init_weights():
+            shell = model_class._from_config(config, dtype=dtype)
+            if config.tie_word_embeddings:
+                shell.tie_weights()  # as the model below: the head is the embedding, not a source of its own
+    except (RuntimeError, ValueError, OverflowError) as err:
+        raise ConversionError(f"{parent.folder / 'config.json'}: the looped model cannot be built "
+                              f"({first_line(err)})") from None  # fmt: skip
+    sources = source_map(shell, plan, family, own)
+    check_parent_keys(parent, sources, plan)
+    check_parent_shapes(parent, shell, sources)
+    del shell
     with no_init_weights():  # every parameter is set below: no random init of a 1B model first
         model = model_class._from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
         model.tie_weights()
-    sources = source_map(model, plan, family, own)
-    check_parent_keys(parent, sources, plan)
     fill_from_parent(
         model, parent, sources, lambda: adapter_weight(config.hidden_size, adapter_init, seed, dtype)
     )
@@ -233,7 +259,9 @@ def build_retrofit(parent: Checkpoint, plan: LayerPlan, *, adapter_init: str = "
         "adapter_init": None if plan.share is not None else adapter_init,
         "state_init": config.state_init,
         "seed": seed,
-        "parent": {"path": str(parent.folder.resolve()), "family": family.name,
+        # The folder's name, not its path (a published card would carry the user's home); the
+        # digests pin the parent's weights.
+        "parent": {"path": parent_name(parent), "family": family.name,
                    "architectures": parent.config.get("architectures"), "config": parent.config,
                    "weights_sha256": parent.sha256()},
         "looped_hf_version": __version__,
@@ -298,7 +326,7 @@ def write_retrofit(model: Any, record: dict[str, Any], parent: Checkpoint, dest:
     from looped_hf.cards import CARD_NAME
 
     parent_dir = parent.folder
-    if (parent_dir / "generation_config.json").is_file():
+    if parent.check_generation_config():  # types and ranges: GenerationConfig would copy them unchecked
         try:
             model.generation_config = GenerationConfig.from_pretrained(parent_dir)
         except (OSError, ValueError) as err:
@@ -325,15 +353,10 @@ def retrofit(parent_dir: PathLike, out: PathLike | None, plan_for: Callable[[int
     behind. Raises ``ConversionError`` (or ``PublishError`` for ``out`` / ``repo_id``), one line naming
     the field and the value."""
     dest = check_target(parent_dir, default_out(parent_dir) if out is None else out, overwrite=overwrite,
-                        repo_id=repo_id)  # fmt: skip
-    parent = open_parent(parent_dir)
+                        repo_id=repo_id, written_by=RECORD_FILE)  # fmt: skip
+    parent = open_parent(parent_dir)  # the layer count is checked against the weight files there
     parent_family(parent.config, parent.folder)  # an unmapped class is refused before any tensor is read
-    layers = parent.config.get("num_hidden_layers")
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ConversionError(
-            f"{parent.folder / 'config.json'} num_hidden_layers={layers!r}: expected an integer >= 1"
-        )
-    plan = plan_for(layers)
+    plan = plan_for(parent.config["num_hidden_layers"])
     model, record = build_retrofit(parent, plan, adapter_init=adapter_init, state_init=state_init, seed=seed)
     return write_retrofit(model, record, parent, dest, repo_id=repo_id, license=license)
 

@@ -15,7 +15,7 @@ import torch
 from ..convert.common import ConversionError, check_target
 from ..convert.loader import Checkpoint
 from ..publish import PathLike
-from .core import build_retrofit, default_out, parent_family, write_retrofit
+from .core import RECORD_FILE, build_retrofit, default_out, parent_family, write_retrofit
 from .loop_lora import LOOP_LORA_TARGETS, LoopLoRAForCausalLM, LoRAPair, norm_keys
 from .parent import open_parent
 from .plan import LayerPlan
@@ -73,10 +73,10 @@ def retrofit_shared_lora(parent_dir: PathLike, out: PathLike | None, plan_for: C
     """Write the RRT retrofit of ``parent_dir`` with a rank-``rank`` LoRA per loop position (the layer
     plan must be a ``share`` plan) and return the folder. Refuses a rank above the width."""
     dest = check_target(parent_dir, default_out(parent_dir) if out is None else out, overwrite=overwrite,
-                        repo_id=repo_id)  # fmt: skip
+                        repo_id=repo_id, written_by=RECORD_FILE)  # fmt: skip
     parent = open_parent(parent_dir)
     family = parent_family(parent.config, parent.folder)
-    plan = plan_for(int(parent.config.get("num_hidden_layers") or 0))
+    plan = plan_for(parent.config["num_hidden_layers"])  # checked by open_parent
     if plan.share is None:
         raise ConversionError(f"--lora-rank={rank}: only with --share (per-loop LoRA relaxes a shared stack)")
     width = parent.config.get("hidden_size")

@@ -31,22 +31,19 @@ CPU only (``CPUAttentionMetadata``); the GPU backends' metadata is documented in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from vllm import _custom_ops as ops
-from vllm import envs
-from vllm.forward_context import get_forward_context
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
 from ..generation_looped import KVSlotPlan
 from ..recurrent_block_looped import GateExit, exit_gate_probabilities, threshold_readout
+from . import vllm_compat
+from .vllm_compat import NULL_SLOT  # vLLM's null block: a write there is read by no attention
 
-# vLLM's block pool keeps block 0 as its null block, never handed to a request
-# (``BlockPool.null_block``): slot 0 takes a write that no attention reads.
-NULL_SLOT = 0
+# vLLM's CPU attention metadata (``CPUAttentionMetadata``), its forward context, its backends' KV write
+# and the CPU kernel's scheduler metadata are vLLM internals, reached through ``vllm_compat``.
 
 
 @dataclass
@@ -59,15 +56,9 @@ class StepGroup:
     tokens: torch.Tensor | None
 
 
-def _window(layer: torch.nn.Module) -> int:
-    """The sliding window the layer's kernel applies (-1: none), as vLLM's metadata builder reads it."""
-    window = getattr(layer.impl, "sliding_window", None)
-    return -1 if window is None else int(window)
-
-
 def subset_metadata(
-    meta: CPUAttentionMetadata, requests: torch.Tensor, tokens: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype
-) -> CPUAttentionMetadata:
+    meta: Any, requests: torch.Tensor, tokens: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype
+) -> Any:
     """The CPU attention metadata of ``requests`` (indices into ``meta``'s requests) alone, their
     ``tokens`` (indices into the batch) in order."""
     starts = meta.query_start_loc
@@ -75,16 +66,10 @@ def subset_metadata(
     query_start_loc = torch.zeros(len(requests) + 1, dtype=starts.dtype)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
     seq_lens = meta.seq_lens[requests]
-    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(requests), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
-        seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=meta.causal,
-        sliding_window_size=_window(layer), isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-        kv_cache_dtype=layer.kv_cache_dtype,
-    )  # fmt: skip
-    return dataclasses.replace(
-        meta, num_actual_tokens=len(tokens), max_query_len=int(query_lens.max()), query_start_loc=query_start_loc,
-        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=meta.block_table[requests],
-        slot_mapping=meta.slot_mapping[tokens], scheduler_metadata=scheduler_metadata,
+    return vllm_compat.subset_metadata(
+        meta, layer, dtype, num_actual_tokens=len(tokens), max_query_len=int(query_lens.max()),
+        query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+        block_table=meta.block_table[requests], slot_mapping=meta.slot_mapping[tokens],
     )  # fmt: skip
 
 
@@ -96,12 +81,9 @@ class BatchDepth:
         self, token_recurrences: torch.Tensor, token_kv_budgets: torch.Tensor, plan: KVSlotPlan,
         num_tokens: int, token_gate_exit: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        context = get_forward_context()
-        metadata = context.attn_metadata
-        self.context = context
         # Every KV-cache group's metadata has the same requests and query layout; the groups differ in
         # their block tables (full-attention and sliding-window layers: loop_attention_vllm).
-        self.meta: CPUAttentionMetadata = next(iter(metadata.values()))
+        self.meta = vllm_compat.step_attention_metadata()  # vLLM's CPUAttentionMetadata
         starts = self.meta.query_start_loc.tolist()
         self.starts = starts
         first = torch.tensor(starts[:-1], dtype=torch.long)
@@ -112,7 +94,7 @@ class BatchDepth:
         self.num_tokens = num_tokens
         self.max_recurrences = max(self.recurrences)
         # (requests, id of a KV-cache group's metadata) -> that group's metadata of the requests alone
-        self._metadata: dict[tuple[tuple[int, ...], int], CPUAttentionMetadata] = {}
+        self._metadata: dict[tuple[tuple[int, ...], int], Any] = {}
         asks = token_gate_exit[first].tolist() if token_gate_exit is not None else None
         self.gate_exit = asks or [False] * len(self.recurrences)  # per request: does the gate stop it
         self.stops: GateStops | None = None  # set by stop_with_gate
@@ -158,33 +140,30 @@ class BatchDepth:
             yield
             return
         tokens = group.tokens
-        attn_metadata, slot_mapping = self.context.attn_metadata, self.context.slot_mapping
-        saved = [(layer.layer_name, attn_metadata[layer.layer_name], slot_mapping.get(layer.layer_name)) for layer in layers]
-        subsets = []
-        for layer, (_, source, _) in zip(layers, saved, strict=True):
+        metadata = []
+        for layer in layers:
+            source = vllm_compat.layer_attention_metadata(layer)
             key = (group.requests, id(source))  # each layer's own KV-cache group
             if key not in self._metadata:
                 requests = torch.tensor(group.requests, dtype=torch.long)
                 self._metadata[key] = subset_metadata(source, requests, tokens, layer, dtype)
-            subsets.append(self._metadata[key])
-        try:
-            for (name, _, slots), meta in zip(saved, subsets, strict=True):
-                attn_metadata[name] = meta
-                if slots is not None:
-                    own = slots[tokens]
-                    slot_mapping[name] = own if stopped is None else own.masked_fill(stopped, NULL_SLOT)
-            if self.stops is not None:
-                for j, layer in enumerate(layers):
-                    self.stops.record(j, layer, tokens, stopped)
-            yield
-        finally:
-            for name, old_meta, slots in saved:
-                attn_metadata[name] = old_meta
-                if slots is not None:
-                    slot_mapping[name] = slots
-            if self.stops is not None:
-                for layer in layers:
-                    vars(layer.impl).pop("do_kv_cache_update", None)
+            metadata.append(self._metadata[key])
+        slot_mappings = []
+        for layer in layers:
+            slots = vllm_compat.step_slot_mapping(layer)
+            if slots is not None:
+                slots = slots[tokens] if stopped is None else slots[tokens].masked_fill(stopped, NULL_SLOT)
+            slot_mappings.append(slots)
+        with vllm_compat.attention_for(layers, metadata, slot_mappings):
+            try:
+                if self.stops is not None:
+                    for j, layer in enumerate(layers):
+                        self.stops.record(j, layer, tokens, stopped)
+                yield
+            finally:
+                if self.stops is not None:
+                    for layer in layers:
+                        vllm_compat.unwrap_kv_cache_update(layer)
 
     def threshold_readout(self, states: list[torch.Tensor], gate: torch.nn.Module, thresholds: torch.Tensor,
                           ) -> torch.Tensor:  # fmt: skip
@@ -253,26 +232,28 @@ class GateStops:
         self, j: int, layer: torch.nn.Module, tokens: torch.Tensor, stopped: torch.Tensor | None
     ) -> None:
         """While block layer j's ``Attention`` (``layer``) runs ``tokens``, keep the KV it writes for the
-        running ones as their latest: its backend's own write (``impl.do_kv_cache_update``) is wrapped,
+        running ones as their latest: its backend's own write is wrapped (``vllm_compat.wrap_kv_cache_update``),
         so the KV is the cache's, in whatever layout the backend stores it."""
-        write = layer.impl.do_kv_cache_update
 
-        def keeping(attn, key, value, kv_cache, slot_mapping):
-            n = len(tokens)
-            running = slice(None) if stopped is None else ~stopped
-            if j not in self.latest:
-                shape = (self.depth.num_tokens, *key.shape[1:])
-                self.latest[j] = (key.new_zeros(shape), value.new_zeros(shape))
-            self.latest[j][0][tokens[running]] = key[:n][running]
-            self.latest[j][1][tokens[running]] = value[:n][running]
-            return write(attn, key, value, kv_cache, slot_mapping)
+        def keeping(write):
+            def keep(attn, key, value, kv_cache, slot_mapping):
+                n = len(tokens)
+                running = slice(None) if stopped is None else ~stopped
+                if j not in self.latest:
+                    shape = (self.depth.num_tokens, *key.shape[1:])
+                    self.latest[j] = (key.new_zeros(shape), value.new_zeros(shape))
+                self.latest[j][0][tokens[running]] = key[:n][running]
+                self.latest[j][1][tokens[running]] = value[:n][running]
+                return write(attn, key, value, kv_cache, slot_mapping)
 
-        layer.impl.do_kv_cache_update = keeping
+            return keep
+
+        vllm_compat.wrap_kv_cache_update(layer, keeping)
 
     def refill(self, step: int, kv_slots: torch.nn.ModuleList, num_layers: int) -> None:
         """Before recurrence ``step``: every stopped token of a request still at its r gets its latest
         KV (its exit recurrence's) in this recurrence's slots, as ``_ExitKV`` gives it, written by the
-        slot's backend (``do_kv_cache_update``)."""
+        slot's backend (``vllm_compat.write_kv``)."""
         depth = self.depth
         for i in self.requests:  # each request at its own plan (its budget)
             if depth.recurrences[i] <= step:
@@ -286,7 +267,7 @@ class GateStops:
                 attn = kv_slots[plan.block(step, j)].attn
                 key, value = self.latest[j]
                 slots = depth.meta.slot_mapping[own]
-                attn.impl.do_kv_cache_update(attn, key[own], value[own], attn.kv_cache, slots)
+                vllm_compat.write_kv(attn, key[own], value[own], slots)
 
 
 __all__ = ["NULL_SLOT", "BatchDepth", "GateStops", "StepGroup", "subset_metadata"]

@@ -41,6 +41,21 @@ _DEPTH_FIELD = {"exit_criterion": "gate_exit"}
 MAX_KEY = "max_num_recurrences"
 
 
+def misspelt_key(key: Any) -> str | None:
+    """The ``REQUEST_KEYS`` name that ``key`` is a near miss of (``num_recurrence``, ``kv-budget``,
+    ``NUM_RECURRENCES``), else None: such a key would be dropped and the request served at the
+    default depth with HTTP 200, so it is refused instead."""
+    import difflib
+
+    if not isinstance(key, str) or key in REQUEST_KEYS:
+        return None
+    folded = key.lower().replace("-", "_")
+    if folded in REQUEST_KEYS:
+        return folded
+    close = difflib.get_close_matches(folded, REQUEST_KEYS, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 class DepthError(ValueError):
     """A request's depth field the server cannot honour; ``field`` names it (e.g. ``kv_budget``)."""
 
@@ -156,6 +171,11 @@ class ServedDepth:
         field in the message (``vllm_xargs.``). Raises ``DepthError`` naming the field, the value and the
         allowed range."""
         args = args or {}
+        for key in args:
+            meant = misspelt_key(key)
+            if meant is not None:
+                raise DepthError(f"{where}{key}", f"{where}{key}={args[key]!r}: not a depth field; did you mean "
+                                                  f"{meant!r}? (the fields are {list(REQUEST_KEYS)})")  # fmt: skip
         ranges = self._ranges()
 
         def bad(key: str) -> DepthError:
@@ -206,4 +226,4 @@ class ServedDepth:
                 )
 
 
-__all__ = ["MAX_KEY", "REQUEST_KEYS", "DepthError", "RequestDepth", "ServedDepth"]
+__all__ = ["MAX_KEY", "REQUEST_KEYS", "DepthError", "RequestDepth", "ServedDepth", "misspelt_key"]

@@ -13,7 +13,9 @@ that could set them when a looped folder is loaded: its per-architecture hooks a
 (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``), ``ModelRegistry.register_model`` takes the
 model class only, and vLLM reads no engine setting from a model class or its config. So they are
 arguments the user passes, and an engine built without them never serves a request at a depth other
-than the one it asked for.
+than the one it asked for: ``vllm serve FOLDER`` or ``vllm.LLM(FOLDER)`` without them stops while vLLM
+builds the engine's config, before any engine process starts (``check_engine_config``, the one
+entry of that private table the plugin adds, through ``vllm_compat``: it refuses, it sets nothing).
 
 The settings, each only where the served depths need it (``depth.ServedDepth``):
 
@@ -39,12 +41,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from . import CPU_NORM_OPS, CPU_NORM_PROVIDER, check_servable
 from .depth import MAX_KEY, ServedDepth
-from .plugin import guard_name
+from .plugin import remember
 
 #: The CPU worker that hands each request's depth to the model (``worker.LoopedCPUWorker``).
 WORKER_CLS = "looped_hf.serving.worker.LoopedCPUWorker"
@@ -65,25 +68,18 @@ def on_cpu() -> bool:
 
 
 def _served_config(model: Any, overrides: Mapping[str, Any]) -> Any:
-    """``model``'s ``LoopedConfig`` (read from a folder or Hub id, or a copy of the config given) with
-    ``overrides`` applied as vLLM applies ``hf_overrides`` (``config.update``). A key that is neither a
-    config field nor ``max_num_recurrences`` is refused: vLLM would set it and nothing would read it."""
+    """``model``'s ``LoopedConfig`` (read from a folder or Hub id, or the config given, of its own class:
+    a per-loop LoRA retrofit's too) with ``overrides``, the engine's ``hf_overrides``, applied by
+    ``model_types.with_overrides`` (a copy; the config given is unchanged). A key that is neither a config
+    field nor ``max_num_recurrences`` is refused: vLLM would set it and nothing would read it."""
     from ..configuration_looped import LoopedConfig
-    from ..model_types import load_config
+    from ..model_types import load_config, with_overrides
 
-    if isinstance(model, LoopedConfig):  # a copy, of its own class (a per-loop LoRA retrofit's too)
-        config = type(model).from_dict(model.to_dict())
-    elif isinstance(model, str | os.PathLike):
-        config = load_config(model)
-    else:
+    if isinstance(model, str | os.PathLike):
+        model = load_config(model)
+    elif not isinstance(model, LoopedConfig):
         raise TypeError(f"model={model!r}: give a looped checkpoint's folder (or Hub id) or its LoopedConfig")
-    for key, value in overrides.items():
-        if key != MAX_KEY and not hasattr(config, key):
-            raise ValueError(
-                f"{key}={value!r}: not a LoopedConfig field (nor {MAX_KEY}), so no setting of the engine"
-            )
-    config.update(dict(overrides))
-    return config
+    return with_overrides(model, overrides, extra=(MAX_KEY,))
 
 
 def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> dict[str, Any]:
@@ -95,6 +91,12 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
     device (default: CPU when torch sees no CUDA device). The module docstring lists the settings
     and why; only the ones the served depths need are returned. Raises ``ValueError`` in one line
     naming the field for a checkpoint or override that cannot be served."""
+    if isinstance(model, str | os.PathLike) and os.path.isdir(model):
+        # The folder's generation_config.json sets the served default depth, as it does generate()'s.
+        from ..generation_looped import saved_generation_depth
+
+        saved = saved_generation_depth(model)
+        overrides = {key: saved[key] for key in ("num_recurrences", "kv_budget") if key in saved} | overrides
     config = _served_config(model, overrides)
     cpu = device == "cpu" if device is not None else on_cpu()
     check_servable(config, device="cpu" if cpu else None)
@@ -115,8 +117,9 @@ def engine_args(model: Any, *, device: str | None = None, **overrides: Any) -> d
 
 
 def guard_processor(served: ServedDepth) -> str:
-    """The request guard of a server of ``served`` depths, as vLLM loads a logits processor by name."""
-    return f"{guard_name.__module__}:{guard_name(served)}"
+    """The request guard of a server of ``served`` depths, as vLLM loads a logits processor by name (its
+    bounds kept in this process: ``plugin.remember``)."""
+    return f"{remember.__module__}:{remember(served)}"
 
 
 def _flag(name: str) -> str:
@@ -201,8 +204,53 @@ def check_engine_settings(vllm_config: Any, on_cpu: bool) -> None:
         )  # fmt: skip
 
 
+class LoopedEngineError(RuntimeError):
+    """An engine's config that cannot serve a looped folder, refused while vLLM builds it (one line).
+    Not a ``ValueError``: vLLM's config is a pydantic dataclass, which folds a ``ValueError`` raised
+    while it is built into a multi-line ``ValidationError``."""
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """vLLM's check of an engine's config for the looped architectures (``plugin.register`` adds it,
+    ``vllm_compat.check_config_on_build``): run while vLLM builds the config of ``vllm serve`` or
+    ``vllm.LLM``, before any engine process starts. Refuses, in one ``LoopedEngineError`` line, a config
+    the model cannot serve (``check_servable``) or one built without ``engine_args``' settings
+    (``engine_setting_problems``), naming ``looped-hf serve`` and ``engine_args(FOLDER)``; keeps the
+    served depths as the request guard's bounds in this process (``plugin.remember``). Changes nothing."""
+    model_config = vllm_config.model_config
+    on_cpu = vllm_config.device_config.device_type == "cpu"
+    parallel = vllm_config.parallel_config
+    try:
+        check_servable(model_config.hf_config, pipeline_parallel_size=parallel.pipeline_parallel_size,
+                       tensor_parallel_size=parallel.tensor_parallel_size, device="cpu" if on_cpu else None)  # fmt: skip
+        remember(ServedDepth.from_config(model_config.hf_config, per_request=on_cpu))
+        check_engine_settings(vllm_config, on_cpu=on_cpu)
+    except ValueError as err:
+        _one_line_when_uncaught()
+        raise LoopedEngineError(f"{model_config.model}: {err}") from None
+
+
+def _one_line_when_uncaught() -> None:
+    """Print an uncaught ``LoopedEngineError`` as its one line, not a traceback through vLLM's config
+    code (``vllm serve FOLDER`` ends with it); any other exception goes to the hook there was."""
+    previous = sys.excepthook
+    if getattr(previous, "looped_hf", False):
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if issubclass(kind, LoopedEngineError):
+            print(f"{kind.__name__}: {error}", file=sys.stderr)
+        else:
+            previous(kind, error, traceback)
+
+    hook.looped_hf = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 __all__ = [
+    "LoopedEngineError",
     "WORKER_CLS",
+    "check_engine_config",
     "on_cpu",
     "check_engine_settings",
     "cpu_norm_priority",

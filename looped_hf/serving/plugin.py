@@ -1,7 +1,7 @@
 """The ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls ``register()`` in each of its
 processes before it reads a model's config.
 
-It makes three things known to vLLM, each through vLLM's public registration:
+It makes four things known to vLLM, the first three through vLLM's public registration:
 
 - ``LoopedConfig`` to transformers' ``AutoConfig`` under model_type ``looped``, so vLLM builds a
   looped folder's config from the installed looped_hf, with no ``--trust-remote-code`` (a folder's
@@ -10,13 +10,19 @@ It makes three things known to vLLM, each through vLLM's public registration:
   imported lazily, in the process that builds the model), and so ``LoopLoRAForCausalLM``, a per-loop
   LoRA retrofit's (the same class applies its deltas, ``loop_lora_vllm``), whose ``LoopLoRAConfig``
   is registered too;
-- on CPU, vLLM's CPU RMSNorm kernels as an implementation of its IR ops (``cpu_norm``).
+- on CPU, vLLM's CPU RMSNorm kernels as an implementation of its IR ops (``cpu_norm``);
+- the looped architectures' check of an engine's config (``engine.check_engine_config``), which vLLM
+  runs while it builds the config, before any engine process starts: ``vllm serve FOLDER`` or
+  ``vllm.LLM(FOLDER)`` without ``engine.engine_args``' settings stops there in one line naming
+  ``looped-hf serve`` and ``engine_args(FOLDER)``. vLLM has no public hook for this; it is the one
+  entry the plugin writes into vLLM's tables (``MODELS_CONFIG_MAP``, through ``vllm_compat``), and it
+  only refuses: it changes no setting.
 
-It writes into none of vLLM's tables. The engine settings a looped folder needs (prefix caching and
-chunked prefill off where requests' depths need it, the CPU worker that hands each request's depth
-to the model, the request guard below) are ``engine.engine_args``, passed by the user or by
-``looped-hf serve``; vLLM has no public per-model hook that could set them, and the model refuses an
-engine built without them.
+The engine settings a looped folder needs (prefix caching and chunked prefill off where requests'
+depths need it, the CPU worker that hands each request's depth to the model, the request guard
+below) are ``engine.engine_args``, passed by the user or by ``looped-hf serve``; vLLM has no public
+per-model hook that could set them, and an engine built without them is refused before it starts
+(and, should a config be built some other way, by the model when it is built).
 
 Each request runs at its own depth (``depth.ServedDepth``: num_recurrences, kv_budget,
 exit_threshold, within the server's bounds), and one outside them is refused, never served at
@@ -30,44 +36,55 @@ another depth in silence. Two guards do it:
   the user's data (prompts, messages, JSON schemas, tool definitions) are not options and are not read.
 - a logits processor whose ``validate_params`` runs ``ServedDepth.resolve`` at admission on
   ``SamplingParams.extra_args`` (``vllm_xargs``; the offline ``vllm.LLM``). Its ``apply`` changes
-  nothing. The server's bounds are in the guard's name (``guard_name``), made on demand by this
-  module's ``__getattr__``, so vLLM can load it by name in every process.
+  nothing. vLLM loads a logits processor by name in each process, so each server's guard is a
+  class named for a digest of its bounds (``guard_name``), made on demand by this module's
+  ``__getattr__``; the bounds themselves are data (``ServedDepth``), kept by name (``remember``) from
+  the served config when vLLM builds the engine's config (``engine.check_engine_config``), and by
+  ``engine.engine_args``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import json
-import re
 from collections.abc import Iterator
 from typing import Any
 
 from . import VLLM_ARCHITECTURES, VLLM_MODEL_CLASS
-from .depth import REQUEST_KEYS, DepthError, ServedDepth
+from .depth import REQUEST_KEYS, DepthError, ServedDepth, misspelt_key
 
-_GUARD_NAME = re.compile(r"DepthGuard_r(\d+)_max(\d+)_k(\d+)_t(none|[0-9pem]+)_(locked|free)(_default_only)?")
+_GUARD_PREFIX = "DepthGuard_"
+#: Each guard's bounds by its name, in this process (``remember``).
+_SERVED: dict[str, ServedDepth] = {}
 
 
 def guard_name(served: ServedDepth) -> str:
-    """The request guard's class name for a server's depths (``ServedDepth``; k 0: no budget). vLLM reads
-    a dot in the name as an attribute path, so the threshold's is a ``p`` (and a minus an ``m``)."""
-    threshold = (
-        "none"
-        if served.exit_threshold is None
-        else repr(served.exit_threshold).replace(".", "p").replace("-", "m")
-    )
-    lock = "locked" if served.locked else "free"
-    only = "" if served.per_request else "_default_only"  # a platform without per-request depth
-    return (
-        f"DepthGuard_r{served.num_recurrences}_max{served.max_num_recurrences}_k{served.kv_budget or 0}"
-        f"_t{threshold}_{lock}{only}"
-    )
+    """The request guard's class name for a server's depths: a digest of ``served`` (the same bounds, the
+    same name, in every process), no dot (vLLM reads one as an attribute path). The name identifies the
+    guard; its bounds are ``served`` itself, kept by ``remember``."""
+    data = json.dumps(dataclasses.asdict(served), sort_keys=True)
+    return _GUARD_PREFIX + hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-def _served_from_name(name: str) -> ServedDepth:
-    r, ceiling, k, threshold, lock, only = _GUARD_NAME.fullmatch(name).groups()
-    threshold = None if threshold == "none" else float(threshold.replace("p", ".").replace("m", "-"))
-    return ServedDepth(int(r), int(ceiling), int(k) or None, threshold, lock == "locked", only is None)
+def remember(served: ServedDepth) -> str:
+    """Keep ``served`` as the bounds of its guard (``guard_name``) in this process; return the name."""
+    name = guard_name(served)
+    _SERVED[name] = served
+    return name
+
+
+def served_by_guard(name: str) -> ServedDepth:
+    """The bounds of the guard ``name`` (``remember``). A ``LookupError`` when this process has not seen
+    them: vLLM built the engine's config elsewhere, without the looped check (``engine.check_engine_config``)."""
+    served = _SERVED.get(name)
+    if served is None:
+        raise LookupError(
+            f"logits processor {name!r}: no looped server's depths in this process have this guard; build the "
+            "engine with looped_hf.serving.engine_args(FOLDER) or serve it with `looped-hf serve`"
+        )
+    return served
 
 
 # Fields whose keys are the user's data, not options: a JSON schema may well have a property named
@@ -109,6 +126,10 @@ def map_body(parsed: Any, served: ServedDepth) -> tuple[Any, tuple[str, str] | N
             path,
             f"{path}={value!r}: not read there; set {key} at the top of the body or in vllm_xargs",
         )
+    for key, value in parsed.items():  # a near miss at the top would be dropped by vLLM in silence
+        meant = misspelt_key(key)
+        if meant is not None:
+            return parsed, (key, f"{key}={value!r}: not a depth field; did you mean {meant!r}?")
     top = {key: parsed[key] for key in REQUEST_KEYS if key in parsed}
     for key, value in top.items():
         if xargs is not None and key in xargs and xargs[key] != value:
@@ -196,15 +217,13 @@ def _make_guard(name: str) -> type:
     """The guard class called ``name``, made once per process (vLLM resolves it by name)."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    served = _served_from_name(name)
-
     class DepthGuard(LogitsProcessor):
         @classmethod
         def validate_params(cls, sampling_params) -> None:
-            served.resolve(sampling_params.extra_args)
+            served_by_guard(name).resolve(sampling_params.extra_args)
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:
-            pass
+            pass  # the engine runs no admission check: the config's check (frontend) remembered the bounds
 
         def apply(self, logits):
             return logits
@@ -221,22 +240,25 @@ def _make_guard(name: str) -> type:
 
 
 def __getattr__(name: str) -> type:
-    # vLLM loads logits processors by "module:name" in each process; the name carries the server's depths.
-    if _GUARD_NAME.fullmatch(name):
+    # vLLM loads logits processors by "module:name" in each process (``guard_name``).
+    if name.startswith(_GUARD_PREFIX) and len(name) == len(_GUARD_PREFIX) + 16:
         return _make_guard(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
-    """Register the looped config and model with vLLM and, on CPU, vLLM's CPU RMSNorm kernels as an IR
-    implementation (``cpu_norm``; used only where an engine's ``ir_op_priority`` names it). Idempotent.
-    Only public registration: the engine settings a looped folder needs are ``engine.engine_args``."""
+    """Register the looped config and model with vLLM, on CPU vLLM's CPU RMSNorm kernels as an IR
+    implementation (``cpu_norm``; used only where an engine's ``ir_op_priority`` names it), and the check
+    of an engine's config (``engine.check_engine_config``, through ``vllm_compat``). Idempotent. The
+    engine settings a looped folder needs are ``engine.engine_args``."""
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
     from ..configuration_looped import LoopedConfig
     from ..retrofit.loop_lora import LoopLoRAConfig
+    from . import vllm_compat
     from .cpu_norm import register as register_cpu_norm
+    from .engine import check_engine_config
 
     for config in (LoopedConfig, LoopLoRAConfig):
         AutoConfig.register(config.model_type, config, exist_ok=True)
@@ -244,3 +266,4 @@ def register() -> None:
         if architecture not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(architecture, VLLM_MODEL_CLASS)
     register_cpu_norm()
+    vllm_compat.check_config_on_build(VLLM_ARCHITECTURES, check_engine_config)

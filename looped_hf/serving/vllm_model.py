@@ -81,7 +81,6 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import GeluAndMul, ReLUSquaredActivation, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -110,7 +109,7 @@ from ..recurrent_block_looped import (
     exit_gate_probabilities,
     threshold_readout,
 )
-from . import check_servable
+from . import check_servable, vllm_compat
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
@@ -131,9 +130,7 @@ def attention_head_size(head_dim: int) -> int:
     above them all), elsewhere ``head_dim`` itself."""
     if not current_platform.is_cpu():
         return head_dim
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return min(size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= head_dim)
+    return min(size for size in vllm_compat.cpu_attention_head_sizes() if size >= head_dim)
 
 
 def _norm(config: LoopedConfig, size: int | None = None) -> RMSNorm:
@@ -177,19 +174,29 @@ class _LoopedAttention(nn.Module):
             rope_parameters=dict(config.rope_parameters),
             dtype=getattr(torch, table_dtype) if table_dtype else vllm_config.model_config.dtype,
         )  # fmt: skip
-        self.qk_norm = config.qk_norm
-        if self.qk_norm == "learnable_before_rope":  # Qwen3's: per head
+        # Chosen here, not branched in forward: the QK-norm before RoPE and the one after it (or None).
+        self.norm_before_rope = self.norm_after_rope = None
+        if config.qk_norm == "learnable_before_rope":  # Qwen3's: per head
             self.q_norm, self.k_norm = _norm(config, self.head_dim), _norm(config, self.head_dim)
-        elif self.qk_norm == "learnable_projection_before_rope":
+            self.norm_before_rope = self._per_head_norm
+        elif config.qk_norm == "learnable_projection_before_rope":
             # OLMo-2's: one norm over all heads of q (of k). Its RMS spans every head, so it needs the
             # whole projection: check_servable refuses tensor parallelism with it.
             self.q_norm, self.k_norm = _norm(config, self.q_size), _norm(config, self.kv_size)
-        elif self.qk_norm == "after_rope":  # the study's: per head, no weight
+            self.norm_before_rope = self._projection_norm
+        elif config.qk_norm == "after_rope":  # the study's: per head, no weight
             self.qk_rms = RMSNorm(self.head_dim, eps=config.rms_norm_eps, has_weight=False)
+            self.norm_after_rope = self._after_rope_norm
 
     def _heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``norm`` over each head of ``x`` (tokens, heads * head_dim)."""
         return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
+
+    def _per_head_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._heads(self.q_norm, q), self._heads(self.k_norm, k)
+
+    def _projection_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
 
     def _after_rope_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The study's QK-norm, one weightless norm over every head of q and of k, in one call: the
@@ -210,13 +217,11 @@ class _LoopedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn: Attention) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "learnable_before_rope":
-            q, k = self._heads(self.q_norm, q), self._heads(self.k_norm, k)
-        elif self.qk_norm == "learnable_projection_before_rope":
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.norm_before_rope is not None:
+            q, k = self.norm_before_rope(q, k)
         q, k = self.rotary_emb(positions, q, k)
-        if self.qk_norm == "after_rope":
-            q, k = self._after_rope_norm(q, k)
+        if self.norm_after_rope is not None:
+            q, k = self.norm_after_rope(q, k)
         if self.attn_head_size == self.head_dim:
             out = attn(q, k, v)
         else:
@@ -401,7 +406,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         hc = self.hyperconnection
         h = self.initial_state(e)
         lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        split = self.injection_split(e) if self.config.input_injection == "linear" else None
+        split = self.injection_split(e)
         positions, states, stops = self.positions, [], depth.stops
         for step in range(depth.max_recurrences):
             if stops is not None:  # the gate's exit: stopped tokens offer their latest KV (batch_depth)
@@ -580,7 +585,7 @@ class LoopedVllmModel(nn.Module):
         all run the served default: every token at the default r and budget and the config's threshold)."""
         plan = self.plan
         depth = None
-        if token_recurrences is not None and get_forward_context().attn_metadata is not None:
+        if token_recurrences is not None and vllm_compat.has_attention_metadata():
             num_tokens = positions.shape[0]
             depth = BatchDepth(token_recurrences, token_kv_budgets, plan, num_tokens, token_gate_exit)
             if token_gate_exit is not None:
@@ -656,8 +661,9 @@ class LoopedForCausalLM(nn.Module, SupportsLoRA):
         the compiled graph was traced without depth tensors and would ignore them)."""
         if token_recurrences is None:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-        return self.model.forward(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
-                                  token_kv_budgets, token_exit_thresholds, token_gate_exit)  # fmt: skip
+        forward = vllm_compat.eager_forward(self.model)
+        return forward(input_ids, positions, intermediate_tensors, inputs_embeds, token_recurrences,
+                       token_kv_budgets, token_exit_thresholds, token_gate_exit)  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The head's logits, cropped to the vocabulary, then the soft-cap as ``generate()`` runs it

