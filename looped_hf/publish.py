@@ -8,7 +8,7 @@
 The folder (default ``RUN_DIR/publish``) holds ``config.json`` (with ``auto_map``),
 ``model.safetensors``, ``configuration_looped.py``, ``modeling_looped.py`` and the files it
 imports, ``recurrent_block_looped.py``, ``decoder_layers_looped.py``, ``interface_looped.py``, ``generation_looped.py``,
-``accounting_looped.py`` and ``loop_attention_looped.py`` (the remote code),
+``accounting_looped.py``, ``loop_attention_looped.py`` and ``config_rules_looped.py`` (the remote code),
 ``generation_config.json``, the tokenizer files and ``README.md`` (the model card). The model
 is re-saved through ``from_pretrained`` + ``save_pretrained`` so the code files are this
 version's and ``use_cache`` is on (the Trainer saves it off). The folder is built in a temporary
