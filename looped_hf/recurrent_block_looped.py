@@ -38,6 +38,8 @@ from .parcae_looped import (
     post_loop_projection,
 )
 
+from .loop_attention_looped import loop_attention_kv
+
 
 class LoopedHyperConnection(nn.Module):
     """Hyperconnections at loop boundaries (the study's probe; Zhu et al. 2024 applied per layer).
@@ -336,6 +338,8 @@ class LoopedRecurrentBlock:
         self.cache = layer_kwargs.get("cache")
         self.num_new_tokens = num_new_tokens
         self.legacy = self.config.looped_format == 1
+        # Gated global + local loop attention (loop_attention_looped.py): None without the option.
+        self.loop_attention = loop_attention_kv(model, plan)
         # The rules without parameters, chosen once by ``build_loop_modules`` (no string branch here).
         self.initial_state_rule, self.injection_rule = model.initial_state_rule, model.injection_rule
 
@@ -372,7 +376,10 @@ class LoopedRecurrentBlock:
         tokens attend to their fresh KV. Same here: an overwritten writer writes, attends, then
         crops its tokens back out."""
         slot = self.plan.block(step, j)
-        x = layer(x, cache_index=slot, **self.layer_kwargs)[0]
+        kwargs = self.layer_kwargs
+        if self.loop_attention is not None:
+            kwargs = {**kwargs, "loop_attention": self.loop_attention.at(step, j)}
+        x = layer(x, cache_index=slot, **kwargs)[0]
         if self.cache is not None and self.plan.overwritten(step):
             crop_slot(self.cache.layers[slot], self.num_new_tokens)
         return x
@@ -417,6 +424,9 @@ class LoopedRecurrentBlock:
         state = None  # the state after the last recurrence run; exit's criterion starts from h_0
         exit_ = None
         keep_states = exit_rule is not None or output_recurrent_states
+        if exit_rule is not None and self.loop_attention is not None:
+            raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with loop_attention (recurrences >= 2 read "
+                             "recurrence 1's KV of every token)")  # fmt: skip
         if exit_rule is not None:
             # Adaptive exit gives the block its own view of the cache (stopped tokens' latest KV).
             exit_kv = _ExitKV(self.cache, self.plan)
