@@ -72,9 +72,8 @@ from .interface_looped import (
     check_token_ids,
     warn_past_positions,
 )
-from .parcae_looped import DiagonalInjection, build_parcae_modules, value_embedding_lookup
-
 from .loop_attention_looped import build_loop_attention
+from .parcae_looped import DiagonalInjection, build_parcae_modules, value_embedding_lookup
 from .recurrent_block_looped import (
     GateExit,
     LoopedHyperConnection,

@@ -31,14 +31,13 @@ from transformers import initialization as init
 from .configuration_looped import LoopedConfig
 from .generation_looped import KVSlotPlan, _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
+from .loop_attention_looped import loop_attention_kv
 from .parcae_looped import (
     DiagonalInjection,
     diagonal_injection,
     like_init_initial_state,
     post_loop_projection,
 )
-
-from .loop_attention_looped import loop_attention_kv
 
 
 class LoopedHyperConnection(nn.Module):
