@@ -39,7 +39,10 @@ def parameter_groups(base: nn.Module) -> dict[str, list[nn.Parameter]]:
         if module is not None:
             once += list(module.parameters())
     recurrent = list(base.recurrent_layers.parameters())
-    for module in (base.injection, base.hyperconnection, getattr(base, "exit_gate", None)):
+    # IQuest's loop-attention gates (``gate_projections``, loop_attention_looped.py) run at every
+    # recurrence after the first: with the block, as the exit gate.
+    loop_gates = getattr(base, "gate_projections", None)
+    for module in (base.injection, base.hyperconnection, getattr(base, "exit_gate", None), loop_gates):
         if module is not None:
             recurrent += list(module.parameters())
     embedding = list(base.embed_tokens.parameters())

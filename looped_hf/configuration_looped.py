@@ -93,6 +93,11 @@ STATE_INITS = ("prelude", "zeros", "noise", "truncated_normal", "like_init")
 # qk_norm_eps: "torch_default" is F.rms_norm's eps=None, finfo(dtype).eps of q and k (Parcae's QK norm).
 QK_NORM_EPS_DEFAULTS = ("torch_default",)
 ROPE_TABLE_DTYPES = ("bfloat16", "float16", "float32")
+# How the shared block's attention reads the past at recurrences >= 2 (loop_attention_looped.py).
+# "gated_global_local" (IQuest-Coder-V1-Loop): each block layer's query attends to recurrence 1's
+# K/V of that layer over the whole prefix (global) and to its own recurrence's K/V within the last
+# ``loop_window_size`` positions (local), mixed per head by g = sigmoid(q . W_h + b_h).
+LOOP_ATTENTIONS = ("gated_global_local",)
 # "relu2" is the study's non-gated squared ReLU; the others are gated (SwiGLU-style) as in Llama.
 HIDDEN_ACTS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
 # Per-token adaptive exit (Huginn, seal-rg/recurrent-pretraining raven_modeling_minimal.py
@@ -232,6 +237,17 @@ class LoopedConfig(PreTrainedConfig):
         a readout other than the last recurrence's, or the entropy loss, needs step t's logits,
         so it is refused with coda layers (each step would need its own coda pass). ``forward``
         and ``generate`` accept ``exit_gate_output=`` and ``exit_gate_threshold=`` per call.
+    loop_attention, loop_window_size:
+        ``None`` (default): every recurrence's attention is the plain causal one over its own
+        K/V. ``"gated_global_local"`` (IQuest-Coder-V1-Loop; ``loop_attention_looped.py``): the
+        first recurrence is plain; at every later one, block layer j's query q (after RoPE)
+        attends to the first recurrence's K/V of layer j over the whole prefix (global) and to
+        its own recurrence's K/V within the last ``loop_window_size`` positions, itself included
+        (local); the two outputs are mixed per head and position by g = sigmoid(q . W_h + b_h),
+        ``model.gate_projections.j`` (weight (heads, head_dim), bias (heads)):
+        g * global + (1 - g) * local. The cache keeps recurrence 1's slots in full and only the
+        last ``loop_window_size`` - 1 positions of the later ones, so decoding gives the prefill's
+        logits. Refused with ``kv_budget``, adaptive exit and a QK-norm.
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
         ``"learnable_before_rope"`` (Qwen3: a learnable per-head scale, before RoPE),
@@ -392,6 +408,9 @@ class LoopedConfig(PreTrainedConfig):
     recurrent_num_key_value_heads: int | None = at_least(1, why="None: num_key_value_heads")(default=None)
     value_embedding_layers: list[int] | None = None
     value_embedding_gate_channels: int = at_least(1)(default=32)
+
+    loop_attention: Literal[LOOP_ATTENTIONS] | None = None
+    loop_window_size: int | None = at_least(1, why="the local window, in positions")(default=None)
     num_hidden_layers: int | None = None
     looped_format: Literal[LOOPED_FORMATS] = LOOPED_FORMAT
 
@@ -540,6 +559,28 @@ class LoopedConfig(PreTrainedConfig):
             field = "exit_gate_output" if self.exit_gate_output != "last" else "exit_gate_entropy_beta"
             raise self._bad(field, f"needs every recurrence's logits, which num_coda_layers={self.num_coda_layers} "
                                    "would decode with a coda pass per step; use num_coda_layers=0")  # fmt: skip
+
+    def validate_loop_attention(self) -> None:
+        """IQuest's gated global + local loop attention (``loop_attention``): its window, and the
+        settings its cache layout cannot serve."""
+        if self.loop_attention is None:
+            if self.loop_window_size is not None:
+                raise self._bad("loop_window_size", "needs loop_attention='gated_global_local'")
+            return
+        if self.loop_window_size is None:
+            raise self._bad("loop_attention", "needs loop_window_size (the local window, in positions)")
+        # Recurrences >= 2 read recurrence 1's K/V of every past token and their own within the
+        # window, so each recurrence keeps its own slots, and a token's KV is that of every step.
+        refusals = (
+            ("kv_budget", self.kv_budget is not None, "recurrence 1's KV is read by every later recurrence"),
+            ("exit_criterion", self.exit_criterion not in (None, "none"),
+             "an exited token would offer a stale recurrence's KV to the global and local reads"),
+            ("qk_norm", self.qk_norm != "none", "the gated attention projects q and k without a QK-norm"),
+            ("looped_format", self.looped_format != LOOPED_FORMAT, f"needs looped_format={LOOPED_FORMAT}"),
+        )  # fmt: skip
+        for field, refused, why in refusals:
+            if refused:
+                raise self._bad(field, f"refused with loop_attention={self.loop_attention!r}: {why}")
 
     def validate_token_ids(self) -> None:
         # Stricter than transformers' (which only warns): a special token outside the vocabulary

@@ -19,7 +19,8 @@ True)`` at a fixed r); an unknown keyword raises ``TypeError``. Beside it, shipp
 checkpoint as remote code: ``decoder_layers_looped.py`` (the layers), ``recurrent_block_looped.py``
 (the loop), ``interface_looped.py``
 (outputs, keywords, the attention mask), ``generation_looped.py`` (KV budget, adaptive exit,
-self-drafting) and ``accounting_looped.py`` (parameters and FLOPs). It imports only torch,
+self-drafting), ``accounting_looped.py`` (parameters and FLOPs) and ``loop_attention_looped.py``
+(IQuest's gated loop attention, ``config.loop_attention``). It imports only torch,
 transformers and those modules.
 """
 
@@ -72,6 +73,7 @@ from .interface_looped import (
     check_token_ids,
     warn_past_positions,
 )
+from .loop_attention_looped import build_loop_attention
 from .parcae_looped import DiagonalInjection, build_parcae_modules, value_embedding_lookup
 from .recurrent_block_looped import (
     GateExit,
@@ -274,6 +276,7 @@ class LoopedModel(LoopedPreTrainedModel):
         self.recurrent_layers = nn.ModuleList(layer(config, config.recurrent_num_key_value_heads)
                                               for _ in range(config.num_recurrent_layers))  # fmt: skip
         self.coda_layers = nn.ModuleList(layer(config) for _ in range(config.num_coda_layers))
+        build_loop_attention(self, config)  # IQuest's gated loop attention, or nothing
         norm = lambda: LoopedRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # noqa: E731
         build_loop_modules(self, config, norm, exit_gate=exit_gate)
         build_parcae_modules(self, config, norm)  # prelude norm, C, value embeddings: each None unless set

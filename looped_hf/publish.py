@@ -7,8 +7,9 @@
 
 The folder (default ``RUN_DIR/publish``) holds ``config.json`` (with ``auto_map``),
 ``model.safetensors``, ``configuration_looped.py``, ``modeling_looped.py`` and the files it
-imports, ``recurrent_block_looped.py``, ``decoder_layers_looped.py``, ``parcae_looped.py``, ``interface_looped.py``, ``generation_looped.py`` and
-``accounting_looped.py`` (the remote code; a per-loop LoRA model's folder ``loop_lora_looped.py`` too),
+imports, ``recurrent_block_looped.py``, ``decoder_layers_looped.py``, ``parcae_looped.py``, ``interface_looped.py``, ``generation_looped.py``,
+``accounting_looped.py``, ``loop_attention_looped.py`` and ``config_rules_looped.py`` (the remote code; a per-loop LoRA
+model's folder ``loop_lora_looped.py`` too),
 ``generation_config.json``, the tokenizer files and ``README.md`` (the model card). The model
 is re-saved through ``from_pretrained`` + ``save_pretrained`` so the code files are this
 version's and ``use_cache`` is on (the Trainer saves it off). The folder is built in a temporary
@@ -52,9 +53,8 @@ WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json")
 #: Files every published folder has (plus README.md and at least one tokenizer file).
 REQUIRED_OUTPUT = ("config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py",
                    "config_rules_looped.py", "interface_looped.py", "generation_looped.py", "accounting_looped.py",
-                   "recurrent_block_looped.py", "decoder_layers_looped.py", "parcae_looped.py",
-                   "generation_config.json",
-                   "tokenizer_config.json", "README.md")  # fmt: skip
+                   "recurrent_block_looped.py", "decoder_layers_looped.py", "parcae_looped.py", "loop_attention_looped.py",
+                   "generation_config.json", "tokenizer_config.json", "README.md")  # fmt: skip
 #: Model type -> the remote code its folder has besides (the per-loop LoRA model's own file).
 REQUIRED_BY_MODEL_TYPE = {"looped_loop_lora": ("loop_lora_looped.py",)}
 # A Hub user access token: "hf_" + 30+ letters/digits. Checked before any upload.

@@ -31,6 +31,7 @@ from transformers import initialization as init
 from .configuration_looped import LoopedConfig
 from .generation_looped import KVSlotPlan, _AdaptiveExit, _ExitKV
 from .interface_looped import crop_slot
+from .loop_attention_looped import loop_attention_kv
 from .parcae_looped import (
     DiagonalInjection,
     diagonal_injection,
@@ -338,6 +339,8 @@ class LoopedRecurrentBlock:
         self.legacy = self.config.looped_format == 1
         # A per-loop LoRA model's deltas (``loop_lora_looped.LoopLoRA``: ``steps[t][j]``), else None.
         self.loop_lora = getattr(model, "loop_lora", None)
+        # Gated global + local loop attention (loop_attention_looped.py): None without the option.
+        self.loop_attention = loop_attention_kv(model, plan)
         # The rules without parameters, chosen once by ``build_loop_modules`` (no string branch here).
         self.initial_state_rule, self.injection_rule = model.initial_state_rule, model.injection_rule
 
@@ -380,11 +383,13 @@ class LoopedRecurrentBlock:
         its last writer's KV, while each writer's own tokens attend to their fresh KV. Same here: an
         overwritten writer writes, attends, then crops its tokens back out."""
         slot = self.plan.block(step, j)
+        kwargs = self.layer_kwargs
+        if self.loop_attention is not None:
+            kwargs = {**kwargs, "loop_attention": self.loop_attention.at(step, j)}
         deltas = self.loop_deltas(step, j)
-        if deltas is None:
-            x = layer(x, cache_index=slot, **self.layer_kwargs)[0]
-        else:
-            x = layer(x, cache_index=slot, loop_deltas=deltas, **self.layer_kwargs)[0]
+        if deltas is not None:
+            kwargs = {**kwargs, "loop_deltas": deltas}
+        x = layer(x, cache_index=slot, **kwargs)[0]
         if self.cache is not None and self.plan.overwritten(step):
             crop_slot(self.cache.layers[slot], self.num_new_tokens)
         return x
@@ -429,6 +434,9 @@ class LoopedRecurrentBlock:
         state = None  # the state after the last recurrence run; exit's criterion starts from h_0
         exit_ = None
         keep_states = exit_rule is not None or output_recurrent_states
+        if exit_rule is not None and self.loop_attention is not None:
+            raise ValueError(f"exit_criterion={exit_rule[0]!r}: refused with loop_attention (recurrences >= 2 read "
+                             "recurrence 1's KV of every token)")  # fmt: skip
         if exit_rule is not None:
             # Adaptive exit gives the block its own view of the cache (stopped tokens' latest KV).
             exit_kv = _ExitKV(self.cache, self.plan)

@@ -24,7 +24,7 @@ from conftest import FIXTURES, REPO, fixture_path
 
 #: The repository's budget for all test data together (a fresh clone stays small). 12 MiB since the
 #: published looped LMs' tiny checkpoints (zoo/, about 3.3 MB with Ouro's) joined the study's 6.4 MB;
-#: 14 MiB with this year's (zoo2/: Parcae's 1.0 MB, issue 53).
+#: 14 MiB with this year's (zoo2/: Parcae's 1.0 MB).
 BUDGET_BYTES = 14 * 1024 * 1024
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([\d,]+)\s*\|\s*([0-9a-f]{64})\s*\|\s*$")
 SETS = sorted(p for p in FIXTURES.iterdir() if p.is_dir()) if FIXTURES.is_dir() else []

@@ -47,7 +47,7 @@ def test_save_load_without_trust_remote_code(tmp_path):
     files = {p.name for p in tmp_path.iterdir()}
     assert {"config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
             "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "config_rules_looped.py",
-            "parcae_looped.py"} <= files
+            "parcae_looped.py", "loop_attention_looped.py"} <= files
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_looped.LoopedForCausalLM"
     assert auto_map["AutoConfig"] == "configuration_looped.LoopedConfig"

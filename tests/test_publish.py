@@ -19,7 +19,8 @@ from looped_hf.publish import PublishError, build_folder, check_run_dir, main, p
 
 HUB_FILES = {
     "README.md", "config.json", "model.safetensors", "configuration_looped.py", "modeling_looped.py", "interface_looped.py", "generation_looped.py",
-    "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "config_rules_looped.py", "parcae_looped.py",
+    "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "loop_attention_looped.py",
+    "config_rules_looped.py", "parcae_looped.py",
     "generation_config.json", "tokenizer.json", "tokenizer_config.json",
 }  # fmt: skip
 

@@ -7,9 +7,11 @@
     looped-hf convert nanbeige DIR                      # Nanbeige4.2-3B
     looped-hf convert parcae DIR                        # Parcae (Sandy Research)
 
+    looped-hf convert iquest DIR                        # IQuest-Coder-V1-Loop
+
 One module per source format, as vLLM keeps one file per architecture: ``nanochat.py`` (the
 study's looped-lm-scaling), ``huginn_raven.py`` (Huginn and the retrofitted-recurrence models),
-``ouro.py`` (Ouro), ``nanbeige.py`` (Nanbeige4.2), each only its mapping (names, reshapes, config keys); ``loader.py`` reads every
+``ouro.py`` (Ouro), ``nanbeige.py`` (Nanbeige4.2), ``iquest.py`` (IQuest LoopCoder), each only its mapping (names, reshapes, config keys); ``loader.py`` reads every
 safetensors checkpoint folder (``Checkpoint``: config.json, the weights single or sharded, read
 lazily, generation token ids, the tokenizer; everything checked, one policy for unknown config
 keys), ``common.py`` holds the rest they share (the error type, the output folder's checks, the

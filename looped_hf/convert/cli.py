@@ -30,6 +30,9 @@ FORMATS: dict[str, tuple[str, str]] = {
     "nanbeige": ("looped_hf.convert.nanbeige", "Nanbeige4.2-3B (model_type nanbeige: config.json + safetensors)"),
     "parcae": ("looped_hf.convert.parcae",
                "Sandy Research's Parcae (ParcaeConfig config.json + pytorch_model.bin or model.safetensors)"),
+
+    "iquest": ("looped_hf.convert.iquest",
+               "IQuest-Coder-V1-Loop (model_type iquestloopcoder: config.json + safetensors)"),
 }  # fmt: skip
 #: The format-only flags (argparse dest -> flag), refused for a format whose module does not read them.
 FORMAT_FLAGS = {"step": "--step", "tokenizer": "--tokenizer", "state_init": "--state-init"}

@@ -178,7 +178,7 @@ def _cached_family(path: str, _mtime_ns: int) -> ArchitectureFamily:
 _ACCOUNTING_SOURCES = (
     "arguments.py", "run_arguments.py", "configuration_looped.py", "config_rules_looped.py", "modeling_looped.py", "interface_looped.py",
     "generation_looped.py", "accounting_looped.py", "recurrent_block_looped.py", "decoder_layers_looped.py", "parcae_looped.py", "sweep",
-    "planner/family.py",
+    "planner/family.py", "loop_attention_looped.py",
 )  # fmt: skip
 _FAMILY_FORMAT = "looped_hf.family/1"
 

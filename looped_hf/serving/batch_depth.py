@@ -81,6 +81,8 @@ class BatchDepth:
         self, token_recurrences: torch.Tensor, token_kv_budgets: torch.Tensor, plan: KVSlotPlan,
         num_tokens: int, token_gate_exit: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
+        # Every KV-cache group's metadata has the same requests and query layout; the groups differ in
+        # their block tables (full-attention and sliding-window layers: loop_attention_vllm).
         self.meta = vllm_compat.step_attention_metadata()  # vLLM's CPUAttentionMetadata
         starts = self.meta.query_start_loc.tolist()
         self.starts = starts
@@ -91,7 +93,8 @@ class BatchDepth:
         self.engine_plan = plan
         self.num_tokens = num_tokens
         self.max_recurrences = max(self.recurrences)
-        self._metadata: dict[tuple[int, ...], tuple[Any, torch.Tensor]] = {}
+        # (requests, id of a KV-cache group's metadata) -> that group's metadata of the requests alone
+        self._metadata: dict[tuple[tuple[int, ...], int], Any] = {}
         asks = token_gate_exit[first].tolist() if token_gate_exit is not None else None
         self.gate_exit = asks or [False] * len(self.recurrences)  # per request: does the gate stop it
         self.stops: GateStops | None = None  # set by stop_with_gate
@@ -136,19 +139,22 @@ class BatchDepth:
         if group.tokens is None:
             yield
             return
-        cached = self._metadata.get(group.requests)
-        if cached is None:
-            requests = torch.tensor(group.requests, dtype=torch.long)
-            cached = (subset_metadata(self.meta, requests, group.tokens, layers[0], dtype), group.tokens)
-            self._metadata[group.requests] = cached
-        meta, tokens = cached
+        tokens = group.tokens
+        metadata = []
+        for layer in layers:
+            source = vllm_compat.layer_attention_metadata(layer)
+            key = (group.requests, id(source))  # each layer's own KV-cache group
+            if key not in self._metadata:
+                requests = torch.tensor(group.requests, dtype=torch.long)
+                self._metadata[key] = subset_metadata(source, requests, tokens, layer, dtype)
+            metadata.append(self._metadata[key])
         slot_mappings = []
         for layer in layers:
             slots = vllm_compat.step_slot_mapping(layer)
             if slots is not None:
                 slots = slots[tokens] if stopped is None else slots[tokens].masked_fill(stopped, NULL_SLOT)
             slot_mappings.append(slots)
-        with vllm_compat.attention_for(layers, meta, slot_mappings):
+        with vllm_compat.attention_for(layers, metadata, slot_mappings):
             try:
                 if self.stops is not None:
                     for j, layer in enumerate(layers):

@@ -91,6 +91,11 @@ def servable_problems(
             f"tensor_parallel_size={tensor_parallel_size}: qk_norm='learnable_projection_before_rope' normalises "
             "over every head of q and k at once, which a tensor-parallel shard does not hold; serve on one device"
         )
+    if getattr(config, "loop_attention", None) is not None and tensor_parallel_size != 1:
+        problems.append(
+            f"tensor_parallel_size={tensor_parallel_size}: loop_attention={config.loop_attention!r} gates whole heads "
+            "with per-head weights that are not sharded; serve on one device"
+        )
     if device == "cpu" and config.head_dim > max(CPU_HEAD_SIZES):
         problems.append(
             f"head_dim={config.head_dim}: vLLM's CPU attention runs head sizes up to {max(CPU_HEAD_SIZES)} "

@@ -136,7 +136,8 @@ INTERNALS: tuple[Internal, ...] = (
         "ForwardContext.attn_metadata / ForwardContext.slot_mapping (dicts by layer name)",
         "vllm_model, batch_depth",
         "whether a forward is a real step (a dummy run has no metadata), and, for a recurrence that runs a "
-        "subset of the batch, the metadata and slot mapping each attention layer reads during the call",
+        "subset of the batch, the metadata and slot mapping each attention layer reads during the call (each "
+        "layer's own KV-cache group's: full-attention and sliding-window layers are separate groups)",
         lambda: {"attn_metadata", "slot_mapping"} <= _fields("vllm.forward_context:ForwardContext"),
     ),
     Internal(
@@ -147,12 +148,15 @@ INTERNALS: tuple[Internal, ...] = (
         lambda: _SUBSET_FIELDS <= _fields(f"{_CPU_ATTN}:CPUAttentionMetadata"),
     ),
     Internal(
-        "_custom_ops.cpu_attn_get_scheduler_metadata, envs.VLLM_CPU_ATTN_SPLIT_KV, Attention.isa",
+        "_custom_ops.cpu_attn_get_scheduler_metadata, envs.VLLM_CPU_ATTN_SPLIT_KV, Attention.isa, "
+        "CPUAttentionBackendImpl.sliding_window",
         "batch_depth",
-        "the CPU kernel's work split for the subset's requests, built as CPUAttentionMetadataBuilder.build does",
+        "the CPU kernel's work split for the subset's requests, built as CPUAttentionMetadataBuilder.build does "
+        "(with the layer's window: loop_attention's later loops are sliding-window layers)",
         lambda: (
             _params(_SCHEDULER_METADATA) == _SCHEDULER_METADATA_ARGS
             and _in_source(f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", "layer.isa = ")
+            and _in_source(f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", "layer.impl.sliding_window")
             and "VLLM_CPU_ATTN_SPLIT_KV" in dir(_attr("vllm:envs"))
         ),
     ),
@@ -276,16 +280,28 @@ def has_attention_metadata() -> bool:
 
 
 def step_attention_metadata() -> Any:
-    """The step's attention metadata (one KV-cache group: one metadata for every layer)."""
+    """The step's attention metadata: its requests and query layout (every KV-cache group has the same;
+    the groups differ in their block tables)."""
     from vllm.forward_context import get_forward_context
 
     return next(iter(get_forward_context().attn_metadata.values()))
 
 
+def layer_attention_metadata(layer: Any) -> Any:
+    """The step's attention metadata of ``layer`` (a vLLM ``Attention``): its own KV-cache group's
+    (sliding-window layers are a group of their own: ``loop_attention_vllm``)."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().attn_metadata[layer.layer_name]
+
+
 @contextlib.contextmanager
-def attention_for(layers: list[Any], metadata: Any, slot_mappings: list[Any | None]) -> Iterator[None]:
-    """While the block runs, each of ``layers`` (vLLM ``Attention``s) reads ``metadata`` and its own
-    entry of ``slot_mappings`` (None: the step's own) from the forward context; restored after."""
+def attention_for(
+    layers: list[Any], metadata: Any | list[Any], slot_mappings: list[Any | None]
+) -> Iterator[None]:
+    """While the block runs, each of ``layers`` (vLLM ``Attention``s) reads ``metadata`` (one for all,
+    or a list: each layer's own) and its own entry of ``slot_mappings`` (None: the step's own) from the
+    forward context; restored after."""
     from vllm.forward_context import get_forward_context
 
     context = get_forward_context()
@@ -294,9 +310,10 @@ def attention_for(layers: list[Any], metadata: Any, slot_mappings: list[Any | No
         (layer.layer_name, attn_metadata[layer.layer_name], slot_mapping.get(layer.layer_name))
         for layer in layers
     ]
+    metadata = metadata if isinstance(metadata, list) else [metadata] * len(layers)
     try:
-        for (name, _, own), slots in zip(saved, slot_mappings):
-            attn_metadata[name] = metadata
+        for (name, _, own), meta, slots in zip(saved, metadata, slot_mappings, strict=True):
+            attn_metadata[name] = meta
             if own is not None and slots is not None:
                 slot_mapping[name] = slots
         yield
@@ -314,10 +331,17 @@ def step_slot_mapping(layer: Any) -> Any | None:
     return get_forward_context().slot_mapping.get(layer.layer_name)
 
 
+def _sliding_window(layer: Any) -> int:
+    """The window ``layer``'s CPU backend attends through (-1: none), as the metadata builder reads it."""
+    window = getattr(layer.impl, "sliding_window", None)
+    return -1 if window is None else int(window)
+
+
 def subset_metadata(metadata: Any, layer: Any, dtype: Any, **fields: Any) -> Any:
     """vLLM's CPU attention ``metadata`` with ``fields`` replaced (``query_start_loc``, ``seq_lens``,
     ``block_table``, ...) and the CPU kernel's scheduler metadata rebuilt for them, as
-    ``CPUAttentionMetadataBuilder.build`` builds it for ``layer`` (a vLLM ``Attention``)."""
+    ``CPUAttentionMetadataBuilder.build`` builds it for ``layer`` (a vLLM ``Attention``; its backend's
+    sliding window, -1 for none: a later loop's local read under ``loop_attention``)."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
@@ -325,7 +349,7 @@ def subset_metadata(metadata: Any, layer: Any, dtype: Any, **fields: Any) -> Any
     scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(seq_lens), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
         seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=metadata.causal,
-        sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+        sliding_window_size=_sliding_window(layer), isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
         kv_cache_dtype=layer.kv_cache_dtype,
     )  # fmt: skip
     return dataclasses.replace(metadata, scheduler_metadata=scheduler_metadata, **fields)
@@ -403,6 +427,7 @@ __all__ = [
     "cpu_worker_classes",
     "eager_forward",
     "has_attention_metadata",
+    "layer_attention_metadata",
     "live_request_ids",
     "missing_internals",
     "step_attention_metadata",

@@ -113,6 +113,7 @@ from . import vllm_compat
 from .batch_depth import BatchDepth
 from .depth import ServedDepth
 from .engine import check_engine_settings
+from .loop_attention_vllm import GatedVllmAttention, build_loop_gates, slot_cache_config
 from .loop_lora_vllm import WEIGHT_PREFIX, build_loop_lora, has_loop_lora, plus, plus_packed
 from .parcae_vllm import (
     add_value_rows,
@@ -403,12 +404,14 @@ class _KVSlot(nn.Module):
     """One KV-cache slot: a module named ``kv_slots.{slot}`` holding vLLM's ``Attention``, at the
     attention head size (padded head_dim; the softmax scale is the true head_dim's)."""
 
-    def __init__(self, config: LoopedConfig, vllm_config: VllmConfig, prefix: str) -> None:
+    def __init__(self, config: LoopedConfig, vllm_config: VllmConfig, prefix: str, cache_config=None) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
+        # ``cache_config``: a later recurrence's sliding window under loop_attention (loop_attention_vllm).
         self.attn = Attention(
             config.num_attention_heads // tp, attention_head_size(config.head_dim), config.head_dim**-0.5,
-            num_kv_heads=max(1, config.num_key_value_heads // tp), cache_config=vllm_config.cache_config,
+            num_kv_heads=max(1, config.num_key_value_heads // tp),
+            cache_config=cache_config if cache_config is not None else vllm_config.cache_config,
             quant_config=vllm_config.quant_config, prefix=f"{prefix}.attn",
         )  # fmt: skip
 
@@ -432,6 +435,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         self.default_plan = model.default_plan
         self.kv_slots = model.kv_slots
         self.value_rows = model.value_rows
+        self.loop_gates = model.gate_projections
         self.positions: torch.Tensor | None = None
         self.keeps_inputs = False
         self.w_h: torch.Tensor | None = None  # W_h, contiguous (``keep_injection``), once loaded
@@ -476,6 +480,8 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
             for group in depth.groups(step):
                 self.plan = group.plan
                 attention = [self.kv_slots[group.plan.block(step, j)].attn for j in range(len(self.layers))]
+                if self.loop_gates is not None and step > 0:  # the global reads see the group too
+                    attention += [self.kv_slots[group.plan.block(0, j)].attn for j in range(len(self.layers))]
                 idx = group.tokens
                 if idx is None:
                     with depth.attend(group, attention, e.dtype):
@@ -557,8 +563,12 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
     def block_layer(self, layer: nn.Module, x: torch.Tensor, step: int, j: int) -> torch.Tensor:
         if j == 0 and self.keeps_inputs:
             x = x.clone()
+        attn = self.kv_slots[self.plan.block(step, j)].attn
+        gates = self.loop_gates
+        if gates is not None and step > 0:  # IQuest's gated global + local read (loop_attention_vllm)
+            attn = GatedVllmAttention(self.kv_slots[self.plan.block(0, j)].attn, attn, gates[j], layer.self_attn)
         # A per-loop LoRA retrofit's deltas of loop `step`, handed to the layer (loop_lora_vllm).
-        return layer(x, self.positions, self.kv_slots[self.plan.block(step, j)].attn, self.loop_deltas(step, j))
+        return layer(x, self.positions, attn, self.loop_deltas(step, j))
 
 
 # torch.compile (when vLLM compiles: not with --enforce-eager) traces this forward once, with no depth
@@ -621,8 +631,10 @@ class LoopedVllmModel(nn.Module):
         if config.exit_gate and config.exit_gate_output == "threshold":
             self.exit_threshold = float(config.exit_gate_threshold)
         self.kv_slots = nn.ModuleList(
-            _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}") for slot in range(self.plan.num_slots)
-        )
+            _KVSlot(config, vllm_config, f"{prefix}.kv_slots.{slot}", slot_cache_config(vllm_config, config, self.plan, slot))
+            for slot in range(self.plan.num_slots)
+        )  # fmt: skip
+        self.gate_projections = build_loop_gates(config)  # IQuest's loop-attention gates, or None
         self.loop = _VllmRecurrentBlock(self)  # not a module: it runs the modules above by name
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
