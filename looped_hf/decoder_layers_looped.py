@@ -292,7 +292,7 @@ class LoopedDecoderLayer(CheckpointingLayer):
             attention_mask,
             cache,
             cache_index,
-            d,
+            loop_deltas=d,
             **kwargs,
         )
         hidden_states = residual + attn
@@ -318,7 +318,7 @@ class LoopedSandwichDecoderLayer(LoopedDecoderLayer):
             attention_mask,
             cache,
             cache_index,
-            d,
+            loop_deltas=d,
             **kwargs,
         )
         hidden_states = with_delta(self.post_attention_residual_layernorm, attn + hidden_states, d,
@@ -341,7 +341,7 @@ class LoopedSublayerOutputNormDecoderLayer(LoopedDecoderLayer):
                 loop_deltas=None, **kwargs):  # fmt: skip
         d = loop_deltas
         attn, attn_weights = self.self_attn(
-            hidden_states, position_embeddings, attention_mask, cache, cache_index, d, **kwargs
+            hidden_states, position_embeddings, attention_mask, cache, cache_index, loop_deltas=d, **kwargs
         )
         hidden_states = hidden_states + with_delta(
             self.post_attention_layernorm, attn, d, "post_attention_layernorm"
@@ -367,7 +367,7 @@ class LoopedPreAndOutputNormDecoderLayer(LoopedDecoderLayer):
             attention_mask,
             cache,
             cache_index,
-            d,
+            loop_deltas=d,
             **kwargs,
         )
         hidden_states = hidden_states + with_delta(

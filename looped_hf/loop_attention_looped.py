@@ -172,6 +172,9 @@ class GatedLoopAttention(LoopedAttention):
             return super().forward(
                 hidden_states, position_embeddings, attention_mask, recording, cache_index, **kwargs
             )
+        if kwargs.get("loop_deltas") is not None:  # its gated read below has no per-loop delta path
+            raise ValueError("loop_attention: per-loop LoRA deltas (loop_lora_looped.py) are not supported with "
+                             "the gated global + local read")  # fmt: skip
         if cache is not None and not isinstance(cache, Cache):
             raise ValueError("loop_attention: adaptive exit (exit_criterion) is not supported (recurrences >= 2 "
                              "read recurrence 1's KV of every token)")  # fmt: skip
