@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, info = load_checkpoint(args.checkpoint)
         check_exit_flags(model.config, *exit_flags)  # a Hub id's config is read only now
         model.to(device)
-        # The defaults generate() reads (a generation_config.json's num_recurrences and kv_budget).
-        depth = generation_depth(model.config, model.generation_config)
+        # The defaults generate() reads (a generation_config.json's num_recurrences and kv_budget); a
+        # transformers looped class (``native``) has its depth in its own config fields (depth.py).
+        depth = ({"num_recurrences": None, "kv_budget": None} if native
+                 else generation_depth(model.config, model.generation_config))  # fmt: skip
         settings = {
             "exit_criterion": args.exit_criterion, "exit_threshold": args.exit_threshold,
             "min_recurrences": args.min_recurrences,
