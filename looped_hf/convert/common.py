@@ -204,5 +204,35 @@ def write_folder(model: Any, dest: Path, extras: Callable[[Path], list[str]] | N
     return dest
 
 
-__all__ = ["DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
+def convert_transformers_folder(folder: PathLike, out: PathLike, *, config_of: Callable[[dict[str, Any]], Any],
+                                model_of: Callable[[Any, Any], Any], card_of: Callable[..., Any],
+                                repo_id: str | None, license: str | None, overwrite: bool) -> Path:  # fmt: skip
+    """The one driver of a converter whose source is a transformers-style folder (Ouro, Nanbeige, IQuest):
+    ``out`` checked before any work, the folder read through the one reader (``Checkpoint``), its
+    looped config (``config_of(config.json)``), the tokenizer and generation token ids checked before the
+    model is built (a broken one fails in a second, not after), the model (``model_of(checkpoint,
+    config)``), then the folder written whole with the tokenizer's files byte for byte and the card
+    (``card_of(model, source, checkpoint, repo_id, license)``). Raises ``ConversionError`` (nothing
+    written) or ``PublishError``."""
+    from ..cards import CARD_NAME
+    from ..checkpoint_reader import Checkpoint
+
+    src = Path(folder)
+    dest = check_target(src, out, overwrite=overwrite, repo_id=repo_id)
+    ckpt = Checkpoint(src)
+    config = config_of(ckpt.config)
+    ckpt.check_tokenizer(config.vocab_size)
+    generation_ids = ckpt.generation_token_ids(config.vocab_size)
+    model = model_of(ckpt, config)
+    for attr, value in generation_ids.items():
+        setattr(model.generation_config, attr, value)
+
+    def extras(tmp: Path) -> list[str]:
+        names = ckpt.copy_tokenizer(tmp, config.vocab_size)
+        card_of(model, src, ckpt, repo_id or f"path/to/{dest.name}", license).save(tmp / CARD_NAME)
+        return names
+
+    return write_folder(model, dest, extras)
+
+__all__ = ["convert_transformers_folder", "DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
            "check_target", "check_tied_head", "default_out", "is_looped_output", "write_folder"]  # fmt: skip

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, build_model, check_target, check_tied_head, write_folder
+from .common import ConversionError, build_model, check_tied_head, convert_transformers_folder
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -201,26 +201,11 @@ def convert_ouro(folder: PathLike, out: PathLike, *, repo_id: str | None = None,
     """Write a looped_hf folder for the Ouro folder ``folder`` and return its path. Raises
     ``ConversionError`` (a file, key or value it cannot convert; nothing written) or
     ``PublishError`` (``out`` exists without ``overwrite``, a bad ``repo_id``)."""
-    from looped_hf.cards import CARD_NAME
-
-    src = Path(folder)
-    dest = check_target(src, out, overwrite=overwrite, repo_id=repo_id)
-    ckpt = Checkpoint(src)
-    config = ouro_config(ckpt.config)
-    # Checked before the model is built: a broken tokenizer or token id fails in a second, not after.
-    ckpt.check_tokenizer(config.vocab_size)
-    generation_ids = ckpt.generation_token_ids(config.vocab_size)
-    model = _ouro_model(ckpt, config)
-    for attr, value in generation_ids.items():
-        setattr(model.generation_config, attr, value)
-
-    def extras(tmp: Path) -> list[str]:
-        # The tokenizer travels as its files, byte for byte (Ouro's is a plain transformers tokenizer).
-        names = ckpt.copy_tokenizer(tmp, config.vocab_size)
-        _card(model, src, repo_id or f"path/to/{dest.name}", license).save(tmp / CARD_NAME)
-        return names
-
-    return write_folder(model, dest, extras)
+    return convert_transformers_folder(
+        folder, out, config_of=ouro_config, model_of=_ouro_model,
+        card_of=lambda model, src, ckpt, repo, lic: _card(model, src, repo, lic),
+        repo_id=repo_id, license=license, overwrite=overwrite,
+    )
 
 
 CLI_OPTIONS: tuple[str, ...] = ()
