@@ -417,16 +417,31 @@ class LoopedRecurrentBlock:
             h = norm(h)
         return h, lanes
 
+    # The loop's driver: ``begin``, then ``recurrence`` once per step, then ``state_of``. ``__call__``
+    # runs it for one r; the vLLM model's mixed-depth loop (``run_mixed``) runs the same three over
+    # groups of requests, owning only the grouping.
+    def begin(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """What every loop starts from: h_0 (``initial_state``), the hyperconnection lanes (each h_0,
+        or None) and the linear injection's split (``injection_split``, or None)."""
+        h = self.initial_state(e)
+        hc = self.hyperconnection
+        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
+        return h, lanes, self.injection_split(e)
+
+    @staticmethod
+    def state_of(h: torch.Tensor, lanes: torch.Tensor | None) -> torch.Tensor:
+        """The loop's state as a reader sees it (exit criteria, recurrent states, the coda): h, or
+        the lanes' sum under hyperconnections."""
+        return lanes.sum(0) if lanes is not None else h
+
     def __call__(
         self, e: torch.Tensor, exit_rule: tuple[str, float, int] | None,
         predict: Callable[[torch.Tensor], torch.Tensor] | None, output_recurrent_states: bool,
     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.LongTensor | None]:
         """(the state the coda reads, the states after every recurrence if asked, the recurrences
         each token ran under adaptive exit)."""
-        r, hc = self.plan.num_recurrences, self.hyperconnection
-        h = self.initial_state(e)
-        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        split = self.injection_split(e)
+        r = self.plan.num_recurrences
+        h, lanes, split = self.begin(e)
         # Truncated backprop: without truncation no grad-mode switch is entered at all.
         k = self.config.backprop_recurrences
         no_grad_steps = r - k if k is not None and k < r and torch.is_grad_enabled() else 0
@@ -441,7 +456,7 @@ class LoopedRecurrentBlock:
             # Adaptive exit gives the block its own view of the cache (stopped tokens' latest KV).
             exit_kv = _ExitKV(self.cache, self.plan)
             self.layer_kwargs = {**self.layer_kwargs, "cache": exit_kv}
-            state = lanes.sum(0) if hc is not None else h
+            state = self.state_of(h, lanes)
             exit_ = _AdaptiveExit(exit_rule, r, state, exit_kv, predict)
         for step in range(r):
             if exit_ is not None and exit_.all_exited:
@@ -458,14 +473,12 @@ class LoopedRecurrentBlock:
                 if keep_states:
                     # The state after this recurrence (the lanes' sum under hyperconnections):
                     # formed only when exit or the caller reads it.
-                    state = lanes.sum(0) if hc is not None else h
+                    state = self.state_of(h, lanes)
                 if exit_ is not None:
                     h, lanes, state = exit_.step(step + 1, old, (h, lanes, state))
             if output_recurrent_states:
                 recurrent_states.append(state)
-        if hc is not None:
-            h = lanes.sum(0)  # lanes are summed before the coda
-        return h, recurrent_states, exit_.used if exit_ is not None else None
+        return self.state_of(h, lanes), recurrent_states, exit_.used if exit_ is not None else None
 
 
 __all__ = [

@@ -469,10 +469,7 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
         state, so the states after every recurrence hold, for it, its last one. ``block_layer``'s copy
         rule (``keeps_inputs``) holds here too: a group of the whole batch hands the state kept in
         ``states`` to the block."""
-        hc = self.hyperconnection
-        h = self.initial_state(e)
-        lanes = h.unsqueeze(0).expand(hc.num_lanes, *h.shape) if hc is not None else None
-        split = self.injection_split(e)
+        h, lanes, split = self.begin(e)  # the block's driver (begin, recurrence, state_of), over groups
         positions, states, stops = self.positions, [], depth.stops
         for step in range(depth.max_recurrences):
             if stops is not None:  # the gate's exit: stopped tokens offer their latest KV (batch_depth)
@@ -506,12 +503,10 @@ class _VllmRecurrentBlock(LoopedRecurrentBlock):
                 if lanes is not None:
                     lanes = lanes.index_copy(1, idx, sub_lanes)
             if keep_states or stops is not None:
-                states.append(lanes.sum(0) if hc is not None else h)
+                states.append(self.state_of(h, lanes))
             if stops is not None:
                 stops.after(step, states[-1])
-        if hc is not None:
-            h = lanes.sum(0)  # lanes are summed before the coda
-        return h, states
+        return self.state_of(h, lanes), states
 
     def keep_injection(self) -> list[str]:
         """Keep the linear injection's halves W_e and W_h where their matmuls run fast (``load_weights``
