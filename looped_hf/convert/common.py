@@ -204,6 +204,22 @@ def write_folder(model: Any, dest: Path, extras: Callable[[Path], list[str]] | N
     return dest
 
 
+def renamed_model(ckpt: Any, config: Any, key_of: Callable[[str], str | None], what: str) -> Any:
+    """The model ``config`` describes, with ``ckpt``'s weights renamed by ``key_of`` (a name it maps to
+    ``None`` is refused, naming the first): the body of every converter whose source is a plain rename."""
+    unknown = sorted(k for k in ckpt.keys() if key_of(k) is None)
+    if unknown:
+        raise ConversionError(f"{ckpt.folder}: unknown {what} weight {unknown[0]!r} (not converted)")
+    dtype = ckpt.floating_dtype()  # built in the checkpoint's dtype: a bf16 release stays bf16
+    return checked_model(ckpt, config, {key_of(k): tensor for k, tensor in ckpt.items()}, dtype)
+
+
+def checked_model(ckpt: Any, config: Any, weights: dict[str, Any], dtype: Any) -> Any:
+    """``weights`` (looped_hf names) with the tie flag checked against them, built into the model."""
+    check_tied_head(weights, config, "config.json tie_word_embeddings")
+    return build_model(config, weights, dtype, ckpt.folder)
+
+
 def convert_transformers_folder(folder: PathLike, out: PathLike, *, config_of: Callable[[dict[str, Any]], Any],
                                 model_of: Callable[[Any, Any], Any], card_of: Callable[..., Any],
                                 repo_id: str | None, license: str | None, overwrite: bool) -> Path:  # fmt: skip
@@ -234,5 +250,5 @@ def convert_transformers_folder(folder: PathLike, out: PathLike, *, config_of: C
 
     return write_folder(model, dest, extras)
 
-__all__ = ["convert_transformers_folder", "DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
+__all__ = ["checked_model", "convert_transformers_folder", "renamed_model", "DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
            "check_target", "check_tied_head", "default_out", "is_looped_output", "write_folder"]  # fmt: skip

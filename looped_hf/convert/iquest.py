@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, build_model, check_tied_head, convert_transformers_folder
+from .common import ConversionError, checked_model, convert_transformers_folder
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -164,9 +164,7 @@ def iquest_to_looped(folder: PathLike) -> Any:
 
 def _iquest_model(ckpt: Checkpoint, config: Any) -> Any:
     dtype = ckpt.floating_dtype()  # built in the checkpoint's dtype: a bf16 release stays bf16
-    weights = iquest_weights(ckpt)
-    check_tied_head(weights, config, "config.json tie_word_embeddings")
-    return build_model(config, weights, dtype, ckpt.folder)
+    return checked_model(ckpt, config, iquest_weights(ckpt), dtype)
 
 
 def _card(model: Any, folder: Path, repo_id: str, license: str | None) -> Any:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, build_model, check_tied_head, convert_transformers_folder
+from .common import ConversionError, convert_transformers_folder, renamed_model
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -167,14 +167,7 @@ def nanbeige_to_looped(folder: PathLike) -> Any:
 
 def _nanbeige_model(ckpt: Checkpoint, config: Any) -> Any:
     """The weights of ``ckpt`` renamed (unknown names refused) into the model ``config`` describes."""
-    folder = ckpt.folder
-    unknown = sorted(k for k in ckpt.keys() if nanbeige_key(k) is None)
-    if unknown:
-        raise ConversionError(f"{folder}: unknown Nanbeige weight {unknown[0]!r} (not converted)")
-    dtype = ckpt.floating_dtype()  # built in the checkpoint's dtype: a bf16 release stays bf16
-    weights = {nanbeige_key(k): tensor for k, tensor in ckpt.items()}
-    check_tied_head(weights, config, "config.json tie_word_embeddings")
-    return build_model(config, weights, dtype, folder)
+    return renamed_model(ckpt, config, nanbeige_key, "Nanbeige")
 
 
 def _card(model: Any, folder: Path, native: Mapping[str, Any], repo_id: str, license: str | None) -> Any:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, build_model, check_tied_head, convert_transformers_folder
+from .common import ConversionError, convert_transformers_folder, renamed_model
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -161,14 +161,7 @@ def ouro_to_looped(folder: PathLike) -> Any:
 
 def _ouro_model(ckpt: Checkpoint, config: Any) -> Any:
     """The weights of ``ckpt`` renamed (unknown names refused) into the model ``config`` describes."""
-    folder = ckpt.folder
-    unknown = sorted(k for k in ckpt.keys() if ouro_key(k) is None)
-    if unknown:
-        raise ConversionError(f"{folder}: unknown Ouro weight {unknown[0]!r} (not converted)")
-    dtype = ckpt.floating_dtype()  # built in the checkpoint's dtype: the released bf16 models stay bf16
-    weights = {ouro_key(k): tensor for k, tensor in ckpt.items()}
-    check_tied_head(weights, config, "config.json tie_word_embeddings")
-    return build_model(config, weights, dtype, folder)
+    return renamed_model(ckpt, config, ouro_key, "Ouro")
 
 
 def _card(model: Any, folder: Path, repo_id: str, license: str | None) -> Any:
