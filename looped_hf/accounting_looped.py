@@ -155,6 +155,7 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
                                                        first r - k run forward only (2x)
       + 12 * h * q * T * (P + C + r_grad * K)          attention scores + weighted sum: 2*2*h*q*T
       +  4 * h * q * T * (r_nograd * K)                forward per application, x3 with grad
+      + the loop attention's local read                (IQuest: `_local_read_flops`)
 
     with T the full sequence length (no causal halving, as in PaLM and the study), h heads of
     size q. The embedding lookup is free. Norm and elementwise FLOPs are ignored (O(d)).
@@ -167,14 +168,31 @@ def training_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: in
     config = model.config
     r, r_grad, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences, training=True)
     if _counts_frozen(model):
-        return _frozen_training_flops(model, seq_len, r, r - r_grad, hq)
+        local = _local_read_flops(config, seq_len, r, r_grad, hq)
+        return _frozen_training_flops(model, seq_len, r, r - r_grad, hq) + local
     r_nograd = r - r_grad
     K = config.num_recurrent_layers
     apps_grad = config.num_prelude_layers + config.num_coda_layers + r_grad * K
     apps_nograd = r_nograd * K
     dense = 6 * n_once_head + (6 * r_grad + 2 * r_nograd) * n_rec
     attention = 12 * hq * seq_len * apps_grad + 4 * hq * seq_len * apps_nograd
-    return float(dense + attention)
+    return float(dense + attention + _local_read_flops(config, seq_len, r, r_grad, hq))
+
+
+def _local_read_flops(config: Any, seq_len: int, r: int, r_grad: int, hq: int) -> int:
+    """IQuest's loop attention (``loop_attention``): every recurrence after the first also reads
+    its own K/V over the last ``loop_window_size`` positions (the local read, beside the global
+    read counted at full T above): 4 h q W forward per block layer application, x3 with grad,
+    W = min(window, T) as a windowed kernel reads it (vLLM's sliding window), not the masked full
+    T of the eager reference path. Truncated backprop trains the last ``r_grad`` recurrences,
+    so the untrained ones are first the first recurrence (no local read), then later ones. The
+    frozen-parameter count adds the same term (its block input taken as needing gradient)."""
+    if getattr(config, "loop_attention", None) is None or r < 2:
+        return 0
+    window = min(config.loop_window_size, seq_len)
+    later_grad = min(r_grad, r - 1)
+    later_nograd = r - 1 - later_grad
+    return (12 * later_grad + 4 * later_nograd) * hq * window * config.num_recurrent_layers
 
 
 # --- frozen parameters ----------------------------------------------------------------------------
@@ -326,7 +344,8 @@ def inference_flops_per_token(model: nn.Module, seq_len: int, num_recurrences: i
     + 4 * h * q * T per layer application (P + r*K + C applications); N_head r times for the
     exit gate's weighted readout."""
     r, _, n_once_head, n_rec, hq = _flops_terms(model, seq_len, num_recurrences)
-    return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * model.config.num_layer_applications(r))
+    local = _local_read_flops(model.config, seq_len, r, 0, hq)  # forward only: r_grad = 0
+    return float(2 * n_once_head + 2 * r * n_rec + 4 * hq * seq_len * model.config.num_layer_applications(r) + local)
 
 
 def teacher_flops_per_token(teacher: nn.Module, seq_len: int) -> float:

@@ -247,7 +247,8 @@ class LoopedConfig(PreTrainedConfig):
         ``model.gate_projections.j`` (weight (heads, head_dim), bias (heads)):
         g * global + (1 - g) * local. The cache keeps recurrence 1's slots in full and only the
         last ``loop_window_size`` - 1 positions of the later ones, so decoding gives the prefill's
-        logits. Refused with ``kv_budget``, adaptive exit and a QK-norm.
+        logits. Refused with ``kv_budget`` and adaptive exit; a QK-norm and value embeddings apply to
+        every recurrence's q, k and v (the gate reads the normed q).
     qk_norm:
         ``"after_rope"`` (the study: parameter-free RMSNorm of q and k after RoPE),
         ``"learnable_before_rope"`` (Qwen3: a learnable per-head scale, before RoPE),
@@ -575,7 +576,6 @@ class LoopedConfig(PreTrainedConfig):
             ("kv_budget", self.kv_budget is not None, "recurrence 1's KV is read by every later recurrence"),
             ("exit_criterion", self.exit_criterion not in (None, "none"),
              "an exited token would offer a stale recurrence's KV to the global and local reads"),
-            ("qk_norm", self.qk_norm != "none", "the gated attention projects q and k without a QK-norm"),
             ("looped_format", self.looped_format != LOOPED_FORMAT, f"needs looped_format={LOOPED_FORMAT}"),
         )  # fmt: skip
         for field, refused, why in refusals:

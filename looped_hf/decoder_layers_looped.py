@@ -195,20 +195,18 @@ class LoopedAttention(nn.Module):
         return (F.rms_norm(q, (self.head_dim,), eps=self.qk_norm_eps),
                 F.rms_norm(k, (self.head_dim,), eps=self.qk_norm_eps))  # fmt: skip
 
-    def forward(
+    def project(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-        cache_index: int,
-        loop_deltas: nn.ModuleDict | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d: nn.ModuleDict | None = None,
+        value_embeddings: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (after RoPE and this layer's QK-norm) and v as (batch, heads, seq, head_dim): the one
+        place a layer makes them, which the gated loop attention's later recurrences also call.
+        ``d``: the loop's deltas; ``value_embeddings``: ``parcae_looped.value_embedding_lookup``'s."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        value_embeddings = kwargs.pop("value_embeddings", None)  # parcae_looped.value_embedding_lookup
-        d = loop_deltas
         query_states, key_states = self.heads(
             with_delta(self.q_proj, hidden_states, d, "q_proj_delta"),
             with_delta(self.k_proj, hidden_states, d, "k_proj_delta"),
@@ -222,13 +220,27 @@ class LoopedAttention(nn.Module):
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin, unsqueeze_dim=2)
         if self.norm_after_rope is not None:
             query_states, key_states = self.norm_after_rope(query_states, key_states)
-        query_states = query_states.transpose(1, 2)
-        key_states = key_states.transpose(1, 2)
         value_states = with_delta(self.v_proj, hidden_states, d, "v_proj_delta").view(hidden_shape)
         if self.ve_gate is not None:
             value_states = add_value_embedding(self.ve_gate, hidden_states, value_states,
                                                value_embeddings[self.value_embedding_index])  # fmt: skip
-        value_states = value_states.transpose(1, 2)
+        return query_states.transpose(1, 2), key_states.transpose(1, 2), value_states.transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        cache_index: int,
+        loop_deltas: nn.ModuleDict | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        d = loop_deltas
+        query_states, key_states, value_states = self.project(
+            hidden_states, position_embeddings, d, kwargs.pop("value_embeddings", None)
+        )
         if cache is not None:
             # A shared layer has one cache slot per application, not per module.
             key_states, value_states = cache.update(key_states, value_states, cache_index)

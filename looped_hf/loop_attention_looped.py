@@ -31,7 +31,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .configuration_looped import LoopedConfig
-from .decoder_layers_looped import LoopedAttention, apply_rotary_pos_emb, repeat_kv
+from .decoder_layers_looped import LoopedAttention, repeat_kv
 
 
 class LoopGate(nn.Linear):
@@ -179,13 +179,10 @@ class GatedLoopAttention(LoopedAttention):
             raise ValueError("loop_attention: adaptive exit (exit_criterion) is not supported (recurrences >= 2 "
                              "read recurrence 1's KV of every token)")  # fmt: skip
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape)
-        key = self.k_proj(hidden_states).view(hidden_shape)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        # The layer's own q, k, v (its QK-norm and value embedding included): the gate reads q
+        # after RoPE and after any QK-norm, as the global and local reads do.
+        query, key, value = self.project(hidden_states, position_embeddings, None,
+                                         kwargs.pop("value_embeddings", None))  # fmt: skip
         call = loop_attention
         first_key, first_value = call.kv.first[call.j]
         q_len, kv_len = query.shape[-2], first_key.shape[-2]

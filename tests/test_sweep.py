@@ -402,3 +402,30 @@ def test_a_command_run_keeps_its_lock_when_the_sweep_dies(tmp_path):
         time.sleep(0.05)
     assert lock is not None  # free once the child is gone
     sweep_module._unlock(lock)
+
+
+def test_seeds_trains_another_seed_of_a_recipe_into_its_own_directory(tiny_recipe, tmp_path, capsys, monkeypatch):
+    """`looped-hf sweep RECIPE --seeds 1`: the recipe's plan with seed 1 (a second seed of a finished
+    sweep), by default in runs/<stem>-seeds-1, resumable with the same command; a bad seed is
+    refused in one line naming the field."""
+    import yaml
+
+    recipe = _sweep_recipe(tiny_recipe, tmp_path, budgets=[6e8])
+    recipe["sweep"].pop("output_dir")
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(tmp_path)
+    assert sweep_module.main([str(path), "--seeds", "1"]) == 0
+    out = tmp_path / "runs" / "two-seeds-1"
+    records = read_jsonl(out / "results.jsonl")
+    assert [(r["run_id"], r["seed"], r["status"]) for r in records] == [
+        ("base-w32-b0", 1, "ok"), ("loop2-w32-b0", 1, "ok")]
+    assert sweep_module.main([str(path), "--seeds", "1"]) == 0  # resumes: nothing left to train
+    assert len(read_jsonl(out / "results.jsonl")) == 2
+    assert "0 to run" in capsys.readouterr().out
+    # The plan's seed is the model's: seed 1 trains other weights than the recipe's seed 0.
+    seed0 = run_sweep(str(path), tmp_path / "seed0")
+    assert [r["loss"] for r in seed0] != [r["loss"] for r in records]
+    assert sweep_module.main([str(path), "--seeds", "-1", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sweep.seeds=[-1]" in err and "\n" not in err

@@ -76,10 +76,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def reference_logits(cfg: dict, w: dict[str, torch.Tensor], ids: list[int], loops: int) -> torch.Tensor:
+def reference_logits(cfg: dict, w: dict[str, torch.Tensor], ids: list[int], loops: int,
+                     qk_norm_after_rope: bool = False) -> torch.Tensor:  # fmt: skip
     """IQuest LoopCoder's forward (one unpadded sequence) from the native config and weights, with
     explicit loops over query positions: loop 1 causal; later loops g * attn(q, K1, V1, causal) +
-    (1 - g) * attn(q, K, V, the last `window` positions), g = sigmoid(q . W_h + b_h) per head."""
+    (1 - g) * attn(q, K, V, the last `window` positions), g = sigmoid(q . W_h + b_h) per head.
+    `qk_norm_after_rope`: q and k RMS-normed per head after RoPE, no weight (the study's QK-norm,
+    which the release does not have), before the attention and the gate read q."""
     heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps, theta, window = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["loop_window_size"]
     x = w["model.embed_tokens.weight"][ids]
@@ -99,6 +102,8 @@ def reference_logits(cfg: dict, w: dict[str, torch.Tensor], ids: list[int], loop
             n = _rms(x, w[p + "input_layernorm.weight"], eps)
             q = _rope((n @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), theta)
             k = _rope((n @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), theta)
+            if qk_norm_after_rope:
+                q, k = _rms(q, torch.ones(hd), eps), _rms(k, torch.ones(hd), eps)
             v = (n @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
             rows = []
             for i in range(t):
@@ -262,6 +267,31 @@ def test_unseen_shapes_match_the_design_at_r_1_to_4_and_decode_as_they_prefill(t
             assert later.keys.shape[-2] == min(shape["window"] - 1, 11) and later.get_seq_length() == 11
 
 
+def test_the_loop_attention_with_the_studys_qk_norm_matches_the_design_and_decodes_as_it_prefills(
+    tmp_path: Path,
+) -> None:
+    # Not in the release; the phi probe keeps the base's QK-norm, so the later loops' global and
+    # local reads and the gate must see the normed q and k as loop 1 does.
+    cfg, w = make_checkpoint(tmp_path / "src", seed=4, heads=4, kv=2, head_dim=8, hidden=32, window=3)
+    converted = iquest_to_looped(tmp_path / "src")
+    config = converted.config.to_dict() | {"qk_norm": "after_rope"}
+    config.pop("model_type")
+    model = LoopedForCausalLM(LoopedConfig(**config)).eval()
+    model.load_state_dict(converted.state_dict())
+    ids = torch.randint(0, cfg["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(4))
+    for r in (1, 2, 3):
+        with torch.no_grad():
+            full = model(ids, num_recurrences=r).logits
+            out = model(ids[:, :5], num_recurrences=r, use_cache=True)
+            steps, cache = [out.logits], out.cache
+            for i in range(5, 9):
+                steps.append(model(ids[:, i : i + 1], num_recurrences=r, cache=cache, use_cache=True).logits)
+        assert max_delta(full[0], reference_logits(cfg, w, ids[0].tolist(), r, qk_norm_after_rope=True)) <= TOLERANCE
+        assert max_delta(torch.cat(steps, 1), full) <= TOLERANCE, r
+    # The norm changes the logits (the test would pass vacuously if it were skipped).
+    assert max_delta(full[0], reference_logits(cfg, w, ids[0].tolist(), 3)) > 1e-3
+
+
 def test_a_left_padded_batch_generates_each_rows_own_tokens(tmp_path: Path) -> None:
     """A padded row's window holds as many real tokens as the unpadded row's (counted over the
     tokens it may attend to, not cache indices), so batching changes no token."""
@@ -335,7 +365,6 @@ def test_a_weight_file_that_does_not_fit_is_refused_by_name(tmp_path: Path, caps
     (dict(loop_window_size=4), "loop_window_size=4: needs loop_attention"),
     (dict(loop_attention="gated_global_local"), "loop_attention='gated_global_local': needs loop_window_size"),
     (dict(loop_attention="gated_global_local", loop_window_size=4, kv_budget=1), "kv_budget=1: refused"),
-    (dict(loop_attention="gated_global_local", loop_window_size=4, qk_norm="after_rope"), "qk_norm='after_rope'"),
     (dict(loop_attention="gated_global_local", loop_window_size=4, exit_criterion="kl"), "exit_criterion='kl'"),
     (dict(loop_attention="sliding", loop_window_size=4), "loop_attention='sliding': must be one of"),
 ])  # fmt: skip
@@ -472,3 +501,41 @@ def test_the_released_40b_loop_config_maps_onto_the_config() -> None:
     # An MLX-quantised copy of it is refused by name: its weights are not the checkpoint's floats.
     with pytest.raises(Exception, match="quantization"):
         iquest_config({**native, "quantization": {"group_size": 64, "bits": 4}})
+
+
+# --- the design as a phi probe: recipes/iso_depth_tiny_iquest.yaml ------------------------------
+def test_the_probe_recipe_plans_iquests_design_with_the_local_read_counted_by_hand() -> None:
+    """``looped-hf sweep recipes/iso_depth_tiny_iquest.yaml --dry-run``: two seeds per cell; for d = 12
+    the whole-stack loop with the gated loop attention and the base's QK-norm. N_rec holds the four
+    layers and their gates; the FLOPs add the local read of every loop after the first, over the
+    16-position window, to the global read at full T."""
+    from conftest import REPO
+
+    from looped_hf.arguments import parse_recipe
+    from looped_hf.sweep.plan import make_plan
+
+    vocab, seq, d, window = 258, 64, 12, 16
+    runs = {run.run_id: run for run in make_plan(REPO / "recipes" / "iso_depth_tiny_iquest.yaml").runs}
+    assert len(runs) == 72 and {"loop2-w12-b0-s0", "loop2-w12-b0-s1"} <= set(runs)
+    layer = 12 * d * d + 2 * d  # q, k, v, o and the squared-ReLU MLP (d -> 4d -> d), two norm scales
+    gates = 3 * 4 + 3  # heads x head_dim weights and a bias per head, one gate per block layer
+    hq = d  # heads x head_dim
+    for r, block in ((2, 4), (4, 2), (8, 1)):
+        run = runs[f"loop{r}-w12-b0-s0"]
+        assert (run.num_prelude_layers, run.num_recurrent_layers, run.num_coda_layers) == (0, block, 0)
+        assert (run.n_once, run.n_rec) == (d, block * (layer + gates))
+        global_read = 12 * hq * seq * r * block
+        local_read = 12 * hq * window * (r - 1) * block
+        assert run.flops_per_token == 6 * vocab * d + 6 * r * run.n_rec + global_read + local_read
+        model_args, data_args, _ = parse_recipe(dict(run.recipe))
+        config = model_args.to_config(vocab, data_args.seq_len)
+        assert (config.loop_attention, config.loop_window_size, config.qk_norm) == (
+            "gated_global_local", window, "after_rope")
+        torch.manual_seed(0)
+        model = LoopedForCausalLM(config)
+        assert model.training_flops_per_token(seq) == run.flops_per_token
+        # Inference: the same reads, forward only.
+        assert model.inference_flops_per_token(seq) == 2 * vocab * d + 2 * r * run.n_rec + (
+            4 * hq * seq * r * block + 4 * hq * window * (r - 1) * block)
+    plain = runs["base-w12-b0-s0"]  # r = 1: no later loop, no local read
+    assert plain.flops_per_token == 6 * vocab * d + 6 * plain.n_rec + 12 * hq * seq * 8
