@@ -516,6 +516,12 @@ class LoopedConfig(PreTrainedConfig):
             raise self._bad("min_recurrences", f"exceeds num_recurrences={r}, the cap on recurrences per token")
         if self.recurrence_norm_weight == "final" and not self.recurrence_norm:
             raise self._bad("recurrence_norm_weight", "names the recurrence norm's weight, but recurrence_norm is False")
+        if self.input_injection == "none" and self.state_init != "prelude":
+            # Nothing re-injects the input and h_0 is not the prelude's output: the block and the
+            # coda would never see the tokens (a model that trains to the uniform distribution).
+            raise self._bad("state_init", "with input_injection='none' the loop would never read the input "
+                                          "(h_0 is not the prelude's output and nothing re-injects it); use "
+                                          "state_init='prelude' or an injection")  # fmt: skip
         if self.max_recurrences is not None and self.max_recurrences < r:
             raise self._bad("max_recurrences", f"must be None ({RECURRENCE_CEILING_FACTOR} x num_recurrences) or an "
                                                f"integer >= num_recurrences={r}")  # fmt: skip

@@ -964,3 +964,16 @@ def test_serve_dry_run_on_a_loop_lora_config_missing_a_field_is_one_line(loop_lo
     shutil.copytree(loop_lora_folder, folder)
     _set_json("config.json", drop=(drop,))(folder)
     _refused_in_one_line(["serve", str(folder), "--dry-run"], capsys, "looped-hf serve: ", f"LoopLoRAConfig.{drop}")
+
+
+@pytest.mark.parametrize("state_init", ["zeros", "noise", "truncated_normal", "like_init"])
+def test_a_loop_that_would_never_read_its_input_is_refused_in_one_line(state_init: str) -> None:
+    # With no injection, h_0 must be the prelude's output: a zero or random h_0 leaves the tokens
+    # unread, and such a model trains to the uniform distribution (a whole probe sweep once did).
+    from looped_hf import LoopedConfig
+
+    with pytest.raises(ValueError) as err:
+        LoopedConfig(input_injection="none", state_init=state_init)
+    message = str(err.value)
+    assert message.startswith(f"LoopedConfig.state_init={state_init!r}: with input_injection='none'") and "\n" not in message
+    LoopedConfig(input_injection="none", state_init="prelude")  # the plain decoder / whole-stack loop
