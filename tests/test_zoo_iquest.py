@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fixture_path, run_without_looped_hf
+from conftest import fixture_path
 from transformers import AutoModelForCausalLM
+from zoo_helpers import load_converted, load_reference, max_delta, remote_code_results
 
 from looped_hf import LoopedConfig, LoopedForCausalLM
 from looped_hf.convert import main
@@ -41,8 +42,7 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, torch.Tensor]:
-    with np.load(DATA / "reference.npz") as arrays:
-        return {name: torch.from_numpy(arrays[name]) for name in arrays.files}
+    return load_reference(DATA)
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +52,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(folder: Path) -> LoopedForCausalLM:
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert isinstance(loaded, LoopedForCausalLM)
-    return loaded
-
-
-def max_delta(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (actual.detach().float() - expected.float()).abs().max().item()
+    return load_converted(folder)
 
 
 # --- an independent statement of the design ------------------------------------------------------
@@ -211,22 +205,13 @@ def test_the_window_and_the_gate_decide_the_logits(model, ref) -> None:
 def test_the_converted_folder_loads_as_remote_code_with_the_same_logits(
     folder: Path, ref, tmp_path: Path
 ) -> None:
-    script = f"""
-import json, numpy as np, torch
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
-assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
-ref = np.load({str(DATA / "reference.npz")!r})
-out = {{}}
-with torch.no_grad():
-    for p in ("p0", "p1"):
-        ids = torch.from_numpy(ref[p + "_input_ids"])
-        out[p] = (m(ids).logits - torch.from_numpy(ref[p + "_loop2_logits"])).abs().max().item()
-        g = m.generate(ids, max_new_tokens=8, do_sample=False, num_recurrences=3)
-        out[p + "_r3_tokens"] = g[0, -8:].tolist()
-print(json.dumps(out))
-"""
-    out = json.loads(run_without_looped_hf(script, tmp_path).strip().splitlines()[-1])
+    out = remote_code_results(folder, DATA / "reference.npz", """
+for p in ("p0", "p1"):
+    ids = torch.from_numpy(ref[p + "_input_ids"])
+    out[p] = (m(ids).logits - torch.from_numpy(ref[p + "_loop2_logits"])).abs().max().item()
+    g = m.generate(ids, max_new_tokens=8, do_sample=False, num_recurrences=3)
+    out[p + "_r3_tokens"] = g[0, -8:].tolist()
+""", tmp_path)
     assert max(out["p0"], out["p1"]) <= TOLERANCE, out
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for p in PROMPTS:

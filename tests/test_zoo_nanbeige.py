@@ -23,12 +23,12 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fixture_path, run_without_looped_hf
+from conftest import fixture_path
 from transformers import AutoModelForCausalLM
+from zoo_helpers import load_converted, load_reference, remote_code_results
 
 from looped_hf.convert import ConversionError, main
 from looped_hf.convert.nanbeige import convert_nanbeige, nanbeige_config, nanbeige_to_looped
@@ -182,8 +182,7 @@ def cached_logits(
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, torch.Tensor]:
-    with np.load(DATA / "reference.npz") as arrays:
-        return {name: torch.from_numpy(arrays[name]) for name in arrays.files}
+    return load_reference(DATA)
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +194,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(folder: Path) -> LoopedForCausalLM:
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert isinstance(loaded, LoopedForCausalLM)
-    return loaded
+    return load_converted(folder)
 
 
 def _copy(tmp_path: Path, **changes) -> Path:
@@ -289,24 +286,15 @@ def test_cached_decoding_equals_the_full_forward_at_each_loop_count(model, ref, 
 
 
 def test_the_converted_folder_loads_as_remote_code_with_mlx_lms_logits(folder: Path, tmp_path: Path) -> None:
-    script = f"""
-import json, numpy as np, torch
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
-assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
-ref = np.load({str(DATA / "reference.npz")!r})
-out = {{}}
-with torch.no_grad():
-    for p in ("p0", "p1"):
-        ids = torch.from_numpy(ref[p + "_input_ids"])
-        for k in (1, 2, 3):
-            logits = m(ids, num_recurrences=k).logits
-            out[p + str(k)] = (logits - torch.from_numpy(ref[p + "_loop" + str(k) + "_logits"])).abs().max().item()
-        tokens = m.generate(ids, max_new_tokens=8, do_sample=False)
-        out[p + "greedy"] = 0.0 if torch.equal(tokens, torch.from_numpy(ref[p + "_greedy_cache"])) else 1.0
-print(json.dumps(out))
-"""
-    deltas = json.loads(run_without_looped_hf(script, tmp_path).strip().splitlines()[-1])
+    deltas = remote_code_results(folder, DATA / "reference.npz", """
+for p in ("p0", "p1"):
+    ids = torch.from_numpy(ref[p + "_input_ids"])
+    for k in (1, 2, 3):
+        logits = m(ids, num_recurrences=k).logits
+        out[p + str(k)] = (logits - torch.from_numpy(ref[p + "_loop" + str(k) + "_logits"])).abs().max().item()
+    tokens = m.generate(ids, max_new_tokens=8, do_sample=False)
+    out[p + "greedy"] = 0.0 if torch.equal(tokens, torch.from_numpy(ref[p + "_greedy_cache"])) else 1.0
+""", tmp_path)
     assert max(deltas.values()) <= TOLERANCE, deltas
 
 

@@ -20,12 +20,12 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fixture_path, run_without_looped_hf
+from conftest import fixture_path
 from transformers import AutoModelForCausalLM
+from zoo_helpers import load_converted, load_reference, remote_code_results
 
 from looped_hf import LoopedConfig
 from looped_hf.convert import ConversionError, main
@@ -54,8 +54,7 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, torch.Tensor]:
-    with np.load(DATA / "reference.npz") as arrays:
-        return {name: torch.from_numpy(arrays[name]) for name in arrays.files}
+    return load_reference(DATA)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +64,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(folder: Path) -> LoopedForCausalLM:
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert isinstance(loaded, LoopedForCausalLM)
-    return loaded
+    return load_converted(folder)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> float:
@@ -177,21 +174,11 @@ def test_greedy_generate_is_token_equal_to_oures(model, ref, use_cache: bool) ->
 
 
 def test_the_converted_folder_loads_as_remote_code_with_oures_logits(folder: Path, tmp_path: Path) -> None:
-
-    script = f"""
-import json, numpy as np, torch
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
-assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
-ref = np.load({str(DATA / "reference.npz")!r})
-out = {{}}
-with torch.no_grad():
-    for p in ("p0", "p1"):
-        ids = torch.from_numpy(ref[p + "_input_ids"])
-        out[p] = (m(ids).logits - torch.from_numpy(ref[p + "_default_logits"])).abs().max().item()
-print(json.dumps(out))
-"""
-    deltas = json.loads(run_without_looped_hf(script, tmp_path).strip().splitlines()[-1])
+    deltas = remote_code_results(folder, DATA / "reference.npz", """
+for p in ("p0", "p1"):
+    ids = torch.from_numpy(ref[p + "_input_ids"])
+    out[p] = (m(ids).logits - torch.from_numpy(ref[p + "_default_logits"])).abs().max().item()
+""", tmp_path)
     assert max(deltas.values()) <= TOLERANCE, deltas
 
 

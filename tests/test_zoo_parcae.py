@@ -23,12 +23,11 @@ import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import fixture_path, run_without_looped_hf
-from transformers import AutoModelForCausalLM
+from zoo_helpers import load_converted, load_reference, max_delta
 
 from looped_hf.convert import main
 from looped_hf.convert.parcae import convert_parcae, parcae_to_looped, value_embedding_layers
@@ -46,8 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, torch.Tensor]:
-    with np.load(DATA / "reference.npz") as arrays:
-        return {name: torch.from_numpy(arrays[name]) for name in arrays.files}
+    return load_reference(DATA)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +60,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def models(folders) -> dict[str, LoopedForCausalLM]:
-    loaded = {k: AutoModelForCausalLM.from_pretrained(v, dtype=torch.float32).eval() for k, v in folders.items()}
-    assert all(isinstance(m, LoopedForCausalLM) for m in loaded.values())
-    return loaded
-
-
-def max_delta(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (actual.detach().float() - expected.float()).abs().max().item()
+    return {k: load_converted(v) for k, v in folders.items()}
 
 
 # --- parity with the authors' code ---------------------------------------------------------------

@@ -52,3 +52,51 @@ def save_char_tokenizer(folder: Path, vocab_size: int) -> None:
     )
     assert len(tokenizer) == vocab_size
     tokenizer.save_pretrained(folder)
+
+
+def load_reference(folder: Path) -> dict:
+    """A fixture's ``reference.npz`` (the original code's inputs and outputs) as torch tensors."""
+    import numpy as np
+    import torch
+
+    with np.load(folder / "reference.npz") as arrays:
+        return {name: torch.from_numpy(arrays[name]) for name in arrays.files}
+
+
+def load_converted(folder: Path):
+    """A converted folder through ``AutoModelForCausalLM`` in float32, eval mode; it must be looped_hf's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from looped_hf import LoopedForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert isinstance(loaded, LoopedForCausalLM)
+    return loaded
+
+
+def max_delta(actual, expected) -> float:
+    """The largest absolute difference of two tensors, in float32."""
+    return (actual.detach().float() - expected.float()).abs().max().item()
+
+
+def remote_code_results(folder: Path, reference: Path, body: str, tmp_path: Path) -> dict:
+    """Run ``body`` in a Python without looped_hf, where ``m`` is ``folder`` loaded as remote code
+    (float32, eval; checked to come from transformers_modules), ``ref`` the fixture's
+    ``reference.npz`` at ``reference`` and ``out`` a dict the body fills (under no_grad); return ``out``."""
+    import json
+    import textwrap
+
+    from conftest import run_without_looped_hf
+
+    script = (
+        "import json, numpy as np, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()\n"
+        "assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
+        f"ref = np.load({str(reference)!r})\n"
+        "out = {}\n"
+        "with torch.no_grad():\n" + textwrap.indent(textwrap.dedent(body).strip("\n"), "    ") + "\n"
+        "print(json.dumps(out))\n"
+    )
+    return json.loads(run_without_looped_hf(script, tmp_path).strip().splitlines()[-1])

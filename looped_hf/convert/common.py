@@ -6,9 +6,10 @@ half-written)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -250,5 +251,23 @@ def convert_transformers_folder(folder: PathLike, out: PathLike, *, config_of: C
 
     return write_folder(model, dest, extras)
 
-__all__ = ["checked_model", "convert_transformers_folder", "renamed_model", "DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
+#: Layer N's parameter in a transformers decoder: ``model.layers.N.<part>``.
+_DECODER_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def whole_stack_key(key: str, top_level: Mapping[str, str], layer_parts: Mapping[str, str] | Set[str]) -> str | None:
+    """The looped_hf name of a transformers decoder's parameter when its whole stack is the loop's
+    block (Ouro, Nanbeige, IQuest): a model-level name through ``top_level``; layer N's part as
+    ``model.recurrent_layers.N.<part>``, renamed through ``layer_parts`` when it is a mapping and
+    kept when it is a set; ``None`` for a name neither knows (the caller refuses it)."""
+    if key in top_level:
+        return top_level[key]
+    match = _DECODER_LAYER_KEY.match(key)
+    if match is None or match.group(2) not in layer_parts:
+        return None
+    part = layer_parts[match.group(2)] if isinstance(layer_parts, Mapping) else match.group(2)
+    return f"model.recurrent_layers.{match.group(1)}.{part}"
+
+
+__all__ = ["checked_model", "convert_transformers_folder", "renamed_model", "whole_stack_key", "DEFAULT_OUT_SUFFIX", "REQUIRED_OUTPUT", "ConversionError", "build_model", "check_against_model",
            "check_target", "check_tied_head", "default_out", "is_looped_output", "write_folder"]  # fmt: skip

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, checked_model, convert_transformers_folder
+from .common import ConversionError, checked_model, convert_transformers_folder, whole_stack_key
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -76,7 +76,6 @@ _LAYER_PARTS = frozenset({
 })  # fmt: skip
 _TOP_LEVEL = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight",
               "lm_head.weight": "lm_head.weight"}  # fmt: skip
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # The gate of layer N: at model level (the release, vLLM), or inside the layer (some copies).
 _GATE_KEYS = (
     re.compile(r"^model\.gate_projections\.(\d+)\.(?:gate_proj\.)?(weight|bias)$"),
@@ -125,16 +124,11 @@ def iquest_config(native: Mapping[str, Any]) -> Any:
 
 def iquest_key(key: str) -> str | None:
     """The looped_hf parameter name of an IQuest one; ``None`` for a name it does not know."""
-    if key in _TOP_LEVEL:
-        return _TOP_LEVEL[key]
     for pattern in _GATE_KEYS:
         match = pattern.match(key)
         if match is not None:
             return f"model.gate_projections.{match.group(1)}.{match.group(2)}"
-    match = _LAYER_KEY.match(key)
-    if match is None or match.group(2) not in _LAYER_PARTS:
-        return None
-    return f"model.recurrent_layers.{match.group(1)}.{match.group(2)}"
+    return whole_stack_key(key, _TOP_LEVEL, _LAYER_PARTS)
 
 
 def iquest_weights(ckpt: Checkpoint) -> dict[str, Any]:

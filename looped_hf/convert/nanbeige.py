@@ -35,13 +35,12 @@ tests/test_zoo_nanbeige.py against mlx-lm's outputs and a plain-torch recomputat
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, convert_transformers_folder, renamed_model
+from .common import ConversionError, convert_transformers_folder, renamed_model, whole_stack_key
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -79,8 +78,7 @@ _LAYER_PARTS = frozenset({
     f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")
 } | {f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down") for kind in ("weight", "bias")}
   | {"input_layernorm.weight", "post_attention_layernorm.weight"})  # fmt: skip
-_TOP_LEVEL = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TOP_LEVEL = {name: name for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
 
 
 def _bad(field: str, value: Any, why: str) -> ConversionError:
@@ -150,12 +148,7 @@ def nanbeige_config(native: Mapping[str, Any]) -> Any:
 
 def nanbeige_key(key: str) -> str | None:
     """The looped_hf parameter name of a Nanbeige one; ``None`` for a name it does not know."""
-    if key in _TOP_LEVEL:
-        return key
-    match = _LAYER_KEY.match(key)
-    if match is None or match.group(2) not in _LAYER_PARTS:
-        return None
-    return f"model.recurrent_layers.{match.group(1)}.{match.group(2)}"
+    return whole_stack_key(key, _TOP_LEVEL, _LAYER_PARTS)
 
 
 def nanbeige_to_looped(folder: PathLike) -> Any:

@@ -31,13 +31,12 @@ Ouro's own code.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..publish import PathLike
-from .common import ConversionError, convert_transformers_folder, renamed_model
+from .common import ConversionError, convert_transformers_folder, renamed_model, whole_stack_key
 from .loader import (
     Checkpoint,
     check_known_keys,
@@ -95,7 +94,6 @@ _TOP_LEVEL = {
     "model.early_exit_gate.bias": "model.exit_gate.bias",
     "lm_head.weight": "lm_head.weight",
 }
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def _bad(field: str, value: Any, why: str) -> ConversionError:
@@ -144,12 +142,7 @@ def ouro_config(native: Mapping[str, Any]) -> Any:
 
 def ouro_key(key: str) -> str | None:
     """The looped_hf parameter name of an Ouro one; ``None`` for a name it does not know."""
-    if key in _TOP_LEVEL:
-        return _TOP_LEVEL[key]
-    match = _LAYER_KEY.match(key)
-    if match is None or match.group(2) not in _LAYER_PARTS:
-        return None
-    return f"model.recurrent_layers.{match.group(1)}.{_LAYER_PARTS[match.group(2)]}"
+    return whole_stack_key(key, _TOP_LEVEL, _LAYER_PARTS)
 
 
 def ouro_to_looped(folder: PathLike) -> Any:
